@@ -1,0 +1,55 @@
+"""Checkpoint formats: Hugging Face safetensors (plain and SwiftKV) and Orbax; `load`/`save` detect and dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from jax.sharding import Mesh
+
+from swiftkv_jax import sharding
+from swiftkv_jax.checkpoints.hf import INDEX_FILE, SINGLE_FILE, CheckpointError, load_hf, save_hf
+from swiftkv_jax.checkpoints.orbax import is_orbax_checkpoint, load_orbax, save_orbax
+from swiftkv_jax.model.model import Model, cast
+
+FORMATS = ("orbax", "hf")
+
+
+def detect_format(path) -> str:
+    """'hf' or 'orbax' for a checkpoint directory; FileNotFoundError naming what is missing otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if is_orbax_checkpoint(path):
+        return "orbax"
+    if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
+        return "hf"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json; not a Hugging Face or swiftkv-jax Orbax checkpoint")
+    return "hf"  # config.json without weights: load_hf names the missing files
+
+
+def load(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
+         compute_dtype=None, attention_impl: str = "xla") -> Model:
+    """Load a HF or Orbax checkpoint directory (detected).
+
+    dtype: parameter dtype ("float32" | "bfloat16" | a jnp dtype | None = as stored); compute_dtype
+    defaults to it. With a mesh, parameters are placed sharded by `rules`.
+    """
+    loader = {"hf": load_hf, "orbax": load_orbax}[detect_format(path)]
+    return loader(path, dtype, mesh=mesh, rules=rules, compute_dtype=compute_dtype, attention_impl=attention_impl)
+
+
+def save(model: Model, path, format: str = "orbax", *, dtype=None, overwrite: bool = False,
+         max_shard_size="5GB") -> Path:
+    """Save as "orbax" or "hf", parameters cast to `dtype` if given (max_shard_size: HF only); refuses a non-empty path
+    unless overwrite=True, and never leaves a half-written directory."""
+    if format == "hf":
+        return save_hf(model, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    if format == "orbax":
+        return save_orbax(model if dtype is None else cast(model, dtype), path, overwrite=overwrite)
+    raise ValueError(f"unknown checkpoint format {format!r}: use one of {', '.join(FORMATS)}")
+
+
+__all__ = ["CheckpointError", "FORMATS", "detect_format", "load", "load_hf", "load_orbax", "save", "save_hf",
+           "save_orbax"]

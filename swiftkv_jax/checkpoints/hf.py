@@ -1,0 +1,202 @@
+"""Hugging Face checkpoints: `config.json` + safetensors (one file, or shards with an index).
+
+Import streams: each stacked parameter is assembled on the host from its per-layer tensors (read one at a
+time from the memory-mapped files, cast to the target dtype), placed on device(s) with its sharding, and
+its host buffer dropped before the next. Export slices one tensor at a time off the device and writes
+shard by shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import jax
+import numpy as np
+from huggingface_hub import split_state_dict_into_shards_factory
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from swiftkv_jax import sharding
+from swiftkv_jax.checkpoints.atomic import atomic_directory
+from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf
+from swiftkv_jax.checkpoints.hf_layout import IGNORED_SUFFIXES, TensorEntry, tensor_entries
+from swiftkv_jax.dtypes import as_dtype, dtype_name
+from swiftkv_jax.model.model import Model, abstract_params, check_params, param_shardings
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config or this library's formats."""
+
+
+def read_config(path) -> dict:
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no config.json; expected a Hugging Face model directory or a swiftkv-jax Orbax checkpoint"
+        )
+    with open(config_path) as f:
+        return json.load(f)
+
+
+class _SafetensorsFiles(contextlib.ExitStack):
+    """Name -> tensor over the checkpoint's safetensors files, opened lazily (memory-mapped)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        if (path / INDEX_FILE).is_file():
+            with open(path / INDEX_FILE) as f:
+                self.file_of = json.load(f)["weight_map"]
+        elif (path / SINGLE_FILE).is_file():
+            self.file_of = None
+        else:
+            other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+            hint = (f" (found {other[:3]}: re-save with transformers' save_pretrained, which writes safetensors)"
+                    if other else "")
+            raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+        self._handles = {}
+
+    def __enter__(self):
+        super().__enter__()
+        files = sorted(set(self.file_of.values())) if self.file_of else [SINGLE_FILE]
+        for name in files:
+            if not (self.path / name).is_file():
+                raise FileNotFoundError(f"{self.path}: {INDEX_FILE} lists {name}, which is missing")
+            self._handles[name] = self.enter_context(safe_open(self.path / name, framework="numpy"))
+        if self.file_of is None:
+            self.file_of = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
+        return self
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self._handles[self.file_of[name]].get_slice(name).get_dtype())
+
+    def get(self, entry: TensorEntry) -> np.ndarray:
+        if entry.hf_name not in self.file_of:
+            raise CheckpointError(f"{self.path}: tensor {entry.hf_name} {list(entry.hf_shape)} is missing")
+        handle = self._handles[self.file_of[entry.hf_name]]
+        shape = tuple(handle.get_slice(entry.hf_name).get_shape())
+        if shape != entry.hf_shape:
+            raise CheckpointError(
+                f"{self.path}: tensor {entry.hf_name} has shape {list(shape)}, config.json implies "
+                f"{list(entry.hf_shape)}"
+            )
+        return handle.get_tensor(entry.hf_name)
+
+
+def load_hf(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
+            compute_dtype=None, attention_impl: str = "xla") -> Model:
+    """Load a HF `llama`, `llama_swiftkv`, `qwen2` or `qwen2_swiftkv` checkpoint.
+
+    dtype: parameter dtype (None: as stored); compute_dtype defaults to it. With a mesh the parameters
+    are born sharded under `rules`. Peak host memory: the resulting parameters when the device is the host
+    (CPU), else one stacked parameter (e.g. all layers' MLP up-projections: 1/9 of an 8B Llama) at a
+    time, plus the OS page cache of the memory-mapped files.
+    """
+    path = Path(path)
+    hf_config = read_config(path)
+    with _SafetensorsFiles(path) as files:
+        if dtype is None:
+            embed = "model.embed_tokens.weight"
+            if embed not in files.names():
+                raise CheckpointError(f"{path}: tensor {embed} is missing")
+            dtype = files.dtype(embed)
+        param_dtype = dtype_name(dtype)
+        cfg = config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype_name(compute_dtype or param_dtype),
+                             attention_impl=attention_impl)
+        entries = list(tensor_entries(cfg))
+        expected = {e.hf_name for e in entries}
+        unexpected = sorted(
+            n for n in files.names() - expected
+            if not n.endswith(IGNORED_SUFFIXES) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        )
+        if unexpected:
+            raise CheckpointError(
+                f"{path}: tensors {unexpected[:4]}{' ...' if len(unexpected) > 4 else ''} do not belong to a "
+                f"{hf_config['model_type']} model with this config.json (wrong model_type or "
+                f"num_key_value_layers / key_value_group_size?)"
+            )
+        abstract = abstract_params(cfg)
+        shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
+        np_dtype = as_dtype(param_dtype)
+        leaves = {}
+        for keys, group in itertools.groupby(entries, key=lambda e: e.path):
+            spec = _at(abstract, keys)
+            host = np.empty(spec.shape, np_dtype)
+            for entry in group:
+                host[entry.index] = entry.to_ours(files.get(entry)).astype(np_dtype)
+            leaves[keys] = _place(host, None if shardings is None else _at(shardings, keys))
+            del host
+    return Model(cfg, _nest(leaves))
+
+
+def _at(tree, keys):
+    for k in keys:
+        tree = tree[k]
+    return tree
+
+
+def _nest(leaves: dict) -> dict:
+    out: dict = {}
+    for keys, value in leaves.items():
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return out
+
+
+def _place(host: np.ndarray, target_sharding) -> jax.Array:
+    if target_sharding is None:
+        return jax.device_put(host)
+    # Each process pulls only the slices its own devices hold.
+    return jax.make_array_from_callback(host.shape, target_sharding, lambda index: host[index])
+
+
+def _natural_key(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: bool = False) -> Path:
+    """Write `model` as a HF checkpoint (safetensors, sharded with an index above `max_shard_size`).
+
+    Plain models load in transformers' LlamaForCausalLM / Qwen2ForCausalLM; SwiftKV models are written
+    as `llama_swiftkv` / `qwen2_swiftkv` with the published field and tensor names. The directory appears
+    only when complete. Arrays must be fully addressable from this process (one host).
+    """
+    cfg = model.config
+    check_params(cfg, model.params)
+    np_dtype = as_dtype(dtype or cfg.param_dtype)
+    entries = {e.hf_name: e for e in sorted(tensor_entries(cfg), key=lambda e: _natural_key(e.hf_name))}
+    split = split_state_dict_into_shards_factory(
+        entries,
+        get_storage_size=lambda e: int(np.prod(e.hf_shape)) * np_dtype.itemsize,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    with atomic_directory(path, overwrite) as tmp:
+        for filename, names in split.filename_to_tensors.items():
+            tensors = {}
+            for name in names:
+                entry = entries[name]
+                leaf = _at(model.params, entry.path)
+                ours = np.asarray(jax.device_get(leaf[entry.index] if entry.index else leaf))
+                tensors[name] = np.ascontiguousarray(entry.to_hf(ours.astype(np_dtype)))
+            save_file(tensors, tmp / filename, metadata={"format": "pt"})
+            del tensors
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name(np_dtype)), indent=2) + "\n")
+    return Path(path)

@@ -1,0 +1,161 @@
+"""`config.json` <-> ModelConfig, for transformers 4.x (top-level `rope_theta`/`rope_scaling`, `torch_dtype`)
+and 5.x (nested `rope_parameters`, `dtype`), plain and SwiftKV (../shared/SWIFTKV.md §5).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from swiftkv_jax.dtypes import dtype_name
+from swiftkv_jax.model.config import ModelConfig, RopeConfig
+
+# model_type -> (family, has SwiftKV layers, architecture)
+MODEL_TYPES = {
+    "llama": ("llama", False, "LlamaForCausalLM"),
+    "llama_swiftkv": ("llama", True, "LlamaSwiftKVForCausalLM"),
+    "qwen2": ("qwen2", False, "Qwen2ForCausalLM"),
+    "qwen2_swiftkv": ("qwen2", True, "Qwen2SwiftKVForCausalLM"),
+}
+
+# Keys read into ModelConfig, or deliberately dropped (rewritten on export).
+_CONSUMED = {
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "attention_bias",
+    "mlp_bias", "num_key_value_layers", "key_value_group_size", "swiftkv", "bos_token_id", "eos_token_id",
+    "pad_token_id", "torch_dtype", "dtype", "initializer_range", "transformers_version", "pretraining_tp",
+    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+}
+
+
+def _rope_from_hf(d: dict) -> RopeConfig:
+    params = d.get("rope_parameters")
+    if params is None:  # transformers 4.x
+        params = dict(d.get("rope_scaling") or {})
+        params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    known = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings"}
+    if rope_type == "default":
+        known = {"rope_type", "type", "rope_theta"}
+    elif rope_type == "linear":
+        known = {"rope_type", "type", "rope_theta", "factor"}
+    unknown = set(params) - known
+    if unknown:
+        raise ValueError(f"unsupported RoPE settings {sorted(unknown)} for rope_type {rope_type!r}")
+    fields = {"theta": float(params["rope_theta"]), "type": rope_type}
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in params:
+            fields[key] = float(params[key])
+    if "original_max_position_embeddings" in params:
+        fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return RopeConfig(**fields)
+
+
+def _rope_to_hf(rope: RopeConfig) -> Optional[dict]:
+    if rope.type == "default":
+        return None
+    out = {"rope_type": rope.type, "factor": rope.factor}
+    if rope.type == "llama3":
+        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    return out
+
+
+def stored_dtype(d: dict) -> Optional[str]:
+    """The dtype config.json declares for its weights (`dtype` in 5.x, `torch_dtype` in 4.x), if any."""
+    value = d.get("dtype", d.get("torch_dtype"))
+    return None if value is None else dtype_name(value)
+
+
+def config_from_hf(d: dict, **runtime) -> ModelConfig:
+    """ModelConfig from a parsed config.json; `runtime` sets param_dtype, dtype, attention_impl."""
+    model_type = d.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json: supported are {', '.join(MODEL_TYPES)}"
+        )
+    family, is_swiftkv, _ = MODEL_TYPES[model_type]
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ValueError(f"config.json lacks required field(s) {missing}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}: only 'silu' is supported")
+    if d.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+    if any(t != "full_attention" for t in d.get("layer_types") or ()):
+        raise ValueError(f"only full-attention layers are supported, config.json has layer_types {d['layer_types']}")
+    heads = d["num_attention_heads"]
+    num_layers = d["num_hidden_layers"]
+    eos = d.get("eos_token_id")
+    fields = dict(
+        family=family,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(d),
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
+        o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=None if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+        pad_token_id=d.get("pad_token_id"),
+        initializer_range=float(d.get("initializer_range", 0.02)),
+        hf_extra=json.dumps({k: v for k, v in d.items() if k not in _CONSUMED}, sort_keys=True),
+    )
+    if is_swiftkv:
+        fields["num_key_value_layers"] = d.get("num_key_value_layers") or num_layers
+        fields["key_value_group_size"] = d.get("key_value_group_size") or 1
+    fields.update(runtime)
+    return ModelConfig(**fields)
+
+
+def config_to_hf(cfg: ModelConfig, dtype: Optional[str] = None) -> dict:
+    """config.json for `cfg` in the transformers 4.x layout that the published SwiftKV models use
+    (transformers 5.x reads it too). `dtype` is the weights' dtype on disk (default: param_dtype)."""
+    model_type = cfg.family + ("_swiftkv" if cfg.is_swiftkv else "")
+    d = json.loads(cfg.hf_extra)
+    d.update(
+        architectures=[MODEL_TYPES[model_type][2]],
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope.theta,
+        rope_scaling=_rope_to_hf(cfg.rope),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=(None if cfg.eos_token_id is None else
+                      cfg.eos_token_id[0] if len(cfg.eos_token_id) == 1 else list(cfg.eos_token_id)),
+        pad_token_id=cfg.pad_token_id,
+        torch_dtype=dtype_name(dtype or cfg.param_dtype),
+    )
+    if cfg.family == "llama":
+        if cfg.qkv_bias != cfg.o_bias:
+            raise ValueError("a llama config has one attention_bias for q/k/v/o; q/k/v-only bias is qwen2's")
+        d.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    else:
+        if not cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+            raise ValueError("qwen2 has q/k/v bias, no o_proj or MLP bias; this config differs")
+        d.setdefault("use_sliding_window", False)
+    if cfg.is_swiftkv:
+        d.update(num_key_value_layers=cfg.num_key_value_layers, key_value_group_size=cfg.key_value_group_size,
+                 swiftkv=True)
+    return dict(sorted(d.items()))

@@ -1,0 +1,69 @@
+"""Orbax checkpoints: `params/` (an Orbax StandardCheckpointer tree) with the HF-style `config.json` beside it.
+
+Restore builds an abstract target (shapes, dtype, shardings) from the config, so a checkpoint saved on one
+device count restores onto any mesh, in any parameter dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from swiftkv_jax import sharding
+from swiftkv_jax.checkpoints.atomic import atomic_directory
+from swiftkv_jax.checkpoints.hf import CheckpointError, read_config
+from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf, stored_dtype
+from swiftkv_jax.dtypes import dtype_name
+from swiftkv_jax.model.model import Model, abstract_params, check_params, param_shardings
+
+PARAMS_DIR = "params"
+
+
+def is_orbax_checkpoint(path) -> bool:
+    return (Path(path) / PARAMS_DIR).is_dir()
+
+
+def save_orbax(model: Model, path, *, overwrite: bool = False) -> Path:
+    """Save parameters (any sharding) and config; the directory appears only when complete."""
+    check_params(model.config, model.params)
+    with atomic_directory(path, overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / PARAMS_DIR, model.params)
+            checkpointer.wait_until_finished()
+    return Path(path)
+
+
+def _stored_shapes(checkpointer: ocp.StandardCheckpointer, directory: Path) -> dict:
+    metadata = checkpointer.metadata(directory)
+    tree = getattr(metadata, "item_metadata", metadata)
+    return getattr(tree, "tree", tree)
+
+
+def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
+               compute_dtype=None, attention_impl: str = "xla") -> Model:
+    """Restore onto `mesh` (sharded by `rules`) or the default device, casting to `dtype` if given."""
+    path = Path(path)
+    hf_config = read_config(path)
+    param_dtype = dtype_name(dtype or stored_dtype(hf_config) or "float32")
+    cfg = config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype_name(compute_dtype or param_dtype),
+                         attention_impl=attention_impl)
+    abstract = abstract_params(cfg)
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+    else:
+        shardings = param_shardings(cfg, mesh, rules)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    directory = (path / PARAMS_DIR).absolute()
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            check_params(cfg, _stored_shapes(checkpointer, directory))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: the Orbax parameters do not match config.json: {e}") from None
+        params = checkpointer.restore(directory, target)
+    return Model(cfg, params)

@@ -1,0 +1,67 @@
+"""Convert checkpoints between Hugging Face safetensors and Orbax.
+
+    python -m swiftkv_jax.convert SRC DST --to hf|orbax [--dtype bf16|fp32|fp16] [--max-shard-size 5GB]
+
+SRC is detected (HF directory, plain or SwiftKV, or a swiftkv-jax Orbax directory). Tokenizer and
+generation files beside SRC are copied to DST so the result serves and evaluates as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
+
+SIDECAR_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
+
+def copy_sidecar_files(src, dst) -> list[str]:
+    """Copy the tokenizer/generation files present in src to dst; returns their names."""
+    copied = []
+    for name in SIDECAR_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m swiftkv_jax.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="checkpoint directory to read (HF or Orbax, detected)")
+    parser.add_argument("dst", help="directory to write; must not exist or be empty (see --overwrite)")
+    parser.add_argument("--to", required=True, choices=FORMATS, help="output format")
+    parser.add_argument("--dtype", default=None, help="parameter dtype to write: bf16 | fp32 | fp16 (default: as stored)")
+    parser.add_argument("--max-shard-size", default="5GB", help="HF only: split safetensors above this size")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the new one is complete")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    try:
+        source_format = detect_format(args.src)
+        model = load(args.src, dtype=args.dtype)
+        save(model, args.dst, format=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    copied = copy_sidecar_files(args.src, args.dst)
+    cfg = model.config
+    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(model.params))
+    swiftkv = (f", SwiftKV l={cfg.num_key_value_layers} g={cfg.key_value_group_size}" if cfg.is_swiftkv else "")
+    print(f"{args.src} ({source_format}) -> {args.dst} ({args.to}): {cfg.family}{swiftkv}, "
+          f"{count / 1e6:.1f}M parameters in {cfg.param_dtype}, {time.perf_counter() - start:.1f}s"
+          + (f"; copied {', '.join(copied)}" if copied else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Attention dispatch and the plain XLA path, the reference every kernel is checked against.
+
+Masking is by positions and segment ids, never by array index: a query at position p attends to keys of
+its own segment at positions <= p. This stays right when queries are fewer than keys (decode, chunked
+prefill, SwiftKV's later layers), where an index-aligned `is_causal` mask would pick the wrong keys, and it
+keeps packed documents (positions restarting per segment) from attending to each other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from swiftkv_jax.model.config import ATTENTION_IMPLS
+
+
+def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> jnp.ndarray:
+    """[B, T, S] bool: same segment and key position <= query position."""
+    causal = kv_positions[:, None, :] <= q_positions[:, :, None]
+    same_segment = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    return causal & same_segment
+
+
+def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> jnp.ndarray:
+    """Grouped-query attention by einsum, softmax in fp32.
+
+    q [B, T, N, H], k and v [B, S, K, H] with N = K * G; positions and segment ids [B, T] / [B, S].
+    Returns [B, T, N, H] in q's dtype. A query with no visible key (impossible for a token's own
+    position in a full forward) gets zeros, not NaN.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)[:, None, None]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+_IMPLS = {"xla": xla_attention}
+assert set(_IMPLS) == set(ATTENTION_IMPLS)
+
+
+def attend(impl: str, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> jnp.ndarray:
+    """Run the named attention implementation; an unknown name raises, there is no fallback."""
+    try:
+        fn = _IMPLS[impl]
+    except KeyError:
+        raise ValueError(f"unknown attention_impl {impl!r}: available are {', '.join(_IMPLS)}") from None
+    return fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)

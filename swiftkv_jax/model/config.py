@@ -1,0 +1,143 @@
+"""Model configuration: the architecture (read from / written to HF `config.json`) and the runtime policy.
+
+Field names follow Hugging Face's `LlamaConfig` so the mapping to `config.json` stays obvious. The config
+is frozen and hashable: it is a static argument of every jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from swiftkv_jax.dtypes import dtype_name
+
+FAMILIES = ("llama", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_IMPLS = ("xla",)  # the serving issue adds its kernels here; anything else raises
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding as transformers defines it (`rope_type` default | linear | llama3)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {self.type!r}: supported are {', '.join(ROPE_TYPES)}"
+            )
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("llama3 rope needs high_freq_factor > low_freq_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder, optionally with SwiftKV layers.
+
+    `num_key_value_layers` (l) is None for a plain model; a SwiftKV model has l in [1, L], layers >= l read
+    their K/V from `norm_swiftkv` of layer l's input, shared by groups of `key_value_group_size` (g) layers.
+    """
+
+    family: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # llama: attention_bias; qwen2: always
+    o_bias: bool = False  # llama: attention_bias; qwen2: never
+    mlp_bias: bool = False
+    # SwiftKV
+    num_key_value_layers: Optional[int] = None
+    key_value_group_size: int = 1
+    # Token ids, kept for generation and export
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[tuple[int, ...]] = None
+    pad_token_id: Optional[int] = None
+    # Runtime policy: storage and compute dtypes are independent; norms' statistics, softmax and logits
+    # are always fp32.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    attention_impl: str = "xla"
+    initializer_range: float = 0.02
+    # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
+    hf_extra: str = "{}"
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"unsupported model family {self.family!r}: supported are {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "key_value_group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"unknown attention_impl {self.attention_impl!r}: available are {', '.join(ATTENTION_IMPLS)}"
+            )
+        if self.num_key_value_layers is not None:
+            check_swiftkv_layout(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
+        elif self.key_value_group_size != 1:
+            raise ValueError("key_value_group_size > 1 needs num_key_value_layers (AcrossKV is part of SwiftKV)")
+
+    # SwiftKV layout ---------------------------------------------------------------------------------
+
+    @property
+    def is_swiftkv(self) -> bool:
+        return self.num_key_value_layers is not None
+
+    @property
+    def num_lower_layers(self) -> int:
+        """l: layers that compute their own K/V (all L for a plain model)."""
+        return self.num_hidden_layers if self.num_key_value_layers is None else self.num_key_value_layers
+
+    @property
+    def num_kv_groups(self) -> int:
+        """(L - l) / g: AcrossKV groups among the later layers, each with one owner's K/V."""
+        return (self.num_hidden_layers - self.num_lower_layers) // self.key_value_group_size
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """Layers of K/V a serving cache holds: l + (L - l) / g."""
+        return self.num_lower_layers + self.num_kv_groups
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def check_swiftkv_layout(num_layers: int, num_key_value_layers, group_size) -> None:
+    """Raise ValueError unless 1 <= l <= L and g divides L - l."""
+    if not isinstance(num_key_value_layers, int) or not 1 <= num_key_value_layers <= num_layers:
+        raise ValueError(
+            f"num_key_value_layers must be an int in [1, {num_layers}] (the model has {num_layers} layers), "
+            f"got {num_key_value_layers!r}"
+        )
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"key_value_group_size must be a positive int, got {group_size!r}")
+    if (num_layers - num_key_value_layers) % group_size:
+        raise ValueError(
+            f"key_value_group_size {group_size} must divide the {num_layers - num_key_value_layers} layers "
+            f"after num_key_value_layers={num_key_value_layers} (L - l = {num_layers} - {num_key_value_layers})"
+        )

@@ -1,0 +1,154 @@
+"""Decoder building blocks (Flax Linen). Dimension letters: B batch, T time, D model, N query heads,
+K kv heads, H head dim, F MLP hidden, V vocab.
+
+Every parameter carries logical axis names (see `swiftkv_jax.sharding`); parameter dtype and compute
+dtype come from the config and are independent.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from swiftkv_jax.dtypes import as_dtype
+from swiftkv_jax.model.attention import attend
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.rope import apply_rope
+
+
+def logical_param(module: nn.Module, name: str, init, shape, axes):
+    return module.param(
+        name, nn.with_logical_partitioning(init, axes), shape, as_dtype(module.config.param_dtype)
+    )
+
+
+class Einsum(nn.Module):
+    """`einsum(equation, x, kernel)` plus an optional bias, computed in the config's dtype."""
+
+    config: ModelConfig
+    equation: str
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    bias_axes: Optional[tuple[str, ...]] = None  # None: no bias; else the output's trailing axes
+
+    @nn.compact
+    def __call__(self, x):
+        dtype = as_dtype(self.config.dtype)
+        init = nn.initializers.normal(self.config.initializer_range)
+        kernel = logical_param(self, "kernel", init, self.kernel_shape, self.kernel_axes)
+        y = jnp.einsum(self.equation, x.astype(dtype), kernel.astype(dtype))
+        if self.bias_axes is not None:
+            bias_shape = y.shape[y.ndim - len(self.bias_axes):]
+            y = y + logical_param(self, "bias", nn.initializers.zeros, bias_shape, self.bias_axes).astype(dtype)
+        return y
+
+
+def q_projection(cfg: ModelConfig, **kwargs) -> Einsum:
+    n, h, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    bias = ("q_heads", "head_dim") if cfg.qkv_bias else None
+    return Einsum(cfg, "BTD,DNH->BTNH", (d, n, h), ("embed", "q_heads", "head_dim"), bias, **kwargs)
+
+
+def kv_projection(cfg: ModelConfig, **kwargs) -> Einsum:
+    k, h, d = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    bias = ("kv_heads", "head_dim") if cfg.qkv_bias else None
+    return Einsum(cfg, "BTD,DKH->BTKH", (d, k, h), ("embed", "kv_heads", "head_dim"), bias, **kwargs)
+
+
+class RMSNorm(nn.Module):
+    """Statistics in fp32, the normalised input cast back before the scale, as transformers does."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        scale = logical_param(self, "scale", nn.initializers.ones, (self.config.hidden_size,), ("norm",))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_norm_eps)
+        dtype = as_dtype(self.config.dtype)
+        return normed.astype(dtype) * scale.astype(dtype)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        bias_f, bias_d = (("mlp",), ("embed",)) if cfg.mlp_bias else (None, None)
+        gate = Einsum(cfg, "BTD,DF->BTF", (d, f), ("embed", "mlp"), bias_f, name="gate_proj")(x)
+        up = Einsum(cfg, "BTD,DF->BTF", (d, f), ("embed", "mlp"), bias_f, name="up_proj")(x)
+        return Einsum(cfg, "BTF,FD->BTD", (f, d), ("mlp", "embed"), bias_d, name="down_proj")(
+            jax.nn.silu(gate) * up
+        )
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer.
+
+    Teacher wiring (`shared_kv is None`): q/k/v from this layer's own input. SwiftKV wiring: the query
+    from `q_proj_swiftkv` of this layer's input, K/V given (the group owner's, already rotated).
+    """
+
+    config: ModelConfig
+    has_swiftkv_query: bool = False  # layers >= l of a SwiftKV model
+
+    def setup(self):
+        cfg = self.config
+        self.q_proj = q_projection(cfg)
+        self.k_proj = kv_projection(cfg)
+        self.v_proj = kv_projection(cfg)
+        n, h, d = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        o_bias = ("embed",) if cfg.o_bias else None
+        self.o_proj = Einsum(cfg, "BTNH,NHD->BTD", (n, h, d), ("q_heads", "head_dim", "embed"), o_bias)
+        if self.has_swiftkv_query:
+            self.q_proj_swiftkv = q_projection(cfg)
+
+    def __call__(self, x, rope, positions, segment_ids, shared_kv=None):
+        cos, sin = rope
+        if self.is_initializing() and self.has_swiftkv_query:
+            self.q_proj_swiftkv(x)  # create both wirings' parameters whatever the mode
+        if shared_kv is None or self.is_initializing():
+            q = self.q_proj(x)
+            k = apply_rope(self.k_proj(x), cos, sin)
+            v = self.v_proj(x)
+        if shared_kv is not None:
+            q = self.q_proj_swiftkv(x)
+            k, v = shared_kv
+        self.sow("intermediates", "keys", k)  # what this layer reads: its own K, or its group owner's
+        q = apply_rope(q, cos, sin)
+        out = attend(self.config.attention_impl, q, k, v, positions, positions, segment_ids, segment_ids)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama layer; a scan body: (h, *broadcast inputs) -> (h, None)."""
+
+    config: ModelConfig
+    has_swiftkv_query: bool = False
+
+    @nn.compact
+    def __call__(self, h, rope, positions, segment_ids, shared_kv):
+        cfg = self.config
+        x = RMSNorm(cfg, name="input_layernorm")(h)
+        h = h + Attention(cfg, self.has_swiftkv_query, name="self_attn")(x, rope, positions, segment_ids, shared_kv)
+        x = RMSNorm(cfg, name="post_attention_layernorm")(h)
+        h = h + MLP(cfg, name="mlp")(x)
+        self.sow("intermediates", "residual", h)  # the layer's output; kept only when asked for
+        return h, None
+
+
+def scanned_layers(cfg: ModelConfig, length: int, has_swiftkv_query: bool, name: str) -> nn.Module:
+    """`length` DecoderLayers stacked on a leading 'layers' axis and run by one `lax.scan`."""
+    return nn.scan(
+        DecoderLayer,
+        variable_axes={"params": 0, "intermediates": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,) * 4,
+        length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg, has_swiftkv_query, name=name)

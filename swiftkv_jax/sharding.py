@@ -1,0 +1,73 @@
+"""Sharding: the device mesh and the one table that maps logical axis names to mesh axes.
+
+Every parameter declares logical axes in `swiftkv_jax.model.layers`; this table is the only place that
+decides how they are laid out. Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with
+sharded weights), `tensor` (heads / MLP / vocab split).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, object], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("layers", None),
+    ("layer_groups", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh; one size may be -1, meaning the rest of the devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive, with at most one -1; got data={data} fsdp={fsdp} tensor={tensor}")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not split into a mesh with fixed axes of product {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs {math.prod(sizes)} devices, "
+            f"{len(devices)} are available"
+        )
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=axis_types, devices=devices)
+
+
+def logical_to_shardings(logical_specs, shapes, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """NamedShardings for a tree of logical PartitionSpecs; raises if a mesh axis does not divide its dim."""
+    mesh_specs = nn.logical_to_mesh(logical_specs, rules)
+
+    def check(path, spec, shape):
+        for dim, axes in zip(shape.shape, spec):
+            if axes is None:
+                continue
+            size = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+            if dim % size:
+                raise ValueError(
+                    f"cannot shard {jax.tree_util.keystr(path)} {tuple(shape.shape)}: dimension {dim} is not "
+                    f"divisible by mesh axes {axes} of size {size}; change the mesh or the logical axis rules"
+                )
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(
+        check, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
