@@ -9,7 +9,6 @@ generation files beside SRC are copied to DST so the result serves and evaluates
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,14 +24,9 @@ SIDECAR_FILES = (
 )
 
 
-def copy_sidecar_files(src, dst) -> list[str]:
-    """Copy the tokenizer/generation files present in src to dst; returns their names."""
-    copied = []
-    for name in SIDECAR_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
-            copied.append(name)
-    return copied
+def read_sidecar_files(src) -> dict[str, bytes]:
+    """The tokenizer/generation files present in src, read now: DST may be SRC, replaced on save."""
+    return {name: (Path(src) / name).read_bytes() for name in SIDECAR_FILES if (Path(src) / name).is_file()}
 
 
 def main(argv=None) -> int:
@@ -49,17 +43,18 @@ def main(argv=None) -> int:
     try:
         source_format = detect_format(args.src)
         model = load(args.src, dtype=args.dtype)
-        save(model, args.dst, format=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size)
+        sidecars = read_sidecar_files(args.src)
+        save(model, args.dst, format=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+             extra_files=sidecars)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    copied = copy_sidecar_files(args.src, args.dst)
     cfg = model.config
     count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(model.params))
     swiftkv = (f", SwiftKV l={cfg.num_key_value_layers} g={cfg.key_value_group_size}" if cfg.is_swiftkv else "")
     print(f"{args.src} ({source_format}) -> {args.dst} ({args.to}): {cfg.family}{swiftkv}, "
           f"{count / 1e6:.1f}M parameters in {cfg.param_dtype}, {time.perf_counter() - start:.1f}s"
-          + (f"; copied {', '.join(copied)}" if copied else ""))
+          + (f"; copied {', '.join(sidecars)}" if sidecars else ""))
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from jax.sharding import Mesh
 
@@ -41,13 +41,18 @@ def load(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICA
 
 
 def save(model: Model, path, format: str = "orbax", *, dtype=None, overwrite: bool = False,
-         max_shard_size="5GB") -> Path:
-    """Save as "orbax" or "hf", parameters cast to `dtype` if given (max_shard_size: HF only); refuses a non-empty path
-    unless overwrite=True, and never leaves a half-written directory."""
+         max_shard_size="5GB", extra_files: Optional[Mapping[str, bytes]] = None) -> Path:
+    """Save as "orbax" or "hf", parameters cast to `dtype` if given (max_shard_size: HF only).
+
+    Refuses a non-empty path unless overwrite=True and never leaves a half-written directory;
+    `extra_files` (name -> bytes, e.g. tokenizer files) are committed with the weights.
+    """
     if format == "hf":
-        return save_hf(model, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+        return save_hf(model, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                       extra_files=extra_files)
     if format == "orbax":
-        return save_orbax(model if dtype is None else cast(model, dtype), path, overwrite=overwrite)
+        return save_orbax(model if dtype is None else cast(model, dtype), path, overwrite=overwrite,
+                          extra_files=extra_files)
     raise ValueError(f"unknown checkpoint format {format!r}: use one of {', '.join(FORMATS)}")
 
 

@@ -168,12 +168,14 @@ def _natural_key(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: bool = False) -> Path:
+def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: bool = False,
+            extra_files=None) -> Path:
     """Write `model` as a HF checkpoint (safetensors, sharded with an index above `max_shard_size`).
 
     Plain models load in transformers' LlamaForCausalLM / Qwen2ForCausalLM; SwiftKV models are written
     as `llama_swiftkv` / `qwen2_swiftkv` with the published field and tensor names. The directory appears
-    only when complete. Arrays must be fully addressable from this process (one host).
+    only when complete, with `extra_files` (name -> bytes) in it. Arrays must be fully addressable from
+    this process (one host).
     """
     cfg = model.config
     check_params(cfg, model.params)
@@ -185,7 +187,7 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
         filename_pattern="model{suffix}.safetensors",
         max_shard_size=max_shard_size,
     )
-    with atomic_directory(path, overwrite) as tmp:
+    with atomic_directory(path, overwrite, extra_files) as tmp:
         for filename, names in split.filename_to_tensors.items():
             tensors = {}
             for name in names:

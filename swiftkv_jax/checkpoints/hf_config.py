@@ -90,6 +90,11 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
     heads = d["num_attention_heads"]
     num_layers = d["num_hidden_layers"]
     eos = d.get("eos_token_id")
+
+    def get(key, default):  # absent or null means the default; 0 stays 0 and fails validation
+        value = d.get(key)
+        return default if value is None else value
+
     fields = dict(
         family=family,
         vocab_size=d["vocab_size"],
@@ -97,8 +102,8 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
         intermediate_size=d["intermediate_size"],
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        num_key_value_heads=get("num_key_value_heads", heads),
+        head_dim=get("head_dim", d["hidden_size"] // heads),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(d),
         max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -113,8 +118,8 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
         hf_extra=json.dumps({k: v for k, v in d.items() if k not in _CONSUMED}, sort_keys=True),
     )
     if is_swiftkv:
-        fields["num_key_value_layers"] = d.get("num_key_value_layers") or num_layers
-        fields["key_value_group_size"] = d.get("key_value_group_size") or 1
+        fields["num_key_value_layers"] = get("num_key_value_layers", num_layers)
+        fields["key_value_group_size"] = get("key_value_group_size", 1)
     fields.update(runtime)
     return ModelConfig(**fields)
 

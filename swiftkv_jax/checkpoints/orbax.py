@@ -28,10 +28,11 @@ def is_orbax_checkpoint(path) -> bool:
     return (Path(path) / PARAMS_DIR).is_dir()
 
 
-def save_orbax(model: Model, path, *, overwrite: bool = False) -> Path:
-    """Save parameters (any sharding) and config; the directory appears only when complete."""
+def save_orbax(model: Model, path, *, overwrite: bool = False, extra_files=None) -> Path:
+    """Save parameters (any sharding) and config, plus `extra_files` (name -> bytes); the directory
+    appears only when complete."""
     check_params(model.config, model.params)
-    with atomic_directory(path, overwrite) as tmp:
+    with atomic_directory(path, overwrite, extra_files) as tmp:
         (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / PARAMS_DIR, model.params)

@@ -1,0 +1,127 @@
+"""Checkpoint I/O: peak host memory and time of HF import/export and Orbax save/restore.
+
+    python benchmarks/checkpoint_io.py [--hidden 1024 --layers 8 --vocab 32000] [--out benchmarks/results/checkpoint_io_cpu.json]
+
+Each load runs in a fresh process that samples its own anonymous resident memory (RssAnon: what the
+process allocated, excluding the page cache of memory-mapped checkpoint files) every 5 ms. The peak above
+the post-import baseline is reported as a multiple of the loaded parameters' bytes: streaming import
+targets ~1x (on CPU the parameters themselves live in host memory) plus one stacked parameter in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+CHILD_FLAG = "--child-load"
+
+
+def _rss_anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("RssAnon not in /proc/self/status (Linux only)")
+
+
+def _child_load(path: str, dtype: str) -> None:
+    import jax
+
+    import swiftkv_jax as sk
+
+    jax.numpy.zeros(1).block_until_ready()  # backend up before the baseline
+    baseline = _rss_anon_bytes()
+    peak, done = [baseline], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_anon_bytes())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    model = sk.load(path, dtype=None if dtype == "stored" else dtype)
+    jax.block_until_ready(model.params)
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    leaves = jax.tree.leaves(model.params)
+    param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    largest = max(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    print(json.dumps({"seconds": seconds, "peak_above_baseline": max(peak[0], _rss_anon_bytes()) - baseline,
+                      "param_bytes": param_bytes, "largest_param_bytes": largest}))
+
+
+def _measure_load(path: Path, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, CHILD_FLAG, str(path), dtype], check=True,
+                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--out", default="benchmarks/results/checkpoint_io_cpu.json")
+    args = parser.parse_args()
+
+    import jax
+
+    import swiftkv_jax as sk
+
+    d = args.hidden
+    cfg = sk.ModelConfig(vocab_size=args.vocab, hidden_size=d, intermediate_size=4 * d,
+                         num_hidden_layers=args.layers, num_attention_heads=d // 64,
+                         num_key_value_heads=max(1, d // 256), head_dim=64)
+    model = sk.init(cfg, 0)
+    n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model.params))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        timings = {}
+        for name, kwargs in [("hf", dict(format="hf", max_shard_size="256MB")), ("orbax", dict(format="orbax"))]:
+            start = time.perf_counter()
+            sk.save(model, tmp / name, **kwargs)
+            timings[name] = time.perf_counter() - start
+        for source, dtype in [("hf", "stored"), ("hf", "bfloat16"), ("orbax", "stored")]:
+            result = _measure_load(tmp / source, dtype)
+            rows.append({
+                "source": source, "load_dtype": dtype, "save_s": timings[source], "load_s": result["seconds"],
+                "peak_host_over_params": result["peak_above_baseline"] / result["param_bytes"],
+                "largest_param_over_params": result["largest_param_bytes"] / result["param_bytes"],
+                "param_mb": result["param_bytes"] / 2**20,
+            })
+
+    print(f"model: {n_params / 1e6:.0f}M params (fp32 on disk), {platform.processor() or platform.machine()}, "
+          f"jax {jax.__version__} on {jax.default_backend()}")
+    header = f"{'source':7} {'load as':9} {'save s':>7} {'load s':>7} {'params MB':>10} {'peak/params':>12} {'largest/params':>15}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['source']:7} {r['load_dtype']:9} {r['save_s']:7.2f} {r['load_s']:7.2f} {r['param_mb']:10.0f} "
+              f"{r['peak_host_over_params']:12.2f} {r['largest_param_over_params']:15.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    Path(args.out).write_text(json.dumps({
+        "command": "python " + " ".join(sys.argv), "commit": commit, "params": n_params, "jax": jax.__version__,
+        "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == CHILD_FLAG:
+        _child_load(sys.argv[2], sys.argv[3])
+    else:
+        main()

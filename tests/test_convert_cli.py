@@ -1,0 +1,193 @@
+"""`python -m swiftkv_jax.convert SRC DST --to hf|orbax [--dtype ...]`: round trips, dtypes, side files, errors.
+
+`main([...])` runs in-process for speed; one subprocess run proves the module entry point.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import swiftkv_jax as sk
+from hf_models import file_digests, make_hf_model, random_tokens, read_hf_tensors, safetensors_header, torch_logits
+from swiftkv_jax.convert import main
+
+SIDECARS = {"tokenizer_config.json": '{"model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}\n',
+            "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
+            "chat_template.jinja": "{% for m in messages %}{{ m.content }}{% endfor %}\n"}
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return random_tokens(320, batch=2, length=96, seed=9)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    """(path, fp32 torch model): a transformers Llama with tokenizer and generation files beside it."""
+    path = tmp_path_factory.mktemp("src")
+    torch_model = make_hf_model(path, "llama", seed=41, initializer_range=0.1, attention_bias=True)
+    assert (path / "generation_config.json").is_file()  # written by save_pretrained
+    for name, text in SIDECARS.items():
+        (path / name).write_text(text)
+    return path, torch_model
+
+
+def run(argv, capsys):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_sidecars_copied(src_path, dst_path):
+    for name in list(SIDECARS) + ["generation_config.json"]:
+        assert (dst_path / name).read_bytes() == (src_path / name).read_bytes(), name
+
+
+def test_hf_orbax_hf_round_trip_is_bit_identical(src, tmp_path, tokens, capsys):
+    path, torch_model = src
+    rc, out, err = run([path, tmp_path / "orbax", "--to", "orbax"], capsys)
+    assert rc == 0, err
+    assert "(hf) ->" in out and "(orbax)" in out and "tokenizer_config.json" in out
+    assert sk.detect_format(tmp_path / "orbax") == "orbax"
+    assert_sidecars_copied(path, tmp_path / "orbax")
+
+    rc, out, err = run([tmp_path / "orbax", tmp_path / "hf", "--to", "hf"], capsys)
+    assert rc == 0, err
+    assert "(orbax) ->" in out
+    assert_sidecars_copied(path, tmp_path / "hf")
+    original, final = read_hf_tensors(path), read_hf_tensors(tmp_path / "hf")
+    assert set(final) == set(original)
+    for key, tensor in original.items():
+        assert final[key].dtype == tensor.dtype and torch.equal(final[key], tensor), key
+    np.testing.assert_array_equal(np.asarray(sk.logits(sk.load(tmp_path / "hf"), tokens)),
+                                  np.asarray(sk.logits(sk.load(path), tokens)))
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(torch_model, tokens))
+
+
+def test_swiftkv_student_round_trip_keeps_its_layout(src, tmp_path, tokens, capsys):
+    student = sk.to_swiftkv(sk.load(src[0]), 2, 2)
+    first = sk.save(student, tmp_path / "student", format="hf")
+    assert run([first, tmp_path / "orbax", "--to", "orbax"], capsys)[0] == 0
+    rc, out, err = run([tmp_path / "orbax", tmp_path / "hf", "--to", "hf"], capsys)
+    assert rc == 0, err
+    assert "SwiftKV l=2 g=2" in out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    before, after = read_hf_tensors(first), read_hf_tensors(tmp_path / "hf")
+    assert set(after) == set(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    np.testing.assert_array_equal(np.asarray(sk.logits(sk.load(tmp_path / "hf"), tokens)),
+                                  np.asarray(sk.logits(student, tokens)))
+
+
+def test_dtype_bf16_writes_bf16_and_fp32_upcasts_back(src, tmp_path, capsys):
+    path, _ = src
+    rc, _, err = run([path, tmp_path / "bf16", "--to", "hf", "--dtype", "bf16"], capsys)
+    assert rc == 0, err
+    header = safetensors_header(tmp_path / "bf16" / "model.safetensors")
+    header.pop("__metadata__")
+    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    original, halved = read_hf_tensors(path), read_hf_tensors(tmp_path / "bf16")
+    for key, tensor in original.items():  # round to nearest even, like torch
+        assert torch.equal(halved[key], tensor.to(torch.bfloat16)), key
+    assert sk.load(tmp_path / "bf16").config.param_dtype == "bfloat16"
+
+    rc, _, err = run([tmp_path / "bf16", tmp_path / "fp32", "--to", "hf", "--dtype", "fp32"], capsys)
+    assert rc == 0, err
+    back = read_hf_tensors(tmp_path / "fp32")
+    for key, tensor in halved.items():
+        assert back[key].dtype == torch.float32 and torch.equal(back[key], tensor.float()), key
+
+
+def test_dtype_bf16_to_orbax(src, tmp_path, capsys):
+    rc, _, err = run([src[0], tmp_path / "orbax", "--to", "orbax", "--dtype", "bf16"], capsys)
+    assert rc == 0, err
+    model = sk.load(tmp_path / "orbax")
+    assert model.config.param_dtype == "bfloat16"
+    assert {str(a.dtype) for a in jax.tree.leaves(model.params)} == {"bfloat16"}
+
+
+def test_max_shard_size(src, tmp_path, capsys):
+    rc, _, err = run([src[0], tmp_path / "out", "--to", "hf", "--max-shard-size", "200KB"], capsys)
+    assert rc == 0, err
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert_sidecars_copied(src[0], tmp_path / "out")
+
+
+def test_bad_src_is_exit_code_2_with_a_message(tmp_path, capsys):
+    rc, out, err = run([tmp_path / "nowhere", tmp_path / "dst", "--to", "hf"], capsys)
+    assert rc == 2
+    assert err.startswith("error: ") and "nowhere" in err and "no such checkpoint directory" in err
+    (tmp_path / "empty").mkdir()
+    rc, _, err = run([tmp_path / "empty", tmp_path / "dst", "--to", "orbax"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "no config.json" in err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_unsupported_model_and_bad_dtype_are_exit_code_2(src, tmp_path, capsys):
+    bad = shutil.copytree(src[0], tmp_path / "mistral")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
+    rc, _, err = run([bad, tmp_path / "dst", "--to", "hf"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "unsupported model_type 'mistral'" in err
+    rc, _, err = run([src[0], tmp_path / "dst", "--to", "hf", "--dtype", "int8"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "unknown dtype 'int8'" in err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_bad_arguments_are_usage_errors(src, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(src[0]), str(tmp_path / "dst"), "--to", "bogus"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(src[0]), str(tmp_path / "dst")])
+    assert exit_info.value.code == 2
+    assert "--to" in capsys.readouterr().err
+
+
+def test_existing_dst_needs_overwrite(src, tmp_path, capsys):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("do not lose me\n")
+    before = file_digests(dst)
+    rc, _, err = run([src[0], dst, "--to", "hf"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "not empty" in err and "--overwrite" in err
+    assert file_digests(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
+
+    rc, _, err = run([src[0], dst, "--to", "hf", "--overwrite"], capsys)
+    assert rc == 0, err
+    assert not (dst / "keep.txt").exists()
+    assert sk.detect_format(dst) == "hf"
+    assert_sidecars_copied(src[0], dst)
+
+
+def test_in_place_conversion_keeps_the_tokenizer_files(src, tmp_path, capsys):
+    path = shutil.copytree(src[0], tmp_path / "ckpt")
+    rc, _, err = run([path, path, "--to", "hf", "--dtype", "bf16", "--overwrite"], capsys)
+    assert rc == 0, err
+    assert sk.load(path).config.param_dtype == "bfloat16"
+    assert_sidecars_copied(src[0], path)
+
+
+def test_module_entry_point(src, tmp_path, tokens):
+    result = subprocess.run(
+        [sys.executable, "-m", "swiftkv_jax.convert", str(src[0]), str(tmp_path / "out"), "--to", "orbax",
+         "--dtype", "fp32"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(hf) ->" in result.stdout and "(orbax)" in result.stdout
+    assert_sidecars_copied(src[0], tmp_path / "out")
+    np.testing.assert_array_equal(np.asarray(sk.logits(sk.load(tmp_path / "out"), tokens)),
+                                  np.asarray(sk.logits(sk.load(src[0]), tokens)))
