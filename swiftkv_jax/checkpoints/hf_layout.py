@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Iterator
 
-import jax
+from flax.traverse_util import flatten_dict
 
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.model import abstract_params
@@ -62,8 +62,7 @@ def _module_name(keys: tuple[str, ...]) -> str:
 def tensor_entries(cfg: ModelConfig) -> Iterator[TensorEntry]:
     """Every HF tensor of `cfg`, in our tree order (stacked layers grouped by parameter)."""
     l, g = cfg.num_lower_layers, cfg.key_value_group_size
-    for path, spec in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]:
-        keys = tuple(k.key for k in path)
+    for keys, spec in flatten_dict(abstract_params(cfg)).items():
         input_dims = KERNEL_INPUT_DIMS.get(keys[-2], 1) if keys[-1] == "kernel" else 0
         if keys[0] in TOP_LEVEL:
             yield TensorEntry(f"{TOP_LEVEL[keys[0]]}.{LEAF[keys[-1]]}", keys, (), tuple(spec.shape), input_dims)

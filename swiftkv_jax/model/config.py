@@ -10,10 +10,10 @@ import dataclasses
 from typing import Optional
 
 from swiftkv_jax.dtypes import dtype_name
+from swiftkv_jax.model.attention import ATTENTION_IMPLS
 
 FAMILIES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
-ATTENTION_IMPLS = ("xla",)  # the serving issue adds its kernels here; anything else raises
 
 
 @dataclasses.dataclass(frozen=True)
