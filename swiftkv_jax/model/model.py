@@ -79,8 +79,9 @@ def check_params(config: ModelConfig, params) -> None:
             raise ValueError(
                 f"parameter {jax.tree_util.keystr(path)} has shape {shape}, the config needs {tuple(spec.shape)}"
             )
-    for path in flat_given.keys() - flat_expected.keys():
-        raise ValueError(f"unexpected parameter {jax.tree_util.keystr(path)} for this config")
+    unexpected = sorted(jax.tree_util.keystr(path) for path in flat_given.keys() - flat_expected.keys())
+    if unexpected:
+        raise ValueError(f"unexpected parameter(s) {', '.join(unexpected)} for this config")
 
 
 def forward(params, tokens, positions=None, segment_ids=None, *, config: ModelConfig, swiftkv: bool = False):
@@ -118,8 +119,6 @@ def _checked_inputs(model: Model, tokens, swiftkv, positions, segment_ids):
     cfg = model.config
     if swiftkv is None:
         swiftkv = cfg.is_swiftkv
-    if swiftkv and not cfg.is_swiftkv:
-        raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     tokens = _as_int_array("tokens", tokens)
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= cfg.vocab_size:
