@@ -158,7 +158,7 @@ def test_transform_applies_once(base):
         sk.to_swiftkv(student, 4)
 
 
-def test_transform_keeps_bf16_and_sharding_free_of_copies_of_unrelated_params(base):
+def test_transform_keeps_the_parameter_dtype(base):
     student = sk.to_swiftkv(sk.cast(base, "bfloat16"), 4, 2)
     assert {a.dtype for a in jax.tree.leaves(student.params)} == {jnp.dtype(jnp.bfloat16)}
     np.testing.assert_array_equal(student.params["embed_tokens"]["embedding"],
