@@ -17,16 +17,7 @@ import jax
 import numpy as np
 
 from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
-
-SIDECAR_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
-    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
-
-
-def read_sidecar_files(src) -> dict[str, bytes]:
-    """The tokenizer/generation files present in src, read now: DST may be SRC, replaced on save."""
-    return {name: (Path(src) / name).read_bytes() for name in SIDECAR_FILES if (Path(src) / name).is_file()}
+from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,9 @@ from typing import Optional
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.attention import ATTENTION_IMPLS
 
+# none: keep every activation; full: keep only each layer's input; dots: keep matmul outputs too.
+REMAT_POLICIES = ("none", "full", "dots")
+
 FAMILIES = ("llama", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -72,6 +75,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     attention_impl: str = "xla"
+    remat: str = "none"  # activation checkpointing of each layer in backward passes; see layers.REMAT_POLICIES
     initializer_range: float = 0.02
     # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
     hf_extra: str = "{}"
@@ -97,6 +101,8 @@ class ModelConfig:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}: available are {', '.join(ATTENTION_IMPLS)}"
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat {self.remat!r}: available are {', '.join(REMAT_POLICIES)}")
         if self.num_key_value_layers is not None:
             check_swiftkv_layout(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
         elif self.key_value_group_size != 1:

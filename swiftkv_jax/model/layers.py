@@ -126,29 +126,43 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama layer; a scan body: (h, *broadcast inputs) -> (h, None)."""
+    """Pre-norm Llama layer; a scan body: (carry, *broadcast inputs) -> (carry, None).
+
+    The carry is the residual h, or (h, input of the previous layer): the tuple form lets a caller read
+    the hidden state entering the last layer of a stack without stacking every layer's.
+    """
 
     config: ModelConfig
     has_swiftkv_query: bool = False
 
     @nn.compact
-    def __call__(self, h, rope, positions, segment_ids, shared_kv):
+    def __call__(self, carry, rope, positions, segment_ids, shared_kv):
         cfg = self.config
-        x = RMSNorm(cfg, name="input_layernorm")(h)
-        h = h + Attention(cfg, self.has_swiftkv_query, name="self_attn")(x, rope, positions, segment_ids, shared_kv)
+        h_in = carry[0] if isinstance(carry, tuple) else carry
+        x = RMSNorm(cfg, name="input_layernorm")(h_in)
+        h = h_in + Attention(cfg, self.has_swiftkv_query, name="self_attn")(x, rope, positions, segment_ids, shared_kv)
         x = RMSNorm(cfg, name="post_attention_layernorm")(h)
         h = h + MLP(cfg, name="mlp")(x)
         self.sow("intermediates", "residual", h)  # the layer's output; kept only when asked for
-        return h, None
+        return ((h, h_in) if isinstance(carry, tuple) else h), None
 
 
-def scanned_layers(cfg: ModelConfig, length: int, has_swiftkv_query: bool, name: str) -> nn.Module:
+_REMAT_POLICIES = {
+    "full": None,  # save nothing inside the layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def scanned_layers(cfg: ModelConfig, length: int, has_swiftkv_query: bool, **kwargs) -> nn.Module:
     """`length` DecoderLayers stacked on a leading 'layers' axis and run by one `lax.scan`."""
+    body = DecoderLayer
+    if cfg.remat != "none":
+        body = nn.remat(DecoderLayer, prevent_cse=False, policy=_REMAT_POLICIES[cfg.remat])
     return nn.scan(
-        DecoderLayer,
+        body,
         variable_axes={"params": 0, "intermediates": 0},
         split_rngs={"params": True},
         in_axes=(nn.broadcast,) * 4,
         length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg, has_swiftkv_query, name=name)
+    )(cfg, has_swiftkv_query, **kwargs)

@@ -52,28 +52,62 @@ class LMHead(nn.Module):
 
 
 class SwiftKVGroup(nn.Module):
-    """One AcrossKV group: the owner's K/V from `norm_swiftkv(h_l)`, read by all g layers (scan body)."""
+    """One AcrossKV group (scan body): g layers reading one K/V.
+
+    With `x_swiftkv = norm_swiftkv(h_l)` the group's owner projects that K/V (SwiftKV wiring); with None
+    each layer computes its own (teacher wiring).
+    """
 
     config: ModelConfig
-    swiftkv: bool
 
     @nn.compact
-    def __call__(self, h, x_swiftkv, rope, positions, segment_ids):
+    def __call__(self, carry, x_swiftkv, rope, positions, segment_ids):
         cfg = self.config
         shared_kv = None
-        if self.swiftkv or self.is_initializing():
+        if x_swiftkv is not None:
             k = apply_rope(kv_projection(cfg, name="k_proj_swiftkv")(x_swiftkv), *rope)
             v = kv_projection(cfg, name="v_proj_swiftkv")(x_swiftkv)
-            shared_kv = (k, v) if self.swiftkv else None
+            shared_kv = (k, v)
         layers = scanned_layers(cfg, cfg.key_value_group_size, has_swiftkv_query=True, name="layers")
-        h, _ = layers(h, rope, positions, segment_ids, shared_kv)
-        return h, None
+        carry, _ = layers(carry, rope, positions, segment_ids, shared_kv)
+        return carry, None
+
+
+def default_positions(tokens, positions=None, segment_ids=None):
+    """positions 0..T-1 and a single segment unless given."""
+    batch, length = tokens.shape[:2]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, length), jnp.int32)
+    return positions, segment_ids
 
 
 class Transformer(nn.Module):
+    """The decoder. `__call__` is the whole forward; `lower`, `upper` and `head` are its three stages,
+    so that distillation can run layers < l once for both wirings and the teacher without gradients."""
+
     config: ModelConfig
 
-    @nn.compact
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = Embedder(cfg)
+        self.layers = scanned_layers(cfg, cfg.num_lower_layers, has_swiftkv_query=False)
+        if cfg.is_swiftkv:
+            self.norm_swiftkv = RMSNorm(cfg)
+            if cfg.num_kv_groups:
+                self.swiftkv_groups = nn.scan(
+                    SwiftKVGroup,
+                    variable_axes={"params": 0, "intermediates": 0},
+                    split_rngs={"params": True},
+                    in_axes=(nn.broadcast,) * 4,
+                    length=cfg.num_kv_groups,
+                    metadata_params={nn.PARTITION_NAME: "layer_groups"},
+                )(cfg)
+        self.norm = RMSNorm(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = LMHead(cfg)
+
     def __call__(self, tokens, positions: Optional[jnp.ndarray] = None,
                  segment_ids: Optional[jnp.ndarray] = None, swiftkv: bool = False):
         """Teacher-forced forward: tokens [B, T] -> fp32 logits [B, T, V].
@@ -81,38 +115,44 @@ class Transformer(nn.Module):
         positions [B, T] (default 0..T-1) drive RoPE and the causal mask; tokens attend only within their
         segment_ids [B, T] (default all 0). `swiftkv` picks the wiring of layers >= l.
         """
+        positions, segment_ids = default_positions(tokens, positions, segment_ids)
+        h = self.lower(tokens, positions, segment_ids)
+        return self.head(self.upper(h, positions, segment_ids, swiftkv))
+
+    def lower(self, tokens, positions, segment_ids):
+        """Embedding and layers < l (shared by both wirings): the residual h_l [B, T, D]."""
+        cfg = self.config
+        h = self.embed_tokens(tokens)
+        self.sow("intermediates", "embeddings", h)
+        rope = rope_angles(cfg.rope, cfg.head_dim, positions)
+        h, _ = self.layers(h, rope, positions, segment_ids, None)
+        return h
+
+    def upper(self, h, positions, segment_ids, swiftkv: bool = False, with_last_input: bool = False):
+        """Layers >= l from h_l, in the SwiftKV or the teacher wiring: the final residual [B, T, D].
+
+        with_last_input: return (final residual, residual entering the last layer) instead.
+        """
         cfg = self.config
         if swiftkv and not cfg.is_swiftkv:
             raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
-        batch, length = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        if segment_ids is None:
-            segment_ids = jnp.zeros((batch, length), jnp.int32)
+        if with_last_input and not cfg.num_kv_groups:
+            raise ValueError("with_last_input needs layers >= l (num_key_value_layers < num_hidden_layers)")
+        if not cfg.num_kv_groups:
+            if cfg.is_swiftkv and self.is_initializing():
+                self.norm_swiftkv(h)
+            return h
+        x_swiftkv = None
+        if swiftkv or self.is_initializing():  # initialisation creates both wirings' parameters
+            x_swiftkv = self.norm_swiftkv(h)
         rope = rope_angles(cfg.rope, cfg.head_dim, positions)
+        carry = (h, h) if with_last_input else h
+        carry, _ = self.swiftkv_groups(carry, x_swiftkv, rope, positions, segment_ids)
+        return carry
 
-        embedder = Embedder(cfg, name="embed_tokens")
-        h = embedder(tokens)
-        self.sow("intermediates", "embeddings", h)
-        lower = scanned_layers(cfg, cfg.num_lower_layers, has_swiftkv_query=False, name="layers")
-        h, _ = lower(h, rope, positions, segment_ids, None)
-
-        if cfg.is_swiftkv:
-            x_swiftkv = None
-            if swiftkv or self.is_initializing():
-                x_swiftkv = RMSNorm(cfg, name="norm_swiftkv")(h)
-            if cfg.num_kv_groups:
-                groups = nn.scan(
-                    SwiftKVGroup,
-                    variable_axes={"params": 0, "intermediates": 0},
-                    split_rngs={"params": True},
-                    in_axes=(nn.broadcast,) * 4,
-                    length=cfg.num_kv_groups,
-                    metadata_params={nn.PARTITION_NAME: "layer_groups"},
-                )(cfg, swiftkv, name="swiftkv_groups")
-                h, _ = groups(h, x_swiftkv, rope, positions, segment_ids)
-
-        h = RMSNorm(cfg, name="norm")(h)
-        if cfg.tie_word_embeddings:
-            return embedder.attend(h)
-        return LMHead(cfg, name="lm_head")(h)
+    def head(self, h):
+        """Final norm and output projection: fp32 logits [..., V]."""
+        h = self.norm(h)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(h)
+        return self.lm_head(h)

@@ -1,0 +1,104 @@
+"""Render and tokenize documents with the teacher's own tokenizer, marking the assistant's tokens.
+
+Chat examples go through the tokenizer's chat template; the assistant's characters are found by rendering
+each conversation up to every assistant turn (works for any template, also those without
+`{% generation %}`), and mapped to tokens through the offsets of one tokenization of the whole text.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import datasets
+import numpy as np
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from swiftkv_jax.data.errors import DataError
+
+FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    "assistant": datasets.Sequence(datasets.Value("int8")),  # 1 where the token belongs to the assistant
+    "length": datasets.Value("int32"),
+})
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `path` (a teacher checkpoint directory), never downloaded."""
+    fix = (f"copy the teacher's tokenizer files (tokenizer.json, tokenizer_config.json) there, e.g. with "
+           f"tokenizer.save_pretrained({path!r})")
+    local = os.path.expanduser(path)
+    if os.path.isdir(local) and not any(os.path.exists(os.path.join(local, f)) for f in TOKENIZER_FILES):
+        raise DataError(f"no tokenizer in {path!r} (files there: {sorted(os.listdir(local))}); {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(local, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise DataError(f"no usable tokenizer in {path!r} ({' '.join(str(e).split())}); {fix}") from e
+
+
+def tokenize(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, assistant_mask: bool = True,
+             num_proc: Optional[int] = None) -> datasets.Dataset:
+    """Rows {messages, text} -> {input_ids, assistant, length}, one document per row.
+
+    Without `assistant_mask` every token counts as the assistant's, so templates that rewrite earlier
+    turns (and cannot be split by prefix) still work with loss_mask: all.
+    """
+    if assistant_mask and not tokenizer.is_fast:
+        raise DataError("loss_mask: assistant needs a fast tokenizer (tokenizer.json) for offset mappings")
+    return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=FEATURES,
+                  fn_kwargs={"tokenizer": tokenizer, "assistant_mask": assistant_mask}, num_proc=num_proc,
+                  desc="tokenizing")
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, messages: list, text: Optional[str],
+           assistant_mask: bool = True) -> tuple[list[int], list[int]]:
+    """One document: (token ids, assistant mask)."""
+    out = _tokenize_batch({"messages": [messages], "text": [text]}, tokenizer, assistant_mask)
+    return out["input_ids"][0], out["assistant"][0].tolist()
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list,
+                assistant_mask: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as text, and the character spans [start, end) of the assistant turns."""
+    if not tokenizer.chat_template:
+        raise DataError("the tokenizer has no chat template but the data has chat examples: use the tokenizer "
+                        "of a chat (instruct) model, or give the source format: text")
+
+    def render(msgs, prompt=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+
+    full = render(messages)
+    spans = []
+    for i, message in enumerate(messages if assistant_mask else ()):
+        if message["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], prompt=True), render(messages[:i + 1])
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise DataError(f"the chat template does not render turn {i} (assistant) as a continuation of the "
+                            f"earlier turns, so the assistant's tokens cannot be located: use loss_mask: all "
+                            f"for this template. Rendered prefix: {before[-200:]!r}")
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def _tokenize_batch(batch, tokenizer: PreTrainedTokenizerBase, assistant_mask: bool):
+    # Chat: the template already holds BOS and turn ends, so no special tokens are added. Text: BOS + EOS.
+    rendered = [render_chat(tokenizer, m, assistant_mask) if m else (t, None)
+                for m, t in zip(batch["messages"], batch["text"])]
+    enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, verbose=False,
+                    return_offsets_mapping=assistant_mask)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    ids, masks = [], []
+    for i, (text, spans) in enumerate(rendered):
+        ids.append(enc["input_ids"][i] if spans is not None else bos + enc["input_ids"][i] + eos)
+        masks.append(np.ones(len(ids[-1]), np.int8))
+        if spans is not None and assistant_mask:
+            in_span = np.zeros(len(text) + 1, np.int8)
+            for start, end in spans:
+                in_span[start:end] = 1
+            starts = np.array([s for s, _ in enc["offset_mapping"][i]], np.int64).reshape(-1)
+            masks[-1] = in_span[starts]  # a token belongs where its first character does
+    return {"input_ids": ids, "assistant": masks, "length": [len(x) for x in ids]}

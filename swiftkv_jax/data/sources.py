@@ -1,0 +1,192 @@
+"""Load the sources of a mixture with `datasets`, normalise them to one schema and weight them.
+
+Every source becomes rows of {messages: [{role, content}], text}: chat and prompt/response examples fill
+`messages` (text None), plain-text examples fill `text` (messages empty), so sources of any format can be
+concatenated into one mixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+from typing import Optional, Sequence
+
+import datasets
+import numpy as np
+
+from swiftkv_jax.data.config import FORMATS, DataSource
+from swiftkv_jax.data.errors import DataError
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # the json/text builders read these transparently
+
+FEATURES = datasets.Features({
+    "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+    "text": datasets.Value("string"),
+})
+
+
+def load_mixture(sources: Sequence[DataSource], seed: int = 0, cache_dir: Optional[str] = None,
+                 num_proc: Optional[int] = None) -> datasets.Dataset:
+    """All sources, normalised and weighted, concatenated in the order given (shuffle afterwards)."""
+    if not sources:
+        raise DataError("no data sources: add at least one entry to data.sources")
+    for src in sources:  # settings first, before any (slow) loading
+        check_source(src)
+    parts = [weighted(load_source(src, cache_dir, num_proc), src, np.random.default_rng([seed, i]))
+             for i, src in enumerate(sources)]
+    return datasets.concatenate_datasets(parts)
+
+
+def load_source(src: DataSource, cache_dir: Optional[str] = None,
+                num_proc: Optional[int] = None) -> datasets.Dataset:
+    """One source as normalised rows (before weighting), the first `max_examples` only."""
+    check_source(src)
+    ds, src = _load_raw(src, cache_dir)
+    if len(ds) == 0:
+        raise DataError(f"source {src.path!r} has no examples: check the file(s) / split {src.split!r}")
+    if src.max_examples is not None:
+        ds = ds.select(range(min(src.max_examples, len(ds))))
+    fmt = detect_format(ds, src)
+    ds = ds.map(_normalise, batched=True, fn_kwargs={"fmt": fmt, "src": src}, remove_columns=ds.column_names,
+                features=FEATURES, num_proc=num_proc, desc=f"reading {src.path}")
+    ds = ds.filter(lambda b: [bool(m) or bool(t) for m, t in zip(b["messages"], b["text"])], batched=True,
+                   num_proc=num_proc)
+    if len(ds) == 0:
+        raise DataError(f"source {src.path!r}: every example is empty (no messages / empty text)")
+    return ds
+
+
+def weighted(ds: datasets.Dataset, src: DataSource, rng: np.random.Generator) -> datasets.Dataset:
+    """Each example floor(w) times, plus a seeded round(frac(w) * n) of them once more."""
+    w, n = src.weight, len(ds)
+    extra = rng.permutation(n)[:round((w - math.floor(w)) * n)]
+    indices = np.concatenate([np.tile(np.arange(n), math.floor(w)), np.sort(extra)])
+    if len(indices) == 0:
+        raise DataError(f"source {src.path!r}: weight {w} of {n} examples keeps none of them; raise the weight")
+    if len(indices) == n:
+        return ds
+    return ds.select(indices)
+
+
+def check_source(src: DataSource) -> None:
+    """The settings of a source that can be checked without reading it."""
+    if src.format not in FORMATS:
+        raise DataError(f"source {src.path!r}: unknown format {src.format!r}; use one of {', '.join(FORMATS)}")
+    w = src.weight
+    if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
+        raise DataError(f"source {src.path!r}: weight must be a finite number > 0 (times each example is used "
+                        f"per epoch, e.g. 0.5 or 2), got {w!r}")
+    if src.max_examples is not None and src.max_examples < 1:
+        raise DataError(f"source {src.path!r}: max_examples must be >= 1 or null, got {src.max_examples}")
+
+
+def detect_format(ds: datasets.Dataset, src: DataSource) -> str:
+    """The source's format (resolving `auto`), after checking that its fields are there."""
+    columns = list(ds.column_names)
+    needs = {"chat": [src.messages_field], "prompt_response": [src.prompt_field, src.response_field],
+             "text": [src.text_field]}
+    fmt = src.format
+    if fmt == "auto":
+        fmt = next((f for f, fields in needs.items() if all(c in columns for c in fields)), None)
+        if fmt is None:
+            raise DataError(
+                f"source {src.path!r}: cannot tell the format, no field {src.messages_field!r} (chat), "
+                f"{src.prompt_field!r} + {src.response_field!r} (prompt_response) or {src.text_field!r} (text); "
+                f"fields present: {columns}. Set the source's format and messages_field / prompt_field / "
+                f"response_field / text_field")
+    missing = [c for c in needs[fmt] if c not in columns]
+    if missing:
+        raise DataError(f"source {src.path!r}: format {fmt!r} needs field(s) {missing}; fields present: "
+                        f"{columns}. Name the right field in the source (e.g. {fmt.split('_')[0]}_field)")
+    if fmt == "chat":
+        _check_messages(ds.features[src.messages_field], src)
+    return fmt
+
+
+def _check_messages(feature, src: DataSource) -> None:
+    inner = feature[0] if isinstance(feature, list) else getattr(feature, "feature", None)
+    content = inner.get("content") if isinstance(inner, dict) else None
+    if "role" not in (inner or {}) or getattr(content, "dtype", None) not in ("string", "large_string"):
+        raise DataError(f"source {src.path!r}: field {src.messages_field!r} must be a list of "
+                        f"{{role, content}} messages with string content, got {feature}")
+
+
+def _normalise(batch, fmt: str, src: DataSource):
+    n = len(next(iter(batch.values())))
+    if fmt == "chat":
+        messages = [[{"role": m["role"], "content": m["content"] or ""} for m in conv]
+                    for conv in batch[src.messages_field]]
+    elif fmt == "prompt_response":
+        messages = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+                    for p, r in zip(batch[src.prompt_field], batch[src.response_field])]
+    else:
+        return {"messages": [[] for _ in range(n)], "text": batch[src.text_field]}
+    return {"messages": messages, "text": [None] * n}
+
+
+def _load_raw(src: DataSource, cache_dir: Optional[str]) -> tuple[datasets.Dataset, DataSource]:
+    path = os.path.expanduser(src.path)
+    if any(ch in path for ch in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"source {src.path!r}: no files match this pattern")
+        return _load_files(files, src, cache_dir)
+    if os.path.isfile(path):
+        return _load_files([path], src, cache_dir)
+    if os.path.isdir(path):  # a downloaded hub dataset or a folder of data files: datasets finds the splits
+        try:
+            return datasets.load_dataset(path, src.name, split=src.split, cache_dir=cache_dir), src
+        except (FileNotFoundError, ValueError) as e:
+            raise DataError(f"source {src.path!r}: no usable data files in this directory ({e}); put "
+                            f"{'/'.join(sorted(BUILDERS))} files there or name them directly") from e
+    if _looks_local(path):
+        raise DataError(f"source {src.path!r}: no such file or directory (relative to {os.getcwd()})")
+    return _load_hub(src, cache_dir), src
+
+
+def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str]):
+    extensions = sorted({_extension(f) for f in files})
+    unknown = [e for e in extensions if e not in BUILDERS]
+    if unknown or len({BUILDERS[e] for e in extensions}) > 1:
+        raise DataError(f"source {src.path!r}: unknown or mixed file extension(s) {extensions}; use one kind "
+                        f"of {', '.join(sorted(BUILDERS))} (optionally compressed) per source")
+    builder = BUILDERS[extensions[0]]
+    if builder == "text":  # the text builder names its one column "text", one example per line
+        src = dataclasses.replace(src, text_field="text")
+    files = [f for f in files if os.path.getsize(f) > 0]  # the builders fail obscurely on empty files
+    if not files:
+        raise DataError(f"source {src.path!r} has no examples: its file(s) are empty")
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir), src
+    except datasets.exceptions.DatasetGenerationError as e:
+        raise DataError(f"source {src.path!r}: cannot read the file(s) as {builder} ({e.__cause__ or e}); "
+                        f"check that they are valid {', '.join(x for x, b in BUILDERS.items() if b == builder)}"
+                        ) from e
+
+
+def _load_hub(src: DataSource, cache_dir: Optional[str]) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(src.path, src.name, split=src.split, cache_dir=cache_dir)
+    except ConnectionError as e:  # offline mode or no network
+        raise DataError(
+            f"source {src.path!r}: hub dataset unreachable ({e}); this machine is offline "
+            f"(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE or no network). Download it where there is network "
+            f"(`hf download {src.path} --repo-type dataset --local-dir DIR`) and set path to DIR, or use local "
+            f"json/jsonl/parquet/txt files. If you meant a local file: it does not exist") from e
+    except FileNotFoundError as e:
+        raise DataError(f"source {src.path!r}: neither a local file nor a hub dataset ({e}); check the path "
+                        f"or the dataset name") from e
+
+
+def _extension(path: str) -> str:
+    root, ext = os.path.splitext(path.lower())
+    return os.path.splitext(root)[1] if ext in COMPRESSIONS else ext
+
+
+def _looks_local(path: str) -> bool:
+    """A path rather than a hub name `owner/name`: absolute, ./ ../ ~, deeper than one /, or a file suffix."""
+    return (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+            or _extension(path) in (*BUILDERS, ".csv", ".tsv", ".arrow"))

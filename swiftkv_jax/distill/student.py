@@ -1,0 +1,89 @@
+"""The student of a run: its config, and its parameters split into trainable (fp32 master) and frozen
+(held once, e.g. bf16), each sharded on the mesh — for real from the teacher checkpoint, or abstractly
+(shapes and shardings only) for `--dry-run`."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+
+from swiftkv_jax import checkpoints, sharding
+from swiftkv_jax.checkpoints.hf import read_config
+from swiftkv_jax.checkpoints.hf_config import config_from_hf
+from swiftkv_jax.configuration import ConfigError
+from swiftkv_jax.distill import trainable as trainable_lib
+from swiftkv_jax.distill.config import ModelSection
+from swiftkv_jax.dtypes import as_dtype
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.model import abstract_params, param_shardings
+from swiftkv_jax.model.swiftkv import to_swiftkv
+
+
+def _runtime(section: ModelSection) -> dict:
+    return dict(param_dtype=section.frozen_dtype, dtype=section.compute_dtype,
+                attention_impl=section.attention_impl)
+
+
+def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
+    l, g = section.num_key_value_layers, section.key_value_group_size
+    if teacher.is_swiftkv and (teacher.num_key_value_layers, teacher.key_value_group_size) != (l, g):
+        raise ConfigError(
+            f"{section.teacher} is already a SwiftKV model with l={teacher.num_key_value_layers}, "
+            f"g={teacher.key_value_group_size}, but the config asks for l={l}, g={g}: set "
+            f"model.num_key_value_layers/key_value_group_size to match, or start from the plain model"
+        )
+    if l >= teacher.num_hidden_layers:
+        raise ConfigError(
+            f"model.num_key_value_layers={l} leaves no layer to distil in a {teacher.num_hidden_layers}-layer "
+            f"model: choose l < {teacher.num_hidden_layers} (the paper uses l = L/2)"
+        )
+    try:
+        return teacher.replace(num_key_value_layers=l, key_value_group_size=g, remat=section.remat)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def student_config(section: ModelSection) -> ModelConfig:
+    """The student's config from the teacher's config.json alone (no weights read)."""
+    try:
+        teacher = config_from_hf(read_config(section.teacher), **_runtime(section))
+    except FileNotFoundError as e:
+        raise ConfigError(f"model.teacher: {e}") from None
+    return _student_of(teacher, section)
+
+
+def split_shardings(config: ModelConfig, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
+    """(trainable, frozen) trees of NamedShardings."""
+    return trainable_lib.split(param_shardings(config, mesh, rules))
+
+
+def abstract_student(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
+    """(config, trainable, frozen) as ShapeDtypeStructs carrying their shardings: nothing allocated."""
+    config = student_config(section)
+    shapes = trainable_lib.split(abstract_params(config))
+    dtypes = (as_dtype(section.trainable_dtype), as_dtype(section.frozen_dtype))
+    trees = [
+        jax.tree.map(lambda s, sh, dt=dt: jax.ShapeDtypeStruct(s.shape, dt, sharding=sh), shape, shard)
+        for shape, shard, dt in zip(shapes, split_shardings(config, mesh, rules), dtypes)
+    ]
+    return config, trees[0], trees[1]
+
+
+def load_student(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
+    """(config, trainable, frozen) from the teacher checkpoint, born sharded on `mesh`.
+
+    A plain teacher goes through `to_swiftkv`; a SwiftKV checkpoint with the same l and g continues
+    as it is (its original weights are the teacher).
+    """
+    config = student_config(section)  # validates before any weight is read
+    try:
+        model = checkpoints.load(section.teacher, section.frozen_dtype, mesh=mesh, rules=rules,
+                                 compute_dtype=section.compute_dtype, attention_impl=section.attention_impl)
+    except (FileNotFoundError, checkpoints.CheckpointError) as e:
+        raise ConfigError(f"model.teacher: {e}") from None
+    if not model.config.is_swiftkv:
+        model = to_swiftkv(model, section.num_key_value_layers, section.key_value_group_size, section.norm_init)
+    trainable, frozen = trainable_lib.split(model.params)
+    master = as_dtype(section.trainable_dtype)
+    trainable = jax.jit(lambda t: jax.tree.map(lambda a: a.astype(master), t))(trainable)
+    return config, trainable, frozen

@@ -1,0 +1,350 @@
+"""The distillation run: build the student, stream packed batches, step, checkpoint, export.
+
+`train(config)` is what `python train.py --config …` runs; `dry_run(config)` sizes the run per device
+without loading a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from swiftkv_jax import checkpoints, distributed, sharding
+from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+from swiftkv_jax.configuration import ConfigError, to_dict
+from swiftkv_jax.distill import step as step_lib
+from swiftkv_jax.distill import student as student_lib
+from swiftkv_jax.distill.config import TrainConfig
+from swiftkv_jax.distill.metrics import PLOT_FILE, MetricsLog, plot_losses, read_metrics
+from swiftkv_jax.distill.trainable import merge
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.model import Model
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.yaml"
+EXPORT_DIRS = {"hf": "student_hf", "orbax": "student_orbax"}
+# Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
+RESUME_INVARIANTS = ("model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped before its last step (non-finite loss)."""
+
+
+def make_mesh(config: TrainConfig) -> Mesh:
+    m = config.mesh
+    try:
+        return sharding.make_mesh(m.data, m.fsdp, m.tensor)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """The jitted step, its optimizer, and the shardings of its state (for init and restore)."""
+
+    fn: object
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: step_lib.TrainState
+    batch_sharding: NamedSharding
+
+    def abstract_state(self, trainable) -> step_lib.TrainState:
+        """ShapeDtypeStructs with shardings of the whole TrainState for `trainable`."""
+        shapes = jax.eval_shape(lambda t: step_lib.TrainState(jnp.zeros((), jnp.int32), t, self.optimizer.init(t)),
+                                trainable)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.state_shardings)
+
+    def init_state(self, trainable) -> step_lib.TrainState:
+        return jax.jit(lambda t: step_lib.TrainState(jnp.zeros((), jnp.int32), t, self.optimizer.init(t)),
+                       out_shardings=self.state_shardings)(trainable)
+
+    def abstract_batch(self, config: TrainConfig) -> dict:
+        shape = (config.train.global_batch_size, config.data.seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding) for k in step_lib.BATCH_KEYS}
+
+
+def build_step(config: TrainConfig, model_config: ModelConfig, mesh: Mesh, trainable, frozen_shardings,
+               total_steps: int, rules=sharding.LOGICAL_AXIS_RULES) -> CompiledStep:
+    """`train_step` jitted with explicit shardings and the state donated."""
+    optimizer = step_lib.make_optimizer(config.optim, total_steps)
+    schedule = step_lib.learning_rate_schedule(config.optim, total_steps)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    trainable_shardings = jax.tree.map(lambda a: a.sharding, trainable)
+    opt_shapes = jax.eval_shape(optimizer.init, trainable)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, trainable_shardings,
+                                          transform_non_params=lambda _: replicated)
+    state_shardings = step_lib.TrainState(replicated, trainable_shardings, opt_shardings)
+    batch_sharding = step_lib.batch_sharding(mesh, rules)
+    batch_shardings = {k: batch_sharding for k in step_lib.BATCH_KEYS}
+    fn = jax.jit(
+        functools.partial(step_lib.train_step, config=model_config, loss=config.loss, optimizer=optimizer,
+                          schedule=schedule, grad_accum=config.train.grad_accum, batch_sharding=batch_sharding),
+        in_shardings=(state_shardings, frozen_shardings, batch_shardings),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    return CompiledStep(fn, optimizer, schedule, state_shardings, batch_sharding)
+
+
+def tree_bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of (abstract) arrays with shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def count(tree) -> int:
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+def dry_run(config: TrainConfig, print_fn=print) -> dict:
+    """Compile the step for the configured mesh from shapes alone and report per-device memory."""
+    mesh = make_mesh(config)
+    model_config, trainable, frozen = student_lib.abstract_student(config.model, mesh)
+    compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen), 1000)
+    state = compiled.abstract_state(trainable)
+    executable = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
+    memory = executable.memory_analysis()
+    report = {
+        "devices": int(mesh.size),
+        "mesh": dict(mesh.shape),
+        "platform": jax.devices()[0].platform,
+        "trainable_parameters": count(trainable),
+        "frozen_parameters": count(frozen),
+        "bytes_per_device": {
+            "frozen_weights": tree_bytes_per_device(frozen),
+            "trainable_weights": tree_bytes_per_device(trainable),
+            "optimizer_state": tree_bytes_per_device(state.opt_state),
+            "step_temporaries": int(getattr(memory, "temp_size_in_bytes", -1)) if memory else -1,
+        },
+    }
+    per = report["bytes_per_device"]
+    per["total"] = sum(v for v in per.values() if v > 0)
+    gib = lambda b: f"{b / 2**30:9.2f} GiB"
+    total_params = report["trainable_parameters"] + report["frozen_parameters"]
+    print_fn(f"dry run: {config.model.teacher} -> SwiftKV l={model_config.num_key_value_layers} "
+             f"g={model_config.key_value_group_size}; mesh {report['mesh']} ({report['platform']})")
+    print_fn(f"  trainable parameters {report['trainable_parameters']:,} of {total_params:,} "
+             f"({report['trainable_parameters'] / total_params:.2%})")
+    print_fn(f"  global batch {config.train.global_batch_size} x {config.data.seq_len} tokens over "
+             f"{mesh.size} devices, grad_accum {config.train.grad_accum}; bytes per device:")
+    for name, value in per.items():
+        print_fn(f"  {name:<20}{gib(value)}")
+    if report["platform"] == "cpu":
+        print_fn("  (step temporaries are the CPU compiler's; a GPU compile of the same step differs)")
+    return report
+
+
+def _process_rows(batch_sharding: NamedSharding, shape) -> np.ndarray:
+    """Rows of the global batch held by this process's devices (what it loads)."""
+    rows = set()
+    for index in batch_sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return np.array(sorted(rows))
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits at the next step boundary."""
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        flag = self.signal is not None
+        if jax.process_count() > 1:  # every process must stop at the same step
+            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+        return flag
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
+    if not saved_path.is_file():
+        return
+    saved, now = yaml.safe_load(saved_path.read_text()), to_dict(config)
+    changed = []
+    for key in RESUME_INVARIANTS:
+        a, b = saved, now
+        for part in key.split("."):
+            a, b = (a or {}).get(part), (b or {}).get(part)
+        if a != b:
+            changed.append(key)
+    if changed:
+        raise ConfigError(
+            f"cannot resume: {', '.join(changed)} differ from the run saved in {saved_path.parent} "
+            f"(see {saved_path}); resume with the same settings, or start a new run in another train.output_dir"
+        )
+
+
+def _checkpoint_manager(config: TrainConfig) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=config.checkpoint.every, max_to_keep=config.checkpoint.keep,
+        enable_async_checkpointing=config.checkpoint.async_save, create=True)
+    return ocp.CheckpointManager(Path(config.train.output_dir).absolute() / CHECKPOINT_DIR, options=options)
+
+
+def _save(manager, step: int, state, data_position: int, config: TrainConfig, force: bool = False) -> None:
+    meta = {"step": step, "data_position": data_position, "seed": config.train.seed}
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                 force=force)
+
+
+def export_student(model_config: ModelConfig, trainable, frozen, config: TrainConfig, print_fn=print) -> list[Path]:
+    """The student as HF `*_swiftkv` and/or Orbax checkpoints with the tokenizer files beside them."""
+    out = Path(config.train.output_dir)
+    model = Model(model_config.replace(remat="none"), merge(trainable, frozen))
+    sidecars = read_sidecar_files(config.model.tokenizer or config.model.teacher)
+    written = []
+    for fmt, enabled in (("hf", config.export.hf), ("orbax", config.export.orbax)):
+        if not enabled:
+            continue
+        if fmt == "hf" and jax.process_count() > 1:
+            print_fn("HF export runs on one host: convert the Orbax export with "
+                     f"`python -m swiftkv_jax.convert {out / EXPORT_DIRS['orbax']} DST --to hf`")
+            continue
+        written.append(checkpoints.save(model, out / EXPORT_DIRS[fmt], fmt, dtype=config.export.dtype, overwrite=True,
+                                        max_shard_size=config.export.max_shard_size, extra_files=sidecars))
+    return written
+
+
+def train(config: TrainConfig, print_fn=print) -> int:
+    """Run (or resume) a distillation; 0 when finished or stopped cleanly by a signal.
+
+    Raises ConfigError/DataError on bad input before anything is written, TrainingStopped on a
+    non-finite loss (the last good checkpoint stays intact).
+    """
+    from swiftkv_jax.data import Batches, build_dataset, load_tokenizer  # datasets/transformers: heavy imports
+
+    d = config.distributed
+    distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
+    lead = jax.process_index() == 0
+    say = print_fn if lead else (lambda *_: None)
+    out = Path(config.train.output_dir)
+    manager = _checkpoint_manager(config)
+    latest = manager.latest_step()
+    if latest is not None and not config.train.resume:
+        raise ConfigError(
+            f"{out} already holds checkpoints of a run (latest step {latest}): pass train.resume=true to continue "
+            f"it, or choose another train.output_dir"
+        )
+    if latest is not None:
+        _check_resumable(config, out / CONFIG_FILE)
+
+    # Tokenise before JAX starts its device threads: datasets forks its workers.
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.teacher)
+    dataset = build_dataset(config.data, tokenizer)
+    mesh = make_mesh(config)
+    model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
+    shape = (config.train.global_batch_size, config.data.seq_len)
+    rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
+    batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
+    total_steps = config.train.max_steps or max(1, math.ceil(config.train.epochs * batches.steps_per_epoch))
+    compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
+                          total_steps)
+    n_train, n_frozen = count(trainable), count(frozen)
+    say(f"student: SwiftKV l={model_config.num_key_value_layers} g={model_config.key_value_group_size} of "
+        f"{model_config.num_hidden_layers} layers; trainable {n_train:,} of {n_train + n_frozen:,} parameters "
+        f"({n_train / (n_train + n_frozen):.2%})")
+    say(f"data: {len(dataset):,} packed sequences of {config.data.seq_len}; {batches.steps_per_epoch} steps per "
+        f"epoch; {total_steps} steps; mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
+
+    state = compiled.init_state(trainable)
+    del trainable
+    start = 0
+    if latest is not None:
+        restored = manager.restore(latest, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(compiled.abstract_state(state.trainable)), meta=ocp.args.JsonRestore()))
+        state, start = restored.state, int(restored.meta["step"])
+        batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows,
+                          start=int(restored.meta["data_position"]))
+        say(f"resumed from step {start} (data position {restored.meta['data_position']})")
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        log = MetricsLog(out, resume_step=start)
+
+    step_fn = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
+    progress = _progress(total_steps, start, lead)
+    with _StopRequest() as stop:
+        for step in range(start, total_steps):
+            local = next(batches)
+            batch = {k: jax.make_array_from_process_local_data(compiled.batch_sharding, local[k].astype(np.int32), shape)
+                     for k in step_lib.BATCH_KEYS}
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, frozen, batch)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            seconds = time.perf_counter() - t0
+            record = {"step": step + 1, **{k: metrics[k] for k in ("loss", "kl", "hidden_mse", "lr", "grad_norm")},
+                      "tokens": int(metrics["tokens"]), "tokens_per_s": metrics["tokens"] / seconds}
+            if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                manager.wait_until_finished()
+                progress.close()
+                raise TrainingStopped(
+                    f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step {step + 1}; "
+                    f"stopped without applying it. The last good checkpoint (step {manager.latest_step()}) in "
+                    f"{out / CHECKPOINT_DIR} is intact: lower optim.learning_rate or check the data, then resume"
+                )
+            if lead and (step + 1) % config.train.log_every == 0:
+                log.write(record)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            progress.update(1)
+            if stop.requested():
+                _save(manager, step + 1, state, batches.position, config, force=True)
+                manager.wait_until_finished()
+                progress.close()
+                say(f"{stop.signal or 'stop'} received: checkpoint saved at step {step + 1} in {out / CHECKPOINT_DIR}; "
+                    f"continue with train.resume=true")
+                manager.close()
+                return 0
+            _save(manager, step + 1, state, batches.position, config)
+        progress.close()
+    if manager.latest_step() != total_steps:
+        _save(manager, total_steps, state, batches.position, config, force=True)
+    manager.wait_until_finished()
+    manager.close()
+
+    for path in export_student(model_config, state.trainable, frozen, config, say):
+        say(f"exported the student to {path}")
+    if lead:
+        records = read_metrics(out / "metrics.jsonl")
+        if records:
+            plot_losses(records, out / PLOT_FILE, title=f"SwiftKV distillation, l={model_config.num_key_value_layers}, "
+                                                     f"g={model_config.key_value_group_size}")
+        say(f"metrics: {out / 'metrics.jsonl'}; loss curves: {out / PLOT_FILE}")
+    return 0
+
+
+def _progress(total: int, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
