@@ -7,6 +7,8 @@ sharded weights), `tensor` (heads / MLP / vocab split).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Optional, Sequence
 
@@ -27,6 +29,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, object], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # activations only
+    ("length", None),
+    ("act_embed", None),
 )
 
 
@@ -71,3 +76,28 @@ def logical_to_shardings(logical_specs, shapes, mesh: Mesh, rules=LOGICAL_AXIS_R
         check, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
 
+
+
+# Activation layout. Without it GSPMD may resolve "batch and weights both sharded over fsdp" by gathering
+# the batch instead of the weights: every device then computes every sequence.
+_ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("activation_sharding", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+    """While tracing inside this context, `constrain` pins activations to `mesh` by `rules`."""
+    token = _ACTIVATIONS.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def constrain(x, logical_axes: tuple):
+    """`x` sharded by its logical axes (e.g. ("batch", "length", "act_embed")); a no-op outside
+    `activation_sharding`, so single-device code pays nothing."""
+    context = _ACTIVATIONS.get()
+    if context is None:
+        return x
+    mesh, rules = context
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, rules)))

@@ -67,6 +67,15 @@ def test_formats_from_local_files(tmp_path):
     assert ds["text"][9:] == texts + ["first line", "second line"]
 
 
+def test_sharegpt_conversations_read_as_chat(tmp_path):
+    """OpenHermes-2.5's layout: `conversations` of {from: system|human|gpt, value}."""
+    rows = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                               {"from": "gpt", "value": "4"}], "source": "x"}]
+    ds = mixture(tmp_path, DataSource(write_jsonl(tmp_path / "hermes.jsonl", rows), messages_field="conversations"))
+    assert ds["messages"] == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                               {"role": "assistant", "content": "4"}]]
+
+
 def test_globs_directories_and_max_examples(tmp_path):
     (tmp_path / "d").mkdir()
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": f"a{i}"} for i in range(3)])
@@ -328,7 +337,7 @@ def test_bad_settings(packed, tokenizer, tmp_path):
     ("format", "unknown format 'sharegpt'; use one of auto, chat, prompt_response, text"),
     ("field", r"format 'prompt_response' needs field\(s\) \['prompt', 'response'\]; fields present: \['messages'\]"),
     ("undetectable", r"cannot tell the format.*fields present: \['body', 'id'\]"),
-    ("messages", "field 'conversations' must be a list of {role, content} messages"),
+    ("messages", "field 'conversations' must be a list of {role, content} \(or ShareGPT {from, value}\) messages"),
     ("offline", "hub dataset unreachable.*offline.*hf download.*local"),
     ("empty", "has no examples: its file.s. are empty"),
     ("blank", "every example is empty"),
@@ -347,7 +356,7 @@ def test_bad_data_errors(tmp_path, case, match):
         "field": DataSource(chats, format="prompt_response"),
         "undetectable": DataSource(write_jsonl(tmp_path / "odd.jsonl", [{"body": "x", "id": 1}])),
         "messages": DataSource(write_jsonl(tmp_path / "sharegpt.jsonl", [
-            {"conversations": [{"from": "human", "value": "hi"}]}]), messages_field="conversations"),
+            {"conversations": [{"speaker": "human", "text": "hi"}]}]), messages_field="conversations"),
         "offline": DataSource("someone/some_chat_dataset"),
         "empty": DataSource(write_jsonl(tmp_path / "empty.jsonl", [])),
         "blank": DataSource(write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}])),

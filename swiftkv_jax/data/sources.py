@@ -50,7 +50,9 @@ def load_source(src: DataSource, cache_dir: Optional[str] = None,
     if src.max_examples is not None:
         ds = ds.select(range(min(src.max_examples, len(ds))))
     fmt = detect_format(ds, src)
-    ds = ds.map(_normalise, batched=True, fn_kwargs={"fmt": fmt, "src": src}, remove_columns=ds.column_names,
+    keys = _message_keys(_message_struct(ds.features[src.messages_field])) if fmt == "chat" else None
+    ds = ds.map(_normalise, batched=True, fn_kwargs={"fmt": fmt, "src": src, "keys": keys},
+                remove_columns=ds.column_names,
                 features=FEATURES, num_proc=num_proc, desc=f"reading {src.path}")
     ds = ds.filter(lambda b: [bool(m) or bool(t) for m, t in zip(b["messages"], b["text"])], batched=True,
                    num_proc=num_proc)
@@ -106,18 +108,34 @@ def detect_format(ds: datasets.Dataset, src: DataSource) -> str:
     return fmt
 
 
+# ShareGPT-style conversations ({from, value}, e.g. OpenHermes-2.5) are read as chat messages too.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def _message_keys(inner) -> Optional[tuple[str, str]]:
+    """(role key, content key) of a message struct: {role, content} or ShareGPT's {from, value}."""
+    for role, content in (("role", "content"), ("from", "value")):
+        field = inner.get(content) if isinstance(inner, dict) else None
+        if role in (inner or {}) and getattr(field, "dtype", None) in ("string", "large_string"):
+            return role, content
+    return None
+
+
+def _message_struct(feature):
+    return feature[0] if isinstance(feature, list) else getattr(feature, "feature", None)
+
+
 def _check_messages(feature, src: DataSource) -> None:
-    inner = feature[0] if isinstance(feature, list) else getattr(feature, "feature", None)
-    content = inner.get("content") if isinstance(inner, dict) else None
-    if "role" not in (inner or {}) or getattr(content, "dtype", None) not in ("string", "large_string"):
+    if _message_keys(_message_struct(feature)) is None:
         raise DataError(f"source {src.path!r}: field {src.messages_field!r} must be a list of "
-                        f"{{role, content}} messages with string content, got {feature}")
+                        f"{{role, content}} (or ShareGPT {{from, value}}) messages with string content, got {feature}")
 
 
-def _normalise(batch, fmt: str, src: DataSource):
+def _normalise(batch, fmt: str, src: DataSource, keys=("role", "content")):
     n = len(next(iter(batch.values())))
     if fmt == "chat":
-        messages = [[{"role": m["role"], "content": m["content"] or ""} for m in conv]
+        role, content = keys
+        messages = [[{"role": SHAREGPT_ROLES.get(m[role], m[role]), "content": m[content] or ""} for m in conv]
                     for conv in batch[src.messages_field]]
     elif fmt == "prompt_response":
         messages = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]

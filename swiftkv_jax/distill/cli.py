@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)
     from swiftkv_jax.data import DataError
     from swiftkv_jax.distill import trainer
 

@@ -91,9 +91,15 @@ def build_step(config: TrainConfig, model_config: ModelConfig, mesh: Mesh, train
     state_shardings = step_lib.TrainState(replicated, trainable_shardings, opt_shardings)
     batch_sharding = step_lib.batch_sharding(mesh, rules)
     batch_shardings = {k: batch_sharding for k in step_lib.BATCH_KEYS}
+    step = functools.partial(step_lib.train_step, config=model_config, loss=config.loss, optimizer=optimizer,
+                             schedule=schedule, grad_accum=config.train.grad_accum, batch_sharding=batch_sharding)
+
+    def sharded_step(*args):
+        with sharding.activation_sharding(mesh, rules):
+            return step(*args)
+
     fn = jax.jit(
-        functools.partial(step_lib.train_step, config=model_config, loss=config.loss, optimizer=optimizer,
-                          schedule=schedule, grad_accum=config.train.grad_accum, batch_sharding=batch_sharding),
+        sharded_step,
         in_shardings=(state_shardings, frozen_shardings, batch_shardings),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.attention import attend
 from swiftkv_jax.model.config import ModelConfig
@@ -43,7 +44,14 @@ class Einsum(nn.Module):
         if self.bias_axes is not None:
             bias_shape = y.shape[y.ndim - len(self.bias_axes):]
             y = y + logical_param(self, "bias", nn.initializers.zeros, bias_shape, self.bias_axes).astype(dtype)
-        return y
+        return sharding.constrain(y, self.output_axes())
+
+    def output_axes(self) -> tuple:
+        """Logical axes of the output: batch and length, then the kernel's axes that survive."""
+        kernel_letters, out_letters = self.equation.split(",")[1].split("->")
+        axis_of = {"B": "batch", "T": "length"}
+        axis_of.update({c: ("act_embed" if a == "embed" else a) for c, a in zip(kernel_letters, self.kernel_axes)})
+        return tuple(axis_of[c] for c in out_letters)
 
 
 def q_projection(cfg: ModelConfig, **kwargs) -> Einsum:
@@ -138,7 +146,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, rope, positions, segment_ids, shared_kv):
         cfg = self.config
-        h_in = carry[0] if isinstance(carry, tuple) else carry
+        h_in = sharding.constrain(carry[0] if isinstance(carry, tuple) else carry, ("batch", "length", "act_embed"))
         x = RMSNorm(cfg, name="input_layernorm")(h_in)
         h = h_in + Attention(cfg, self.has_swiftkv_query, name="self_attn")(x, rope, positions, segment_ids, shared_kv)
         x = RMSNorm(cfg, name="post_attention_layernorm")(h)

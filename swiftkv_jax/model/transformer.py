@@ -18,10 +18,14 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.layers import RMSNorm, logical_param, kv_projection, scanned_layers
 from swiftkv_jax.model.rope import apply_rope, rope_angles
+
+
+LOGIT_AXES = ("batch", "length", "vocab")
 
 
 class Embedder(nn.Module):
@@ -33,11 +37,13 @@ class Embedder(nn.Module):
         self.embedding = logical_param(self, "embedding", init, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
 
     def __call__(self, tokens):
-        return jnp.take(self.embedding, tokens, axis=0).astype(as_dtype(self.config.dtype))
+        h = jnp.take(self.embedding, tokens, axis=0).astype(as_dtype(self.config.dtype))
+        return sharding.constrain(h, ("batch", "length", "act_embed"))
 
     def attend(self, x):
         """Tied output head: fp32 logits."""
-        return jnp.einsum("BTD,VD->BTV", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("BTD,VD->BTV", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+        return sharding.constrain(logits, LOGIT_AXES)
 
 
 class LMHead(nn.Module):
@@ -48,7 +54,8 @@ class LMHead(nn.Module):
         cfg = self.config
         init = nn.initializers.normal(cfg.initializer_range)
         kernel = logical_param(self, "kernel", init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
-        return jnp.einsum("BTD,DV->BTV", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+        return sharding.constrain(logits, LOGIT_AXES)
 
 
 class SwiftKVGroup(nn.Module):

@@ -1,0 +1,80 @@
+"""What keeps distillation's memory bounded: query-chunked attention and pinned activation shardings."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import swiftkv_jax as sk
+from swiftkv_jax import sharding
+from swiftkv_jax.distill import step as step_lib
+from swiftkv_jax.distill import trainable
+from swiftkv_jax.distill.config import LossSection, OptimSection
+from swiftkv_jax.model.attention import xla_attention, xla_chunked_attention
+
+
+@pytest.mark.parametrize("length,chunk", [(300, 64), (256, 64), (40, 64)])  # padded, exact, single block
+def test_chunked_attention_equals_xla_attention(length, chunk):
+    """Values and gradients, with two packed documents and GQA."""
+    rng = np.random.default_rng(0)
+    b, n, k, h = 2, 4, 2, 8
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, length, heads, h)), jnp.float32) for heads in (n, k, k))
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+    segments = jnp.broadcast_to(1 + (jnp.arange(length) >= length // 3), (b, length))
+    chunked = functools.partial(xla_chunked_attention, chunk=chunk)
+
+    def loss(fn, *qkv):
+        return jnp.sum(jnp.sin(fn(*qkv, positions, positions, segments, segments)))
+
+    np.testing.assert_allclose(chunked(q, kk, v, positions, positions, segments, segments),
+                               xla_attention(q, kk, v, positions, positions, segments, segments), atol=2e-6)
+    grads = jax.grad(functools.partial(loss, chunked), argnums=(0, 1, 2))(q, kk, v)
+    expected = jax.grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))(q, kk, v)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
+
+
+def test_chunked_attention_model_matches_xla_model():
+    cfg = sk.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2)
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 1100))
+    model = sk.init(cfg, 0)
+    chunked = sk.Model(cfg.replace(attention_impl="xla_chunked"), model.params)
+    np.testing.assert_allclose(sk.logits(chunked, tokens), sk.logits(model, tokens), atol=2e-5)
+
+
+def _float_all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """Output shapes of the floating-point all-gathers (token ids gathered for the embedding lookup are
+    integers, and cheap)."""
+    found = re.findall(r"= (bf16|f16|f32)\[([\d,]+)\]\{[^}]*\} all-gather(?:-start)?\(", hlo)
+    return [tuple(int(d) for d in dims.split(",")) for _, dims in found]
+
+
+def test_fsdp_step_gathers_weights_not_the_batch():
+    """On an fsdp mesh the step all-gathers each layer's weights, never the batch of activations (GSPMD
+    would otherwise gather the batch and have every device compute every sequence)."""
+    mesh = sk.make_mesh(data=1, fsdp=8, tensor=1)
+    cfg = sk.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, remat="full")
+    student = sk.to_swiftkv(sk.init(cfg, 0, mesh=mesh), 2)
+    train, frozen = trainable.split(student.params)
+    optimizer = step_lib.make_optimizer(OptimSection(), 10)
+    state = step_lib.TrainState(jnp.zeros((), jnp.int32), train, optimizer.init(train))
+    batch_size, length, chunk = 8, 48, 24  # sizes that no weight dimension has
+    rows = step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES)
+    batch = {k: jax.ShapeDtypeStruct((batch_size, length), jnp.int32, sharding=rows) for k in step_lib.BATCH_KEYS}
+
+    def sharded_step(*args):
+        with sharding.activation_sharding(mesh):
+            return step_lib.train_step(*args, config=student.config, loss=LossSection(chunk_size=chunk),
+                                       optimizer=optimizer, schedule=step_lib.learning_rate_schedule(OptimSection(), 10))
+
+    hlo = jax.jit(sharded_step).lower(state, frozen, batch).compile().as_text()
+    gathered = _float_all_gather_shapes(hlo)
+    weight_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(student.params["layers"])}
+    assert weight_shapes & set(gathered), "expected per-layer weight all-gathers (FSDP)"
+    batch_like = [s for s in gathered if len(s) >= 2 and s[0] in (batch_size, 2 * batch_size) and s[1] in (length, chunk)]
+    assert not batch_like, f"activations gathered over the batch: {batch_like}"
