@@ -55,14 +55,14 @@ def type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(value, tp, key: str, from_text: bool):
+def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
     """`value` as type `tp`; text overrides are parsed per the target type."""
     fail = lambda why="": ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}{why}")
     inner = _optional_inner(tp)
     if inner is not None:
         if value is None or (from_text and str(value).lower() in ("null", "none", "~")):
             return None
-        return _coerce(value, inner, key, from_text)
+        return _coerce(value, inner, key, from_text, where)
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -77,13 +77,13 @@ def _coerce(value, tp, key: str, from_text: bool):
         if isinstance(value, dict) or not isinstance(value, (list, tuple)):
             value = [value]
         item = typing.get_args(tp)[0]
-        return tuple(_coerce(v, item, f"{key}[{i}]", False) for i, v in enumerate(value))
+        return tuple(_coerce(v, item, f"{key}[{i}]", False, where) for i, v in enumerate(value))
     if _is_config(tp):
         if from_text:
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise fail(" (a mapping of its keys)")
-        return from_dict(tp, value, prefix=key + ".")
+        return from_dict(tp, value, prefix=key + ".", where=where)
     if tp is bool:
         if from_text:
             value = yaml.safe_load(value)
@@ -128,7 +128,7 @@ def from_dict(cls, values: dict, prefix: str = "", where: str = ""):
     for name, value in values.items():
         if name not in hints:
             raise _unknown_key(prefix + str(name), [prefix + n for n in names], where)
-        kwargs[name] = _coerce(value, hints[name], prefix + name, False)
+        kwargs[name] = _coerce(value, hints[name], prefix + name, False, where)
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field without a value

@@ -5,16 +5,32 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _shared_suffix() -> str:
+    """A random suffix every process agrees on (process 0's), so a collective save writes one directory."""
+    suffix = np.frombuffer(uuid.uuid4().bytes[:4], np.uint32)
+    if jax.process_count() > 1:
+        suffix = multihost_utils.broadcast_one_to_all(suffix)
+    return f"{int(np.asarray(suffix)[0]):08x}"
 
 
 @contextlib.contextmanager
@@ -24,27 +40,36 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
 
     A non-empty `path` is only replaced with overwrite=True, and then only after the new one is complete.
     `extra_files` (name -> bytes, e.g. tokenizer files read before `path` is replaced) are written into
-    the new directory before it is committed.
+    the new directory before it is committed. With several JAX processes every one gets the same directory
+    (for collective writers such as Orbax); process 0 alone writes the extra files and commits.
     """
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is a file; choose a directory path")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True (--overwrite) or a new path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    lead = jax.process_index() == 0
+    tmp = path.with_name(f".{path.name}.partial-{_shared_suffix()}")
+    if lead:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(mode=0o777 & ~_umask())
+    _sync(f"atomic_directory:create:{tmp.name}")
     try:
         yield tmp
-        for name, content in (extra_files or {}).items():
-            (tmp / name).write_bytes(content)
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; a checkpoint is as readable as any directory
+        if lead:
+            for name, content in (extra_files or {}).items():
+                (tmp / name).write_bytes(content)
+        _sync(f"atomic_directory:written:{tmp.name}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(path)
+    if lead:
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    _sync(f"atomic_directory:committed:{tmp.name}")

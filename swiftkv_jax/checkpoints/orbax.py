@@ -33,7 +33,8 @@ def save_orbax(model: Model, path, *, overwrite: bool = False, extra_files=None)
     appears only when complete."""
     check_params(model.config, model.params)
     with atomic_directory(path, overwrite, extra_files) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+        if jax.process_index() == 0:
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / PARAMS_DIR, model.params)
             checkpointer.wait_until_finished()

@@ -212,10 +212,10 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
         )
 
 
-def _checkpoint_manager(config: TrainConfig) -> ocp.CheckpointManager:
+def _checkpoint_manager(config: TrainConfig, create: bool = True) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=config.checkpoint.every, max_to_keep=config.checkpoint.keep,
-        enable_async_checkpointing=config.checkpoint.async_save, create=True)
+        enable_async_checkpointing=config.checkpoint.async_save, create=create)
     return ocp.CheckpointManager(Path(config.train.output_dir).absolute() / CHECKPOINT_DIR, options=options)
 
 
@@ -256,8 +256,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
     lead = jax.process_index() == 0
     say = print_fn if lead else (lambda *_: None)
     out = Path(config.train.output_dir)
-    manager = _checkpoint_manager(config)
-    latest = manager.latest_step()
+    latest = _checkpoint_manager(config, create=False).latest_step() if (out / CHECKPOINT_DIR).is_dir() else None
     if latest is not None and not config.train.resume:
         raise ConfigError(
             f"{out} already holds checkpoints of a run (latest step {latest}): pass train.resume=true to continue "
@@ -286,6 +285,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
 
     state = compiled.init_state(trainable)
     del trainable
+    manager = _checkpoint_manager(config)  # the first thing written: the input is valid by now
     start = 0
     if latest is not None:
         restored = manager.restore(latest, args=ocp.args.Composite(
@@ -315,10 +315,13 @@ def train(config: TrainConfig, print_fn=print) -> int:
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 manager.wait_until_finished()
                 progress.close()
+                good = manager.latest_step()
+                kept = (f"The last good checkpoint (step {good}) in {out / CHECKPOINT_DIR} is intact"
+                        if good is not None else "No checkpoint had been saved yet")
                 raise TrainingStopped(
                     f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step {step + 1}; "
-                    f"stopped without applying it. The last good checkpoint (step {manager.latest_step()}) in "
-                    f"{out / CHECKPOINT_DIR} is intact: lower optim.learning_rate or check the data, then resume"
+                    f"stopped without applying it. {kept}: lower optim.learning_rate or check the data and "
+                    f"teacher weights, then {'resume' if good is not None else 'start again'}"
                 )
             if lead and (step + 1) % config.train.log_every == 0:
                 log.write(record)

@@ -1,0 +1,409 @@
+"""The distillation step (../shared/SWIFTKV.md §4) in-process, fp32: what is trained, the loss against a
+float64 numpy computation from the model's full logits, chunking, gradient accumulation, sharding,
+non-finite losses, and the typed run config with its recipes.
+
+References not written here: numpy float64 KL/MSE, the published parameter arithmetic of Llama-3.1-8B,
+an unsharded single-device run, and the paper's recipe values.
+"""
+
+import dataclasses
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import traverse_util
+
+import swiftkv_jax as sk
+from distill_fixtures import (LLAMA_8B_TRAINABLE_L16, assert_trees_close, assert_trees_equal, init_state, jit_step,
+                              n_params, numpy_kl, packed_batch, student, tiny_config, write_hf_config)
+from swiftkv_jax import configuration
+from swiftkv_jax.configuration import ConfigError
+from swiftkv_jax.distill import loss as losses
+from swiftkv_jax.distill import trainer
+from swiftkv_jax.distill.config import (LossSection, ModelSection, OptimSection, TrainConfig, TrainSection)
+from swiftkv_jax.distill.student import student_config
+from swiftkv_jax.distill.trainable import merge, split
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+CPUS = jax.devices("cpu")
+FAST = OptimSection(learning_rate=1e-2, warmup_ratio=0.0)  # the first step already moves the weights
+LOSS = LossSection(hidden_loss_mult=1.0, chunk_size=16)  # the current recipe's loss, chunked
+# Equivalent computations (chunking, accumulation, sharding) sum in other orders: the KL, a small difference
+# of large terms, moves by ~1e-6 relative in fp32, and Adam turns a rounding-level gradient entry into up
+# to ~1e-4 of an lr = 1e-2 step. Real discrepancies are orders of magnitude larger.
+METRICS_RTOL, WEIGHTS_ATOL = 5e-6, 1e-5
+
+
+def run_steps(fn, state, frozen, batches):
+    metrics = []
+    for batch in batches:
+        state, m = fn(state, frozen, batch)
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def assert_same_steps(run, reference, metrics_rtol=METRICS_RTOL):
+    """(state, metrics) of two runs of the same steps agree."""
+    assert_trees_close(run[1], reference[1], rtol=metrics_rtol)
+    assert_trees_close(run[0].trainable, reference[0].trainable, rtol=1e-6, atol=WEIGHTS_ATOL)
+    assert int(run[0].step) == int(reference[0].step) == len(reference[1])
+    # Adam's moments are sums of the gradients (and their squares): this compares the gradients themselves.
+    for x, y in zip(jax.tree.leaves(run[0].opt_state), jax.tree.leaves(reference[0].opt_state)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * np.abs(y).max())
+
+
+# --- what is trained ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qkv_bias,g", [(False, 1), (True, 2)])
+def test_trainable_split_is_exactly_swiftkv_qkv_and_norm(qkv_bias, g):
+    cfg = tiny_config(qkv_bias=qkv_bias, num_key_value_layers=2, key_value_group_size=g)
+    params = sk.abstract_params(cfg)
+    trainable, frozen = split(params)
+    leaves = ("kernel", "bias") if qkv_bias else ("kernel",)
+    expected = ({("norm_swiftkv", "scale")}
+                | {("swiftkv_groups", m, leaf) for m in ("k_proj_swiftkv", "v_proj_swiftkv") for leaf in leaves}
+                | {("swiftkv_groups", "layers", "self_attn", "q_proj_swiftkv", leaf) for leaf in leaves})
+    flat_all = traverse_util.flatten_dict(params)
+    assert set(traverse_util.flatten_dict(trainable)) == expected
+    assert set(traverse_util.flatten_dict(frozen)) == set(flat_all) - expected
+    # AcrossKV: k/v only for the (L - l) / g group owners, a query for every later layer.
+    k = trainable["swiftkv_groups"]["k_proj_swiftkv"]["kernel"]
+    q = trainable["swiftkv_groups"]["layers"]["self_attn"]["q_proj_swiftkv"]["kernel"]
+    assert k.shape[0] == 2 // g and q.shape[:2] == (2 // g, g)
+    assert traverse_util.flatten_dict(merge(trainable, frozen)) == flat_all
+
+
+@pytest.mark.parametrize("g,expected", [
+    (1, LLAMA_8B_TRAINABLE_L16),
+    # 16 queries, 4 owners' k/v, one norm
+    (4, 16 * 4096 * 4096 + 4 * 2 * 4096 * 1024 + 4096),
+])
+def test_llama_8b_trainable_count(g, expected):
+    rope = sk.RopeConfig(theta=500000.0, type="llama3", factor=8.0)
+    llama_8b = sk.ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope=rope,
+                              num_key_value_layers=16, key_value_group_size=g)
+    trainable, frozen = split(sk.abstract_params(llama_8b))
+    assert n_params(trainable) == expected
+    assert n_params(frozen) == 8_030_261_248  # the published Llama-3.1-8B: every original weight stays
+    if g == 1:
+        assert round(n_params(trainable) / (n_params(trainable) + n_params(frozen)), 2) == 0.05  # "5%"
+
+
+def test_steps_leave_frozen_bit_identical_and_optimizer_state_only_trainable():
+    cfg, trainable, frozen = student(tiny_config(), l=2)
+    frozen_before = jax.tree.map(np.array, frozen)
+    fn, optimizer = jit_step(cfg, LOSS, FAST)
+    state, metrics = run_steps(fn, init_state(trainable, optimizer), frozen,
+                               [packed_batch(cfg.vocab_size, seed=s) for s in range(3)])
+    assert int(state.step) == 3 and all(np.isfinite(m["loss"]) for m in metrics)
+    assert_trees_equal(frozen, frozen_before)
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(trainable))]
+    assert all(moved)
+    # Adam's two moments per trainable leaf, shaped like it, and nothing shaped like a frozen-only weight.
+    trainable_shapes = [a.shape for a in jax.tree.leaves(trainable)]
+    moments = [a for a in jax.tree.leaves(state.opt_state) if a.ndim > 0]
+    assert sorted(a.shape for a in moments) == sorted(trainable_shapes * 2)
+    assert n_params(moments) == 2 * n_params(trainable)
+    frozen_only = {frozen["embed_tokens"]["embedding"].shape, frozen["lm_head"]["kernel"].shape,
+                   frozen["layers"]["mlp"]["up_proj"]["kernel"].shape,
+                   frozen["swiftkv_groups"]["layers"]["mlp"]["up_proj"]["kernel"].shape,
+                   frozen["swiftkv_groups"]["layers"]["self_attn"]["o_proj"]["kernel"].shape}
+    assert not frozen_only & {a.shape for a in moments}
+
+
+# --- the loss -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hidden_loss_mult", [0.0, 1.0])
+def test_student_identical_to_teacher_has_zero_loss_and_gradient(hidden_loss_mult):
+    """g = 1, l = L - 1, copy init: the one SwiftKV layer computes exactly the teacher's layer (§3)."""
+    cfg, trainable, frozen = student(tiny_config(), l=3)
+    fn, optimizer = jit_step(cfg, LossSection(hidden_loss_mult=hidden_loss_mult))
+    _, (m,) = run_steps(fn, init_state(trainable, optimizer), frozen, [packed_batch(cfg.vocab_size)])
+    assert m["kl"] == 0.0 and m["hidden_mse"] == 0.0 and m["loss"] == 0.0
+    assert m["grad_norm"] < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+def test_kl_per_position_matches_float64(temperature):
+    rng = np.random.RandomState(0)
+    teacher, student_ = (rng.randn(3, 5, 50).astype(np.float32) * 4 for _ in range(2))
+    got = losses.kl_per_position(teacher, student_, temperature)
+    np.testing.assert_allclose(got, numpy_kl(teacher, student_, temperature), rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(losses.kl_per_position(teacher, teacher, temperature)) == 0.0)
+
+
+def test_chunked_kl_sum_is_independent_of_chunk_size():
+    rng = np.random.RandomState(1)
+    batch, length, dim, vocab, temperature = 2, 20, 16, 50, 2.0
+    w = jnp.asarray(rng.randn(dim, vocab).astype(np.float32))
+    head = lambda h: h @ w
+    hs, ht = (jnp.asarray(rng.randn(batch, length, dim).astype(np.float32)) for _ in range(2))
+    weights = jnp.asarray((rng.rand(batch, length) < 0.7).astype(np.int32))
+
+    def value_and_grad(chunk_size):
+        return jax.jit(jax.value_and_grad(
+            lambda s: losses.chunked_kl_sum(head, s, ht, weights, temperature, chunk_size)))(hs)
+
+    expected = np.sum(np.asarray(weights) * numpy_kl(np.asarray(ht) @ np.asarray(w), np.asarray(hs) @ np.asarray(w),
+                                                     temperature))
+    value0, grad0 = value_and_grad(0)
+    np.testing.assert_allclose(value0, expected, rtol=1e-5)
+    assert np.abs(grad0).max() > 1e-3
+    for chunk_size in (7, 16, 10, length, 64):  # padded, padded, divisor, whole, longer than T
+        value, grad = value_and_grad(chunk_size)
+        np.testing.assert_allclose(value, value0, rtol=1e-6, err_msg=f"chunk {chunk_size}")
+        np.testing.assert_allclose(grad, grad0, rtol=1e-6, atol=1e-6 * np.abs(grad0).max(),
+                                   err_msg=f"chunk {chunk_size}")
+
+
+def two_steps(cfg, trainable, frozen, loss=LOSS, grad_accum=1):
+    fn, optimizer = jit_step(cfg, loss, FAST, grad_accum=grad_accum)
+    return run_steps(fn, init_state(trainable, optimizer), frozen,
+                     [packed_batch(cfg.vocab_size, seed=s) for s in range(2)])  # 8 rows of 24 positions
+
+
+@pytest.fixture(scope="module")
+def perturbed():
+    """(config, trainable, frozen): l = 2 of 4, trainables perturbed so that KL and hidden MSE are > 0."""
+    return student(tiny_config(), l=2, noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def reference_steps(perturbed):
+    return two_steps(*perturbed)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 7])  # whole sequence; a non-divisor of 24 (padded); LOSS has 16
+def test_train_step_is_independent_of_chunk_size(perturbed, reference_steps, chunk_size):
+    assert_same_steps(two_steps(*perturbed, loss=dataclasses.replace(LOSS, chunk_size=chunk_size)), reference_steps)
+
+
+@pytest.mark.parametrize("temperature,hidden_loss_mult", [(2.0, 0.0), (1.5, 0.5)])  # paper era; other values
+def test_loss_is_t2_masked_kl_over_tokens_plus_hidden_mse(perturbed, temperature, hidden_loss_mult):
+    """loss = T^2 * sum(mask * KL_T) / (non-padding positions) + mult * MSE(hidden entering the last layer),
+    computed in float64 from the model's own full forwards of both wirings."""
+    cfg, trainable, frozen = perturbed
+    batch = packed_batch(cfg.vocab_size, seed=3)
+    batch["loss_mask"] = np.random.RandomState(4).randint(0, 2, batch["tokens"].shape).astype(np.int32)  # padding too
+    valid = batch["segment_ids"] > 0
+    assert (~valid).any() and (batch["loss_mask"][~valid] == 1).any() and (batch["loss_mask"][valid] == 0).any()
+    model = sk.Model(cfg, merge(trainable, frozen))
+    where = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+    s_logits, s_inter = sk.intermediates(model, batch["tokens"], swiftkv=True, **where)
+    t_logits, t_inter = sk.intermediates(model, batch["tokens"], swiftkv=False, **where)
+    n = valid.sum()
+    kl = np.sum(batch["loss_mask"] * valid * numpy_kl(t_logits, s_logits, temperature)) / n
+    last = cfg.num_hidden_layers - 1  # residual[i] is the output of layer i - 1, i.e. the input of layer i
+    diff = np.asarray(s_inter["residual"][last], np.float64) - np.asarray(t_inter["residual"][last], np.float64)
+    mse = np.sum(valid[..., None] * diff**2) / (n * cfg.hidden_size)
+    assert kl > 1e-4 and mse > 1e-4
+
+    fn, optimizer = jit_step(cfg, LossSection(temperature=temperature, hidden_loss_mult=hidden_loss_mult,
+                                              chunk_size=7))
+    _, (m,) = run_steps(fn, init_state(trainable, optimizer), frozen, [batch])
+    assert m["tokens"] == n
+    np.testing.assert_allclose(m["kl"], kl, rtol=2e-5)
+    np.testing.assert_allclose(m["loss"], temperature**2 * kl + hidden_loss_mult * mse, rtol=2e-5)
+    if hidden_loss_mult:
+        np.testing.assert_allclose(m["hidden_mse"], mse, rtol=2e-5)
+
+
+@pytest.mark.parametrize("grad_accum", [2, 4])
+def test_grad_accum_gives_the_same_steps(perturbed, reference_steps, grad_accum):
+    assert_same_steps(two_steps(*perturbed, grad_accum=grad_accum), reference_steps)
+
+
+@pytest.mark.parametrize("mesh_shape,grad_accum", [((1, 8, 1), 1), ((2, 2, 2), 2)],
+                         ids=["fsdp8", "data2-fsdp2-tensor2-accum2"])
+def test_sharded_step_equals_single_device(perturbed, reference_steps, mesh_shape, grad_accum):
+    """trainer.build_step on a mesh of 8 devices vs the plain jitted step on one: metrics, weights, moments."""
+    mesh = sk.make_mesh(*mesh_shape, devices=CPUS[:8])
+    cfg, trainable, frozen = student(tiny_config(), l=2, mesh=mesh, noise=0.05)  # born sharded
+    assert_trees_equal((trainable, frozen), perturbed[1:])  # the same weights as the one-device run
+    embedding = frozen["embed_tokens"]["embedding"]
+    assert embedding.sharding.shard_shape(embedding.shape) != embedding.shape  # really split over devices
+    config = TrainConfig(loss=LOSS, optim=FAST, train=TrainSection(global_batch_size=8, grad_accum=grad_accum))
+    compiled = trainer.build_step(config, cfg, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen), 10)
+    batches = [jax.device_put(packed_batch(cfg.vocab_size, seed=s), compiled.batch_sharding) for s in range(2)]
+    run = run_steps(compiled.fn, compiled.init_state(trainable), frozen, batches)
+    assert_same_steps(run, reference_steps, metrics_rtol=1e-5)
+    assert jax.tree.map(lambda a: a.sharding, run[0].trainable) == jax.tree.map(lambda a: a.sharding, trainable)
+
+
+@pytest.mark.parametrize("poison", ["nan_lm_head", "inf_embedding"])
+def test_non_finite_loss_leaves_state_unchanged(perturbed, poison):
+    cfg, trainable, frozen = perturbed
+    fn, optimizer = jit_step(cfg, LOSS, FAST)
+    batch = packed_batch(cfg.vocab_size)
+    state, _ = run_steps(fn, init_state(trainable, optimizer), frozen, [batch])  # a state with moments
+    bad = jax.tree.map(lambda a: a, frozen)
+    if poison == "nan_lm_head":
+        bad["lm_head"] = {"kernel": frozen["lm_head"]["kernel"].at[0, 0].set(jnp.nan)}
+    else:
+        bad["embed_tokens"] = {"embedding": frozen["embed_tokens"]["embedding"].at[batch["tokens"][0, 0]].set(jnp.inf)}
+    before = jax.tree.map(np.array, state)
+    after, (m,) = run_steps(fn, state, bad, [batch])
+    assert not np.isfinite(m["loss"])
+    assert_trees_equal(after, before)  # step counter, weights and optimizer state
+    resumed, (m,) = run_steps(fn, after, frozen, [batch])  # a good batch continues normally
+    assert np.isfinite(m["loss"]) and int(resumed.step) == int(before.step) + 1
+
+
+# --- the run config -----------------------------------------------------------------------------------------
+
+
+def load(*overrides, path=None):
+    return configuration.load(TrainConfig, path, ["model.teacher=t", "data.sources=[{path: d.jsonl}]", *overrides])
+
+
+@pytest.mark.parametrize("assignment,suggestion", [
+    ("optim.learnig_rate=1e-3", "optim.learning_rate"),
+    ("optimm.learning_rate=1e-3", "optim.learning_rate"),
+    ("train.grad_acum=2", "train.grad_accum"),
+    ("loss.hiden_loss_mult=1", "loss.hidden_loss_mult"),
+])
+def test_unknown_key_suggests_the_nearest(assignment, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
+        load(assignment)
+
+
+@pytest.mark.parametrize("text,key,suggestion", [
+    ("optimm:\n  learning_rate: 1.0e-3\n", "optimm", "optim"),
+    ("optim:\n  learnig_rate: 1.0e-3\n", "optim.learnig_rate", "optim.learning_rate"),
+])
+def test_unknown_key_in_yaml_names_the_file(tmp_path, text, key, suggestion):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"'{key}' in {path}.*did you mean '{suggestion}'"):
+        load(path=path)
+
+
+@pytest.mark.parametrize("assignment,match", [
+    ("train.global_batch_size=eight", "train.global_batch_size: expected int"),
+    ("train.global_batch_size=2.5", "expected int"),
+    ("train.global_batch_size=true", "expected int"),
+    ("optim.learning_rate=fast", "optim.learning_rate: expected float"),
+    ("train.resume=maybe", "train.resume: expected bool"),
+    ("model.norm_init=cpy", "'cpy' is not one of copy, ones; did you mean 'copy'"),
+    ("model.frozen_dtype=fp32", "is not one of float32, bfloat16, float16"),
+    ("model.remat=partial", "is not one of none, full, dots"),
+    ("distributed.cpu_collectives=nccl", "is not one of gloo, mpi, none"),
+    ("data.sources=3", "expected DataSource"),
+    ("optim.learning_rate", "must look like section.key=value"),
+])
+def test_wrong_values_are_rejected(assignment, match):
+    with pytest.raises(ConfigError, match=match):
+        load(assignment)
+
+
+def test_values_are_coerced():
+    config = load("optim.learning_rate=1e-4", "train.max_steps=7", "train.resume=true", "train.max_steps=null",
+                  "model.tokenizer=~", "mesh.fsdp=-1")
+    assert config.optim.learning_rate == 1e-4 and isinstance(config.optim.learning_rate, float)
+    assert config.train.max_steps is None and config.train.resume is True and config.model.tokenizer is None
+    assert config.data.sources[0].path == "d.jsonl"
+
+
+@pytest.mark.parametrize("text,match", [
+    (None, "does not exist"),
+    ("model: [unclosed\n", "not valid YAML"),
+    ("- a\n- b\n", "must hold a mapping of sections, got list"),
+    ("optim: 3\n", "optim: expected OptimSection"),
+])
+def test_yaml_file_errors(tmp_path, text, match):
+    path = tmp_path / "r.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load(path=path)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (("train.global_batch_size=6", "train.grad_accum=4"),
+     r"global_batch_size \(6\) must be divisible by .*grad_accum \(4\)"),
+    (("model.teacher=",), "model.teacher is required"),
+    (("data.sources=[]",), "data.sources is empty"),
+    (("model.num_key_value_layers=0",), "num_key_value_layers"),
+    (("optim.warmup_ratio=1.5",), "warmup_ratio"),
+    (("loss.temperature=0",), "temperature must be > 0"),
+    (("train.max_steps=0",), "max_steps must be >= 1"),
+    (("data.seq_len=1",), "seq_len must be >= 2"),
+])
+def test_validate_cross_checks(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load(*overrides)
+
+
+@pytest.mark.parametrize("l,g,match", [
+    (4, 1, "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
+    (5, 1, "choose l < 4"),
+    (1, 2, r"model: .*"),  # (L - l) = 3 layers do not split into groups of 2
+])
+def test_student_config_rejects_bad_layouts(tmp_path, l, g, match):
+    teacher = write_hf_config(tmp_path, num_hidden_layers=4)
+    with pytest.raises(ConfigError, match=match):
+        student_config(ModelSection(teacher=str(teacher), num_key_value_layers=l, key_value_group_size=g))
+    assert student_config(ModelSection(teacher=str(teacher), num_key_value_layers=2, key_value_group_size=2)
+                          ).num_kv_groups == 1
+
+
+def test_student_config_of_missing_teacher(tmp_path):
+    with pytest.raises(ConfigError, match="model.teacher"):
+        student_config(ModelSection(teacher=str(tmp_path / "nowhere")))
+
+
+def test_describe_lists_every_key_with_its_default():
+    text = configuration.describe(TrainConfig)
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and line.split()}
+    defaults = configuration.to_dict(TrainConfig())
+    for key in configuration.keys(TrainConfig):
+        assert key in lines, key
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        printed = lines[key].split(" = ", 1)[1]
+        assert yaml.safe_load(printed) == value, (key, printed)
+    assert len(configuration.keys(TrainConfig)) == len(set(configuration.keys(TrainConfig))) > 40
+
+
+RECIPES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_recipe_loads(path):
+    config = configuration.load(TrainConfig, path, ["model.teacher=/some/teacher"])
+    assert config.model.teacher == "/some/teacher" and config.data.sources
+
+
+# SWIFTKV.md §1/§4: published l, g and learning rates.
+PUBLISHED = {
+    "llama-3.1-8b-instruct.yaml": (16, 1, 2e-4),
+    "llama-3.1-8b-instruct-acrosskv4.yaml": (16, 4, 2e-4),
+    "llama-3.1-70b-instruct.yaml": (40, 1, 4e-4),
+    "qwen2.5-7b-instruct.yaml": (21, 1, 2e-4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_recipes_have_the_papers_settings(name):
+    config = configuration.load(TrainConfig, os.path.join(CONFIGS, name))
+    l, g, lr = PUBLISHED[name]
+    assert (config.model.num_key_value_layers, config.model.key_value_group_size) == (l, g)
+    assert config.optim.learning_rate == lr
+    optim = config.optim
+    assert (optim.b1, optim.b2, optim.weight_decay, optim.warmup_ratio) == (0.9, 0.999, 0.0, 0.05)
+    assert config.loss.temperature == 2.0 and config.train.epochs == 1.0 and config.data.seq_len == 8192
+    assert config.model.norm_init == "copy" and config.model.trainable_dtype == "float32"
+    paths = {s.path for s in config.data.sources}
+    assert {"HuggingFaceH4/ultrachat_200k", "teknium/OpenHermes-2.5", "meta-math/MetaMathQA",
+            "ise-uiuc/Magicoder-OSS-Instruct-75K"} <= paths
+    assert [s.split for s in config.data.sources if s.path == "HuggingFaceH4/ultrachat_200k"] == ["train_sft"]
+    if "8b" in name or "7b" in name:
+        assert config.train.global_batch_size == 8  # ~8 packed sequences of 8K (~64K tokens) per step
