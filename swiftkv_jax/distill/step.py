@@ -114,7 +114,7 @@ def train_step(state: TrainState, frozen: dict, batch: dict, *, config: ModelCon
     kl = sums["kl"] * inv_tokens
     hidden_mse = sums["sq"] * inv_tokens / config.hidden_size
     total = loss.temperature**2 * kl + loss.hidden_loss_mult * hidden_mse
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)

@@ -12,6 +12,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
@@ -95,11 +96,34 @@ class MLP(nn.Module):
         )
 
 
+@struct.dataclass
+class CacheWrite:
+    """Serving: where this call's tokens go in the KV cache, and how much of it is valid afterwards."""
+
+    write_at: Optional[jax.Array]  # [B] cache index of the first new token; None: read the cache only
+    kv_lengths: jax.Array          # [B] valid entries after the write
+
+
+def write_cache(cache, new, write_at):
+    """cache [B, S, K, H] with new [B, T, K, H] written at per-sequence offsets write_at [B]."""
+    put = lambda c, n, i: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (i, 0, 0))
+    return jax.vmap(put)(cache, new, write_at)
+
+
+def cache_view(k, v, kv_lengths):
+    """(k, v, positions, segment_ids) of a cache: entry i is position i; entries >= length match no query."""
+    batch, length = k.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return k, v, positions, jnp.where(positions < kv_lengths[:, None], 0, -1)
+
+
 class Attention(nn.Module):
     """Self-attention of one layer.
 
     Teacher wiring (`shared_kv is None`): q/k/v from this layer's own input. SwiftKV wiring: the query
-    from `q_proj_swiftkv` of this layer's input, K/V given (the group owner's, already rotated).
+    from `q_proj_swiftkv` of this layer's input, K/V given as a view (k, v, positions, segment_ids): the
+    group owner's, already rotated, or a cache. Serving: with `cache` (k, v) [B, S, K, H] this layer's own
+    K/V are written into it at `cache_write` and attention reads the whole cache.
     """
 
     config: ModelConfig
@@ -116,43 +140,54 @@ class Attention(nn.Module):
         if self.has_swiftkv_query:
             self.q_proj_swiftkv = q_projection(cfg)
 
-    def __call__(self, x, rope, positions, segment_ids, shared_kv=None):
+    def __call__(self, x, rope, positions, segment_ids, shared_kv=None, cache=None,
+                 cache_write: Optional[CacheWrite] = None):
+        """(output [B, T, D], the updated cache or None)."""
         cos, sin = rope
         if self.is_initializing() and self.has_swiftkv_query:
             self.q_proj_swiftkv(x)  # create both wirings' parameters whatever the mode
+        new_cache = None
         if shared_kv is None or self.is_initializing():
             q = self.q_proj(x)
             k = apply_rope(self.k_proj(x), cos, sin)
             v = self.v_proj(x)
+            view = (k, v, positions, segment_ids)
+            if cache is not None:
+                new_cache = tuple(write_cache(c, new, cache_write.write_at) for c, new in zip(cache, (k, v)))
+                view = cache_view(*new_cache, cache_write.kv_lengths)
         if shared_kv is not None:
             q = self.q_proj_swiftkv(x)
-            k, v = shared_kv
+            view = shared_kv
+        k, v, kv_positions, kv_segment_ids = view
         self.sow("intermediates", "keys", k)  # what this layer reads: its own K, or its group owner's
         q = apply_rope(q, cos, sin)
-        out = attend(self.config.attention_impl, q, k, v, positions, positions, segment_ids, segment_ids)
-        return self.o_proj(out)
+        out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
+        return self.o_proj(out), new_cache
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama layer; a scan body: (carry, *broadcast inputs) -> (carry, None).
+    """Pre-norm Llama layer; a scan body: (carry, *broadcast inputs, cache) -> (carry, updated cache).
 
     The carry is the residual h, or (h, input of the previous layer): the tuple form lets a caller read
-    the hidden state entering the last layer of a stack without stacking every layer's.
+    the hidden state entering the last layer of a stack without stacking every layer's. `cache` is this
+    layer's slice of a serving KV cache (None when training).
     """
 
     config: ModelConfig
     has_swiftkv_query: bool = False
 
     @nn.compact
-    def __call__(self, carry, rope, positions, segment_ids, shared_kv):
+    def __call__(self, carry, rope, positions, segment_ids, shared_kv, cache_write, cache):
         cfg = self.config
         h_in = sharding.constrain(carry[0] if isinstance(carry, tuple) else carry, ("batch", "length", "act_embed"))
         x = RMSNorm(cfg, name="input_layernorm")(h_in)
-        h = h_in + Attention(cfg, self.has_swiftkv_query, name="self_attn")(x, rope, positions, segment_ids, shared_kv)
+        attn, cache = Attention(cfg, self.has_swiftkv_query, name="self_attn")(
+            x, rope, positions, segment_ids, shared_kv, cache, cache_write)
+        h = h_in + attn
         x = RMSNorm(cfg, name="post_attention_layernorm")(h)
         h = h + MLP(cfg, name="mlp")(x)
         self.sow("intermediates", "residual", h)  # the layer's output; kept only when asked for
-        return ((h, h_in) if isinstance(carry, tuple) else h), None
+        return ((h, h_in) if isinstance(carry, tuple) else h), cache
 
 
 _REMAT_POLICIES = {
@@ -170,7 +205,7 @@ def scanned_layers(cfg: ModelConfig, length: int, has_swiftkv_query: bool, **kwa
         body,
         variable_axes={"params": 0, "intermediates": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast,) * 4,
+        in_axes=(nn.broadcast,) * 5 + (0,),  # rope, positions, segment_ids, shared_kv, cache_write | cache
         length=length,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(cfg, has_swiftkv_query, **kwargs)

@@ -1,0 +1,10 @@
+"""Pallas kernels (Triton-style; interpret mode on CPU, compiled on GPU), each with a plain-jnp reference."""
+
+from swiftkv_jax.kernels.decode_attention import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, decode_attention,
+                                                  decode_attention_reference, merge_partials, normalize)
+from swiftkv_jax.kernels.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+
+__all__ = [
+    "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "FlashBlockSizes", "decode_attention",
+    "decode_attention_reference", "flash_attention", "flash_attention_reference", "merge_partials", "normalize",
+]

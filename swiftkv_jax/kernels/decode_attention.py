@@ -1,0 +1,296 @@
+"""Few-query ("decode") attention over a KV cache: a split-K Pallas kernel, its jnp reference, and exact merges.
+
+Shapes (one letter per dimension): q ``[B, T, N, H]`` (T query tokens, small: 1 for decode, a few for
+speculative or SwiftKV steps), k_cache / v_cache ``[B, S, K, H]``, ``lengths [B]`` int32 and
+``q_positions [B, T]`` int32. G = N // K query heads share one KV head (GQA).
+
+Masking: cache index == position. Query token t of sequence b sees key s iff
+``s < lengths[b]`` and ``s <= q_positions[b, t]``. The mask is built from positions, never from a
+top-left-aligned ``is_causal`` flag, so it is right when T < S. A query that sees no key (empty cache,
+``lengths[b] == 0``) gets an all-zero output, never NaN.
+
+Scale: the scores are ``q . k / sqrt(H)``, applied inside (in fp32, on the scores). Do not pre-scale q.
+
+Kernel layout: one program per (batch b, KV head k, KV split j). It holds the T*G query rows of that KV head
+(padded to a power of two >= 16, the smallest Triton dot) and streams its split of the cache in blocks of
+``block_k`` keys, so every K/V block is read from memory once for the whole GQA group. The cache is indexed
+in place (no transpose or pad of the cache per call). Each split returns its unnormalised output with the
+running max and sum of the softmax (the flash-attention residuals); ``merge_partials`` combines them
+exactly in jnp. The same merge combines two KV segments (SwiftKV: prompt KV + decode KV), see
+``decode_attention(..., return_residuals=True)``.
+
+Backend decision: the kernel is a Triton-style ``pl.pallas_call`` (BlockSpecs over a grid, fori_loop over
+key blocks, masked ``load``). That style is the one that runs in ``interpret=True`` on CPU (so CI checks
+the same kernel code), and that compiles on both JAX 0.10 and 0.11. JAX 0.10 lowers a GPU ``pallas_call``
+with Mosaic GPU unless Triton ``CompilerParams`` are passed, so they are always passed here. Mosaic GPU
+(warpgroup, TMA) is Hopper's native path and is what ``jax.experimental.pallas.ops.gpu.attention_mgpu``
+uses; it has no CPU interpret mode for this style of kernel and a different programming model. The Triton
+backend is deprecated from JAX 0.11 on, so whether this kernel or a Mosaic GPU one (or plain XLA) is faster
+for decode on the H200 must be measured there; this file was written and tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # JAX 0.10 and 0.11 (deprecated there, still present); the masked load and the Triton compiler params.
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backend
+    pltriton = None
+
+__all__ = [
+    "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "decode_attention", "decode_attention_reference",
+    "merge_partials", "normalize",
+]
+
+# Score of a masked key, and the max of a row that has seen no key yet. Finite, so that no
+# ``-inf - -inf`` NaN can appear; masked probabilities are set to exactly zero with ``where``.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_MIN_ROWS = 16  # a Triton dot needs at least 16 rows
+
+
+def _is_power_of_two(x: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Block sizes of the decode kernel (hashable: a static jit argument).
+
+    block_k: keys per inner-loop block; a power of two >= 16 (Triton tensor sizes are powers of two and a
+      dot needs >= 16 along each dimension). Shared memory per stage is about 2 * block_k * H * itemsize.
+    num_splits: how many programs split the cache along S (parallelism when B * K is small). The split
+      length is rounded up to a multiple of block_k, so a short cache uses fewer splits.
+    num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+    """
+
+    block_k: int = 64
+    num_splits: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not _is_power_of_two(self.block_k) or self.block_k < 16:
+            raise ValueError(f"DecodeBlockSizes.block_k must be a power of two >= 16, got {self.block_k!r}")
+        if not isinstance(self.num_splits, int) or isinstance(self.num_splits, bool) or self.num_splits < 1:
+            raise ValueError(f"DecodeBlockSizes.num_splits must be an integer >= 1, got {self.num_splits!r}")
+        if not _is_power_of_two(self.num_warps) or self.num_warps > 32:
+            raise ValueError(f"DecodeBlockSizes.num_warps must be a power of two in [1, 32], got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
+            raise ValueError(f"DecodeBlockSizes.num_stages must be an integer >= 1, got {self.num_stages!r}")
+
+
+class AttentionResiduals(NamedTuple):
+    """Unnormalised attention of one KV segment, mergeable exactly with ``merge_partials``.
+
+    out: ``[..., H]`` fp32, ``sum_s exp(score_s - max) v_s``; max: ``[...]`` fp32, the max visible score
+    (``MASK_VALUE`` where no key is visible); sum: ``[...]`` fp32, ``sum_s exp(score_s - max)`` (0 where no
+    key is visible). ``normalize`` turns it into the attention output.
+    """
+
+    out: jax.Array
+    max: jax.Array
+    sum: jax.Array
+
+
+def merge_partials(outs: jax.Array, maxes: jax.Array, sums: jax.Array) -> AttentionResiduals:
+    """Merges partial attentions stacked on a leading axis (``[P, ..., H]``, ``[P, ...]``, ``[P, ...]``).
+
+    Exact: rescales every partial to the common max. Partials with no visible key (max ``MASK_VALUE``,
+    sum 0) contribute nothing. To merge two segments: ``merge_partials(*map(jnp.stack, zip(r1, r2)))``.
+    """
+    m = jnp.max(maxes, axis=0)
+    # jax's bundled decode kernel needs this barrier to avoid invalid values after jit (b/389925439).
+    m = lax.optimization_barrier(m)
+    w = jnp.exp(maxes - m[None])
+    return AttentionResiduals(jnp.sum(outs * w[..., None], axis=0), m, jnp.sum(sums * w, axis=0))
+
+
+def normalize(residuals: AttentionResiduals, dtype) -> jax.Array:
+    """The attention output ``out / sum`` in ``dtype``; zeros where no key was visible."""
+    out, _, total = residuals
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
+
+
+def _visible(lengths, q_positions, num_keys: int) -> jax.Array:
+    """[B, T, S] bool: key s visible to query t of sequence b."""
+    key = jnp.arange(num_keys)[None, None, :]
+    return (key < lengths[:, None, None]) & (key <= q_positions[:, :, None])
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, return_residuals: bool = False):
+    """Plain-jnp decode attention with an fp32 softmax; same contract as ``decode_attention``."""
+    B, T, N, H = q.shape
+    _, S, K, _ = k_cache.shape
+    f32 = jnp.float32
+    qg = q.astype(f32).reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BTKGH,BSKH->BTKGS", qg, k_cache.astype(f32), precision=lax.Precision.HIGHEST)
+    scores = scores * (1.0 / math.sqrt(H))
+    visible = _visible(lengths, q_positions, S)[:, :, None, None, :]
+    scores = jnp.where(visible, scores, MASK_VALUE)
+    m = jnp.max(scores, axis=-1, initial=MASK_VALUE)
+    p = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
+    out = jnp.einsum("BTKGS,BSKH->BTKGH", p, v_cache.astype(f32), precision=lax.Precision.HIGHEST)
+    residuals = AttentionResiduals(out.reshape(B, T, N, H), m.reshape(B, T, N), p.sum(-1).reshape(B, T, N))
+    return residuals if return_residuals else normalize(residuals, q.dtype)
+
+
+def _kernel(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int, split_len: int):
+    """One (b, kv head, split) program. limit_ref [R]: row r sees keys with index < limit[r].
+
+    q_ref [R, H]; k_ref, v_ref [split_len, H] (this split of the cache, may run past S: masked loads);
+    o_ref [R, H], m_ref [R], l_ref [R] fp32.
+    """
+    rows, head_dim = q_ref.shape
+    split_start = pl.program_id(2) * split_len
+    limit = limit_ref[...]
+    q = q_ref[...]
+    # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S).
+    split_end = jnp.minimum(jnp.max(limit), split_start + split_len)
+    num_blocks = (jnp.maximum(split_end - split_start, 0) + block_k - 1) // block_k
+
+    def body(i, carry):
+        o, m, l = carry
+        local = pl.ds(i * block_k, block_k)
+        idx = split_start + i * block_k + jnp.arange(block_k)
+        in_range = (idx < split_end)[:, None]
+        k = pltriton.load(k_ref.at[local, :], mask=in_range, other=0.0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        visible = idx[None, :] < limit[:, None]
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+        v = pltriton.load(v_ref.at[local, :], mask=in_range, other=0.0)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return o * correction[:, None] + pv, m_next, l * correction + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, m, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _compiler_params(block_sizes: DecodeBlockSizes, interpret: bool):
+    """Triton compiler params: without them JAX 0.10 lowers a GPU pallas_call with Mosaic GPU."""
+    return None if interpret else pltriton.CompilerParams(num_warps=block_sizes.num_warps,
+                                                          num_stages=block_sizes.num_stages)
+
+
+def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_cache [B, S, K, H], got {q.shape} and {k_cache.shape}")
+    B, T, N, H = q.shape
+    _, S, K, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != H:
+        raise ValueError(f"k_cache and v_cache must both be [B={B}, S, K, H={H}], got {k_cache.shape} and "
+                         f"{v_cache.shape}")
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    if not _is_power_of_two(H) or H < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {H}")
+    if tuple(lengths.shape) != (B,) or tuple(q_positions.shape) != (B, T):
+        raise ValueError(f"lengths must be [B={B}] and q_positions [B={B}, T={T}], got {lengths.shape} and "
+                         f"{q_positions.shape}")
+    if not (jnp.issubdtype(lengths.dtype, jnp.integer) and jnp.issubdtype(q_positions.dtype, jnp.integer)):
+        raise ValueError(f"lengths and q_positions must be integers, got {lengths.dtype} and {q_positions.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool):
+    B, T, N, H = q.shape
+    _, S, K, _ = k_cache.shape
+    G = N // K
+    rows = T * G
+    padded_rows = max(_MIN_ROWS, pl.next_power_of_2(rows))
+    block_k = block_sizes.block_k
+    split_len = pl.cdiv(pl.cdiv(S, block_sizes.num_splits), block_k) * block_k
+    num_splits = pl.cdiv(S, split_len)
+
+    # Rows of one KV head: r = t * G + g (a copy of q only: small). Padded rows see no key.
+    q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, H)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, lengths.astype(jnp.int32)[:, None])
+    limit = jnp.clip(limit, 0, S)
+    limit = jnp.pad(jnp.repeat(limit, G, axis=1), ((0, 0), (0, padded_rows - rows)))
+
+    kv_spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, j: (b, j, k, 0))
+    stat_spec = pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (j, b, k, 0))
+    stat_shape = jax.ShapeDtypeStruct((num_splits, B, K, padded_rows), jnp.float32)
+    kernel = functools.partial(_kernel, scale=1.0 / math.sqrt(H), block_k=block_k, split_len=split_len)
+    outs, maxes, sums = pl.pallas_call(
+        kernel,
+        grid=(B, K, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, padded_rows), lambda b, k, j: (b, 0)),
+            pl.BlockSpec((None, None, padded_rows, H), lambda b, k, j: (b, k, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, padded_rows, H), lambda b, k, j: (j, b, k, 0, 0)),
+            stat_spec,
+            stat_spec,
+        ],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, B, K, padded_rows, H), jnp.float32), stat_shape, stat_shape],
+        compiler_params=_compiler_params(block_sizes, interpret),
+        interpret=interpret,
+        name="swiftkv_decode_attention",
+    )(limit, q_rows, k_cache, v_cache)
+
+    out, m, total = merge_partials(outs, maxes, sums)
+
+    def to_heads(x):  # [B, K, R_pad, ...] -> [B, T, N, ...]
+        x = x[:, :, :rows].reshape(B, K, T, G, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 1).reshape(B, T, N, *x.shape[4:])
+
+    return AttentionResiduals(to_heads(out), to_heads(m), to_heads(total))
+
+
+def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: DecodeBlockSizes | None = None,
+                     interpret: bool | None = None, return_residuals: bool = False):
+    """Attention of a few query tokens over a KV cache, by the split-K Pallas kernel.
+
+    Args:
+      q: ``[B, T, N, H]`` queries (not pre-scaled: the kernel applies 1/sqrt(H)).
+      k_cache, v_cache: ``[B, S, K, H]``, N % K == 0, H a power of two >= 16.
+      lengths: ``[B]`` int, keys with index < lengths[b] are valid.
+      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t].
+      block_sizes: ``DecodeBlockSizes``; default ``DecodeBlockSizes()``.
+      interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
+      return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,
+        finish with ``normalize``) instead of the output.
+
+    Returns:
+      ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
+    """
+    _check_shapes(q, k_cache, v_cache, lengths, q_positions)
+    if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
+        raise NotImplementedError(
+            f"decode_attention needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
+            f"{jax.__version__} does not have; use decode_attention_reference")
+    block_sizes = DecodeBlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, DecodeBlockSizes):
+        raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
+    backend = jax.default_backend()
+    if interpret is None:
+        interpret = backend == "cpu"
+    if not interpret and backend != "gpu":
+        raise NotImplementedError(f"the compiled decode-attention kernel needs a GPU (backend is {backend!r}); "
+                                  f"pass interpret=True or use decode_attention_reference")
+    if k_cache.shape[1] == 0:  # no cache at all: nothing to attend to
+        zeros = jnp.zeros(q.shape[:3], jnp.float32)
+        residuals = AttentionResiduals(jnp.zeros(q.shape, jnp.float32), zeros + MASK_VALUE, zeros)
+    else:
+        residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, bool(interpret))
+    return residuals if return_residuals else normalize(residuals, q.dtype)

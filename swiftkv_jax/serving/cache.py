@@ -1,0 +1,54 @@
+"""The static-shaped KV cache: `l + (L - l) / g` layers for SwiftKV serving, `L` for the teacher wiring."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from swiftkv_jax.dtypes import as_dtype
+from swiftkv_jax.model.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    """lower: (k, v) [l, B, S, K, H] of layers < l (all L for a plain model). upper: (k, v) of layers >= l:
+    [G, B, S, K, H] (one per AcrossKV group) in SwiftKV wiring, [G, g, B, S, K, H] in teacher wiring, or None.
+    lengths [B]: valid entries per sequence; entry i holds position i."""
+
+    lower: tuple
+    upper: Optional[tuple]
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.lower[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lower[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.lower, self.upper)))
+
+
+def cache_layers(config: ModelConfig, swiftkv: bool) -> int:
+    """Layers of K/V held: l + (L - l) / g in SwiftKV wiring, L otherwise."""
+    return config.num_kv_cache_layers if swiftkv else config.num_hidden_layers
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16") -> KVCache:
+    """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens."""
+    if swiftkv and not config.is_swiftkv:
+        raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
+    dtype = as_dtype(dtype)
+    row = (batch_size, max_len, config.num_key_value_heads, config.head_dim)
+    zeros = lambda *lead: (jnp.zeros(lead + row, dtype), jnp.zeros(lead + row, dtype))
+    groups = config.num_kv_groups
+    upper = None
+    if groups:
+        upper = zeros(groups) if swiftkv else zeros(groups, config.key_value_group_size)
+    return KVCache(zeros(config.num_lower_layers), upper, jnp.zeros((batch_size,), jnp.int32))

@@ -1,0 +1,124 @@
+"""`generate`: prefill, then the whole token loop on device (`lax.while_loop`) with the cache donated."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.model import Model
+from swiftkv_jax.serving.cache import KVCache, init_cache
+from swiftkv_jax.serving.engine import decode_step, prefill
+from swiftkv_jax.serving.sampling import SamplingParams, sample
+
+
+@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "sampling", "max_new_tokens", "chunk_size"),
+                   donate_argnames=("cache",))
+def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_ids, *, config: ModelConfig,
+                    swiftkv: bool, sampling: SamplingParams, max_new_tokens: int, chunk_size: Optional[int]):
+    """(tokens [B, N], logprobs [B, N], generated counts [B], cache); rows stop at a stop id or after N tokens.
+
+    logprobs are under the model's own distribution (before temperature / top-k / top-p).
+    """
+    logits, cache = prefill(params, cache, tokens, prompt_lengths, config=config, swiftkv=swiftkv,
+                            chunk_size=chunk_size)
+    batch = tokens.shape[0]
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
+
+    def body(state):
+        step, cache, logits, rng, out, logprobs, done, count = state
+        rng, key = jax.random.split(rng)
+        token = sample(logits, key, sampling)
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+        live = ~done
+        out = out.at[:, step].set(jnp.where(live, token, 0))
+        logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
+        count = count + live
+        done = done | jnp.isin(token, stop_ids) | (count >= max_new_tokens)
+        logits, cache = decode_step(params, cache, token, config=config, swiftkv=swiftkv)
+        return step + 1, cache, logits, rng, out, logprobs, done, count
+
+    def cond(state):
+        step, done = state[0], state[6]
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    state = (jnp.int32(0), cache, logits, rng, out, logprobs, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32))
+    _, cache, _, _, out, logprobs, _, count = jax.lax.while_loop(cond, body, state)
+    return out, logprobs, count, cache
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[list[int]]                      # generated ids per prompt (stop id included, if hit)
+    logprobs: Optional[list[list[float]]] = None
+    texts: Optional[list[str]] = None
+
+
+def _padded_length(length: int, chunk: Optional[int]) -> int:
+    """Prompts are padded to a bucket (a power of two >= 16, or a multiple of the chunk) to reuse compiles."""
+    if chunk:
+        return -(-length // chunk) * chunk
+    return max(16, 1 << (length - 1).bit_length())
+
+
+def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str], str], max_new_tokens: int = 64,
+             *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
+             cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
+             logprobs: bool = False, tokenizer=None) -> Generation:
+    """Generate for a batch of prompts (token id lists, or text with a `tokenizer`).
+
+    swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
+    SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
+    max_len: cache length (default: longest padded prompt + max_new_tokens).
+    """
+    cfg = model.config
+    swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
+    sampling = SamplingParams(temperature, top_k, top_p)
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if any(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (pass tokenizer=, or token id lists)")
+        prompts = [tokenizer(p)["input_ids"] for p in prompts]
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    flat = [t for p in prompts for t in p]
+    if min(flat) < 0 or max(flat) >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")
+    longest = max(len(p) for p in prompts)
+    padded = _padded_length(longest, prefill_chunk)
+    needed = max(longest + max_new_tokens, padded)
+    if max_len is None:
+        max_len = needed
+    elif needed > max_len:
+        raise ValueError(
+            f"a prompt of {longest} tokens (padded to {padded}) plus max_new_tokens={max_new_tokens} needs "
+            f"{needed} cache entries, but max_len is {max_len}: raise max_len or shorten the prompt"
+        )
+    tokens = np.zeros((len(prompts), padded), np.int32)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = p
+    stops = stop_token_ids if stop_token_ids is not None else (cfg.eos_token_id or ())
+    stop_ids = jnp.asarray(list(stops) or [-1], jnp.int32)
+    cache = init_cache(cfg, len(prompts), max_len, swiftkv, cache_dtype)
+    out, lps, count, _ = generate_tokens(
+        model.params, cache, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
+        jax.random.key(seed), stop_ids, config=cfg, swiftkv=swiftkv, sampling=sampling,
+        max_new_tokens=max_new_tokens, chunk_size=prefill_chunk)
+    out, lps, count = jax.device_get((out, lps, count))
+    result = Generation([out[i, : count[i]].tolist() for i in range(len(prompts))])
+    if logprobs:
+        result.logprobs = [lps[i, : count[i]].tolist() for i in range(len(prompts))]
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens]
+    return result

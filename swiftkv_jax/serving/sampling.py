@@ -1,0 +1,42 @@
+"""Next-token choice: greedy, temperature, top-k, top-p (nucleus), from a seed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # 1: off
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
+
+
+def sample(logits, rng, params: SamplingParams):
+    """tokens [B] from fp32 logits [B, V]."""
+    if params.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / params.temperature
+    if params.top_k:
+        kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if params.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always)
+        drop_sorted = jnp.cumsum(probs, axis=-1) - probs >= params.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)

@@ -1,0 +1,248 @@
+"""The few-query (decode) attention Pallas kernel against its jnp reference and an independent float64 numpy loop.
+
+One base class of checks, parametrised over shapes; ``TestDecodeAttentionInterpret`` runs it in Pallas interpret
+mode on CPU, ``TestDecodeAttentionCompiled`` runs the same checks compiled on a GPU (``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from swiftkv_jax.kernels import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, decode_attention,
+                                 decode_attention_reference, merge_partials, normalize)
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lengths: tuple[int, ...]   # one per sequence (B = len(lengths))
+    seq_len: int               # S, the cache size
+    num_queries: int           # T
+    heads: int                 # N
+    kv_heads: int              # K
+    head_dim: int              # H
+    dtype: type
+    block_k: int
+    num_splits: int
+    positions: str = "last"    # "last": the T newest tokens; "random": anywhere in [0, S)
+
+    def __str__(self):
+        name = jnp.dtype(self.dtype).name
+        return (f"L{'-'.join(map(str, self.lengths))}_S{self.seq_len}_T{self.num_queries}"
+                f"_G{self.heads // self.kv_heads}_H{self.head_dim}_{name}_bk{self.block_k}x{self.num_splits}"
+                f"_{self.positions}")
+
+
+CASES = [
+    # length 1, full cache, odd length not a multiple of the block; no GQA; one query.
+    Case((1, 300, 157), 300, 1, 2, 2, 64, jnp.float32, 32, 4),
+    # empty cache, odd, full; GQA 4; three queries; head_dim 128; S not a multiple of the block.
+    Case((0, 37, 100), 100, 3, 8, 2, 128, jnp.float32, 16, 3),
+    # GQA 8, queries anywhere (some past the length, some before it), one split.
+    Case((257, 65), 257, 3, 8, 1, 64, jnp.float32, 64, 1, "random"),
+    # bf16: GQA 8, head_dim 128, empty and length-1 caches.
+    Case((199, 0, 1), 200, 1, 16, 2, 128, jnp.bfloat16, 32, 8),
+    # bf16: GQA 4, three queries, S=130 with block 16 and an uneven split.
+    Case((130, 77), 130, 3, 4, 1, 64, jnp.bfloat16, 16, 3, "random"),
+]
+
+
+def make_inputs(case: Case, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    B, S, T = len(case.lengths), case.seq_len, case.num_queries
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), case.dtype)
+
+    q = normal(B, T, case.heads, case.head_dim)
+    k = normal(B, S, case.kv_heads, case.head_dim)
+    v = normal(B, S, case.kv_heads, case.head_dim)
+    lengths = np.asarray(case.lengths, np.int32)
+    if case.positions == "last":
+        positions = np.maximum(lengths[:, None] - T + np.arange(T), 0)
+    else:
+        positions = rng.integers(0, S, size=(B, T))
+    return q, k, v, jnp.asarray(lengths), jnp.asarray(positions, jnp.int32)
+
+
+def numpy_attention(q, k, v, lengths, positions):
+    """float64, one (b, t, n) at a time, written from the definition; zeros when no key is visible."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, N, H = q.shape
+    group = N // k.shape[2]
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for t in range(T):
+            keys = [s for s in range(k.shape[1]) if s < lengths[b] and s <= positions[b, t]]
+            for n in range(N):
+                if not keys:
+                    continue
+                scores = np.array([q[b, t, n] @ k[b, s, n // group] for s in keys]) / math.sqrt(H)
+                weights = np.exp(scores - scores.max())
+                out[b, t, n] = (weights / weights.sum()) @ v[b, keys, n // group]
+    return out
+
+
+class DecodeAttentionChecks:
+    """The checks; a subclass sets ``interpret``."""
+
+    interpret: bool
+
+    def attention(self, q, k, v, lengths, positions, block_sizes=None, **kwargs):
+        return decode_attention(q, k, v, lengths, positions, block_sizes=block_sizes, interpret=self.interpret,
+                                **kwargs)
+
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_reference_and_numpy(self, case):
+        q, k, v, lengths, positions = make_inputs(case)
+        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
+        out = self.attention(q, k, v, lengths, positions, block_sizes)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all()
+        tol = TOLERANCE[case.dtype]
+        reference = np.asarray(decode_attention_reference(q, k, v, lengths, positions), np.float32)
+        np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
+        expected = numpy_attention(q, k, v, np.asarray(lengths), np.asarray(positions))
+        np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
+        empty = np.asarray(lengths) == 0
+        assert not out[empty].any(), "an empty cache must give zeros"
+
+    @pytest.mark.parametrize("case", CASES[1:3], ids=str)
+    def test_residuals_match_reference(self, case):
+        q, k, v, lengths, positions = make_inputs(case, seed=1)
+        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
+        got = self.attention(q, k, v, lengths, positions, block_sizes, return_residuals=True)
+        want = decode_attention_reference(q, k, v, lengths, positions, return_residuals=True)
+        assert isinstance(got, AttentionResiduals)
+        for name, a, b in zip(AttentionResiduals._fields, got, want):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+    @pytest.mark.parametrize("split", [64, 100, 129])
+    def test_two_segments_merge_to_the_concatenation(self, split):
+        """SwiftKV: attention over [prompt KV | decode KV] == merge of the two segments' residuals."""
+        case = Case((0, 90, 150), 150, 3, 8, 2, 64, jnp.float32, 16, 2, "random")
+        q, k, v, lengths, positions = make_inputs(case, seed=2)
+        block_sizes = DecodeBlockSizes(block_k=16, num_splits=2)
+        first = self.attention(q, k[:, :split], v[:, :split], jnp.minimum(lengths, split), positions, block_sizes,
+                               return_residuals=True)
+        # The second segment's cache index 0 is position `split`.
+        second = self.attention(q, k[:, split:], v[:, split:], jnp.maximum(lengths - split, 0), positions - split,
+                                block_sizes, return_residuals=True)
+        merged = normalize(merge_partials(*(jnp.stack(pair) for pair in zip(first, second))), q.dtype)
+        whole = self.attention(q, k, v, lengths, positions, block_sizes)
+        np.testing.assert_allclose(merged, whole, atol=2e-5, rtol=2e-5)
+        expected = numpy_attention(q, k, v, np.asarray(lengths), np.asarray(positions))
+        np.testing.assert_allclose(merged, expected, atol=2e-5, rtol=2e-5)
+
+    @pytest.mark.parametrize("head_dim", [64, 128])
+    def test_scale_is_one_over_sqrt_head_dim(self, head_dim):
+        """Two keys whose raw scores are 0 and sqrt(H) ln 3: with scale 1/sqrt(H) the weights are 1/4, 3/4."""
+        q = jnp.zeros((1, 1, 1, head_dim), jnp.float32).at[..., 0].set(1.0)
+        k = jnp.zeros((1, 2, 1, head_dim), jnp.float32).at[0, 1, 0, 0].set(math.sqrt(head_dim) * math.log(3.0))
+        v = jnp.zeros((1, 2, 1, head_dim), jnp.float32).at[0, 1].set(1.0)
+        out = self.attention(q, k, v, jnp.array([2], jnp.int32), jnp.array([[1]], jnp.int32))
+        np.testing.assert_allclose(out, np.full((1, 1, 1, head_dim), 0.75), atol=1e-6)
+
+    def test_under_jit_with_traced_lengths(self):
+        case = CASES[1]
+        q, k, v, lengths, positions = make_inputs(case)
+        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
+        jitted = jax.jit(lambda *args: self.attention(*args, block_sizes))
+        np.testing.assert_allclose(jitted(q, k, v, lengths, positions),
+                                   decode_attention_reference(q, k, v, lengths, positions), atol=2e-5, rtol=2e-5)
+
+
+class TestDecodeAttentionInterpret(DecodeAttentionChecks):
+    interpret = True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+class TestDecodeAttentionCompiled(DecodeAttentionChecks):
+    interpret = False
+
+
+def test_merge_ignores_empty_partials():
+    out = jnp.arange(8.0).reshape(1, 2, 4)
+    maxes = jnp.array([[0.5, -1.0]])
+    sums = jnp.array([[2.0, 3.0]])
+    empty = AttentionResiduals(jnp.zeros_like(out), jnp.full_like(maxes, MASK_VALUE), jnp.zeros_like(sums))
+    merged = merge_partials(*(jnp.stack(pair) for pair in zip(AttentionResiduals(out, maxes, sums), empty)))
+    for name, a, b in zip(AttentionResiduals._fields, merged, (out, maxes, sums)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    both_empty = merge_partials(*(jnp.stack(pair) for pair in zip(empty, empty)))
+    np.testing.assert_array_equal(normalize(both_empty, jnp.float32), jnp.zeros_like(out))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("block_k", 48, "power of two"),
+    ("block_k", 8, ">= 16"),
+    ("block_k", 0, "block_k"),
+    ("block_k", 64.0, "block_k"),
+    ("num_splits", 0, "num_splits"),
+    ("num_splits", True, "num_splits"),
+    ("num_warps", 3, "num_warps"),
+    ("num_warps", 64, "num_warps"),
+    ("num_stages", 0, "num_stages"),
+])
+def test_block_sizes_reject_invalid_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DecodeBlockSizes(**{field: value})
+
+
+def test_block_sizes_frozen_and_hashable():
+    sizes = DecodeBlockSizes(block_k=32, num_splits=3)
+    assert hash(sizes) == hash(DecodeBlockSizes(block_k=32, num_splits=3))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sizes.block_k = 64
+
+
+@pytest.mark.parametrize("q_shape, kv_shape, lengths_shape, positions_shape, message", [
+    ((1, 1, 6, 64), (1, 10, 4, 64), (1,), (1, 1), "multiple of KV heads"),
+    ((1, 1, 4, 80), (1, 10, 4, 80), (1,), (1, 1), "power of two"),
+    ((1, 1, 4, 64), (2, 10, 4, 64), (1,), (1, 1), "k_cache and v_cache"),
+    ((1, 2, 4, 64), (1, 10, 4, 64), (1,), (1, 1), "q_positions"),
+    ((1, 4, 64), (1, 10, 4, 64), (1,), (1, 1), r"\[B, T, N, H\]"),
+])
+def test_rejects_bad_shapes(q_shape, kv_shape, lengths_shape, positions_shape, message):
+    kv = jnp.zeros(kv_shape)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(jnp.zeros(q_shape), kv, kv, jnp.zeros(lengths_shape, jnp.int32),
+                         jnp.zeros(positions_shape, jnp.int32), interpret=True)
+
+
+def test_empty_cache_axis_gives_zeros():
+    q = jnp.ones((2, 1, 4, 64))
+    kv = jnp.zeros((2, 0, 2, 64))
+    out = decode_attention(q, kv, kv, jnp.zeros(2, jnp.int32), jnp.zeros((2, 1), jnp.int32), interpret=True)
+    np.testing.assert_array_equal(out, jnp.zeros_like(q))
+
+
+def test_compiled_lowers_to_a_triton_kernel():
+    """Without a GPU: the compiled path lowers for CUDA to a Triton custom call (not Mosaic GPU)."""
+    from swiftkv_jax.kernels.decode_attention import _decode_attention
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((2, 3, 8, 128), jnp.bfloat16), ((2, 100, 2, 128), jnp.bfloat16), ((2, 100, 2, 128), jnp.bfloat16),
+        ((2,), jnp.int32), ((2, 3), jnp.int32)]]
+    lowered = _decode_attention.trace(*args, DecodeBlockSizes(block_k=32, num_splits=4), False)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "num_warps = 4" in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU defaults")
+def test_cpu_defaults_to_interpret_and_refuses_compiled():
+    case = CASES[0]
+    q, k, v, lengths, positions = make_inputs(case)
+    np.testing.assert_allclose(decode_attention(q, k, v, lengths, positions),  # default block sizes, interpret
+                               decode_attention_reference(q, k, v, lengths, positions), atol=2e-5, rtol=2e-5)
+    with pytest.raises(NotImplementedError, match="needs a GPU"):
+        decode_attention(q, k, v, lengths, positions, interpret=False)

@@ -1,0 +1,143 @@
+"""The serving engine against the model's own teacher-forced forward (fp32, CPU)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import swiftkv_jax as sk
+from swiftkv_jax.serving import KVCache, SamplingParams, cache_layers, decode_step, init_cache, prefill, sample
+
+CFG = sk.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, initializer_range=0.2, eos_token_id=(5,))
+BASE = sk.init(CFG, 0)
+MODELS = {  # name -> (model, swiftkv wiring)
+    "plain": (BASE, False),
+    "swiftkv-g1": (sk.to_swiftkv(BASE, 2, 1), True),
+    "swiftkv-g2": (sk.to_swiftkv(BASE, 2, 2), True),
+    "swiftkv-g2-as-teacher": (sk.to_swiftkv(BASE, 2, 2), False),
+}
+SEQ = np.random.default_rng(0).integers(6, 96, (2, 24))
+PROMPT = 13
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill(config, swiftkv, chunk):
+    return jax.jit(functools.partial(prefill, config=config, swiftkv=swiftkv, chunk_size=chunk))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode(config, swiftkv):
+    return jax.jit(functools.partial(decode_step, config=config, swiftkv=swiftkv))
+
+
+def engine_logits(model, swiftkv, seq, prompt_lengths, padded, chunk=None, max_len=32):
+    """Prefill each row's prompt, then teacher-force the rest of seq one token per step:
+    logits [B, T - min(prompt), V] predicting positions prompt_len.. (aligned per row)."""
+    tokens = np.zeros((seq.shape[0], padded), np.int32)
+    for row, n in enumerate(prompt_lengths):
+        tokens[row, :n] = seq[row, :n]
+    cache = init_cache(model.config, seq.shape[0], max_len, swiftkv, dtype="float32")
+    logits, cache = _prefill(model.config, swiftkv, chunk)(model.params, cache, jnp.asarray(tokens),
+                                                            jnp.asarray(prompt_lengths, jnp.int32))
+    out = [np.asarray(logits)]
+    steps = seq.shape[1] - max(prompt_lengths)
+    for i in range(steps):
+        nxt = np.array([seq[row, n + i] for row, n in enumerate(prompt_lengths)], np.int32)
+        logits, cache = _decode(model.config, swiftkv)(model.params, cache, jnp.asarray(nxt))
+        out.append(np.asarray(logits))
+    return np.stack(out, axis=1), cache
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prefill_and_decode_reproduce_the_forward(name, chunk):
+    """Fast prefill (later layers fed only the last prompt token) + decode == the full forward in the
+    same wiring, at every position from the last prompt token on; one-shot and chunked prefill alike."""
+    model, swiftkv = MODELS[name]
+    reference = np.asarray(sk.logits(model, SEQ, swiftkv=swiftkv))
+    got, cache = engine_logits(model, swiftkv, SEQ, [PROMPT, PROMPT], padded=16, chunk=chunk)
+    np.testing.assert_allclose(got, reference[:, PROMPT - 1:], atol=1e-4)
+    assert cache.lengths.tolist() == [SEQ.shape[1], SEQ.shape[1]]
+
+
+def test_ragged_batch_equals_one_by_one():
+    model, swiftkv = MODELS["swiftkv-g2"]
+    lengths = [13, 7]
+    batch, _ = engine_logits(model, swiftkv, SEQ, lengths, padded=16)
+    for row, n in enumerate(lengths):
+        alone, _ = engine_logits(model, swiftkv, SEQ[row:row + 1], [n], padded=16)
+        np.testing.assert_allclose(batch[row], alone[0, : batch.shape[1]], atol=1e-5)
+        reference = np.asarray(sk.logits(model, SEQ[row:row + 1], swiftkv=True))[0]
+        np.testing.assert_allclose(alone[0], reference[n - 1:], atol=1e-4)
+
+
+def test_cache_holds_l_plus_groups_layers():
+    """KV-cache bytes are exactly (l + (L - l) / g) / L of the teacher's (SWIFTKV.md §2)."""
+    for l, g in [(2, 1), (2, 2), (1, 3), (4, 1)]:
+        student = sk.to_swiftkv(BASE, l, g).config
+        fast, slow = init_cache(student, 2, 16, True), init_cache(student, 2, 16, False)
+        assert cache_layers(student, True) == l + (4 - l) // g
+        assert fast.nbytes * 4 == slow.nbytes * (l + (4 - l) // g)
+        assert slow.nbytes == init_cache(CFG, 2, 16, False).nbytes
+
+
+def test_student_with_l_equal_L_generates_what_its_base_generates():
+    prompts = [SEQ[0, :9].tolist(), SEQ[1, :5].tolist()]
+    student = sk.to_swiftkv(BASE, 4, 1)
+    assert (sk.generate(student, prompts, 10, cache_dtype="float32").tokens
+            == sk.generate(BASE, prompts, 10, cache_dtype="float32").tokens)
+
+
+def test_greedy_generation_is_the_argmax_chain_of_the_forward():
+    model, _ = MODELS["swiftkv-g1"]
+    prompts = [SEQ[0, :9].tolist(), SEQ[1, :4].tolist(), SEQ[0, :14].tolist()]
+    out = sk.generate(model, prompts, 8, cache_dtype="float32", stop_token_ids=[], logprobs=True)
+    for prompt, generated, logprobs in zip(prompts, out.tokens, out.logprobs):
+        assert len(generated) == 8
+        logits = np.asarray(sk.logits(model, np.array([prompt + generated])))[0, len(prompt) - 1:-1]
+        assert generated == logits.argmax(-1).tolist()
+        expected = jax.nn.log_softmax(logits, axis=-1)[np.arange(8), generated]
+        np.testing.assert_allclose(logprobs, expected, atol=1e-4)
+    chunked = sk.generate(model, prompts, 8, cache_dtype="float32", stop_token_ids=[], prefill_chunk=4)
+    assert chunked.tokens == out.tokens
+
+
+def test_generation_stops_per_sequence_at_a_stop_id():
+    model, _ = MODELS["swiftkv-g1"]
+    prompts = [SEQ[0, :9].tolist(), SEQ[1, :4].tolist()]
+    free = sk.generate(model, prompts, 8, cache_dtype="float32", stop_token_ids=[]).tokens
+    stop = free[0][2]
+    stopped = sk.generate(model, prompts, 8, cache_dtype="float32", stop_token_ids=[stop]).tokens
+    assert stopped[0] == free[0][: free[0].index(stop) + 1]
+    cut = free[1].index(stop) + 1 if stop in free[1] else 8
+    assert stopped[1] == free[1][:cut]
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_top_p():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    draw = lambda params, seed=0: np.asarray(sample(logits, jax.random.key(seed), params))
+    assert (draw(SamplingParams()) == 0).all()  # greedy
+    free = draw(SamplingParams(temperature=1.0))
+    np.testing.assert_allclose(np.bincount(free, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    assert (free == draw(SamplingParams(temperature=1.0))).all()
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2)).tolist()) == {0, 1}
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.8)).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.8
+    assert set(draw(SamplingParams(temperature=1.0, top_p=0.81)).tolist()) == {0, 1, 2}
+    with pytest.raises(ValueError, match="top_p must lie in"):
+        SamplingParams(top_p=0)
+
+
+def test_bad_requests_raise_clear_errors():
+    model, _ = MODELS["plain"]
+    with pytest.raises(ValueError, match="max_len is 16: raise max_len or shorten the prompt"):
+        sk.generate(model, [list(range(6, 20))], 8, max_len=16)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        sk.generate(model, [[1, 200]], 4)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        sk.generate(model, "hello", 4)
+    with pytest.raises(ValueError, match="needs a SwiftKV model"):
+        init_cache(CFG, 1, 8, swiftkv=True)
+    assert isinstance(init_cache(CFG, 1, 8, swiftkv=False), KVCache)
