@@ -141,3 +141,18 @@ def test_bad_requests_raise_clear_errors():
     with pytest.raises(ValueError, match="needs a SwiftKV model"):
         init_cache(CFG, 1, 8, swiftkv=True)
     assert isinstance(init_cache(CFG, 1, 8, swiftkv=False), KVCache)
+
+
+@pytest.mark.parametrize("swiftkv", [False, True])
+def test_pallas_decode_attention_serves_what_xla_serves(swiftkv):
+    """decode_attention_impl="pallas" (interpret mode on CPU) against the XLA path: same logits at every
+    decode step, and SwiftKV's later layers in prefill read the cache through the kernel too."""
+    cfg = CFG.replace(head_dim=16)  # the kernel needs a power-of-two head_dim >= 16
+    model = sk.init(cfg, 1)
+    model = sk.to_swiftkv(model, 2, 2) if swiftkv else model
+    pallas = sk.Model(model.config.replace(decode_attention_impl="pallas"), model.params)
+    want, _ = engine_logits(model, swiftkv, SEQ[:, :18], [PROMPT, 9], padded=16)
+    got, _ = engine_logits(pallas, swiftkv, SEQ[:, :18], [PROMPT, 9], padded=16)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    with pytest.raises(ValueError, match="unknown decode_attention_impl 'triton'"):
+        cfg.replace(decode_attention_impl="triton")

@@ -73,3 +73,32 @@ def attend(impl: str, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segm
     except KeyError:
         raise ValueError(f"unknown attention_impl {impl!r}: available are {', '.join(_IMPLS)}") from None
     return fn(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+
+
+# Few-query attention over a KV cache (decode, and SwiftKV's later layers in prefill): q [B, q, N, H] against
+# the cache [B, S, K, H] whose first kv_lengths[b] entries are valid, entry i holding position i.
+def _xla_cache_attention(q, k, v, q_positions, kv_lengths):
+    batch, length = k.shape[:2]
+    kv_positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    kv_segments = jnp.where(kv_positions < kv_lengths[:, None], 0, -1)
+    return xla_attention(q, k, v, q_positions, kv_positions, jnp.zeros_like(q_positions), kv_segments)
+
+
+def _pallas_cache_attention(q, k, v, q_positions, kv_lengths):
+    from swiftkv_jax.kernels.decode_attention import decode_attention  # Pallas imports only when chosen
+
+    return decode_attention(q, k, v, kv_lengths, q_positions)
+
+
+_DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention}
+DECODE_ATTENTION_IMPLS = tuple(_DECODE_IMPLS)
+FEW_QUERIES = 16  # at most this many query tokens over a cache take the few-query path
+
+
+def attend_cache(impl: str, q, k, v, q_positions, kv_lengths) -> jnp.ndarray:
+    """Few-query attention over a cache by the named implementation; an unknown name raises."""
+    try:
+        fn = _DECODE_IMPLS[impl]
+    except KeyError:
+        raise ValueError(f"unknown decode_attention_impl {impl!r}: available are {', '.join(_DECODE_IMPLS)}") from None
+    return fn(q, k, v, q_positions, kv_lengths)

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Optional
 
 from swiftkv_jax.dtypes import dtype_name
-from swiftkv_jax.model.attention import ATTENTION_IMPLS
+from swiftkv_jax.model.attention import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS
 
 # none: keep every activation; full: keep only each layer's input; dots: keep matmul outputs too.
 REMAT_POLICIES = ("none", "full", "dots")
@@ -75,6 +75,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     attention_impl: str = "xla"
+    decode_attention_impl: str = "xla"  # few queries over a KV cache (serving decode, SwiftKV's later layers)
     remat: str = "none"  # activation checkpointing of each layer in backward passes; see layers.REMAT_POLICIES
     initializer_range: float = 0.02
     # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
@@ -101,6 +102,9 @@ class ModelConfig:
             raise ValueError(
                 f"unknown attention_impl {self.attention_impl!r}: available are {', '.join(ATTENTION_IMPLS)}"
             )
+        if self.decode_attention_impl not in DECODE_ATTENTION_IMPLS:
+            raise ValueError(f"unknown decode_attention_impl {self.decode_attention_impl!r}: available are "
+                             f"{', '.join(DECODE_ATTENTION_IMPLS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {self.remat!r}: available are {', '.join(REMAT_POLICIES)}")
         if self.num_key_value_layers is not None:

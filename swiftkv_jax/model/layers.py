@@ -16,7 +16,7 @@ from flax import struct
 
 from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
-from swiftkv_jax.model.attention import attend
+from swiftkv_jax.model.attention import FEW_QUERIES, attend, attend_cache
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.rope import apply_rope
 
@@ -111,18 +111,20 @@ def write_cache(cache, new, write_at):
 
 
 def cache_view(k, v, kv_lengths):
-    """(k, v, positions, segment_ids) of a cache: entry i is position i; entries >= length match no query."""
+    """(k, v, positions, segment_ids, lengths) of a cache: entry i is position i; entries >= length match
+    no query."""
     batch, length = k.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return k, v, positions, jnp.where(positions < kv_lengths[:, None], 0, -1)
+    return k, v, positions, jnp.where(positions < kv_lengths[:, None], 0, -1), kv_lengths
 
 
 class Attention(nn.Module):
     """Self-attention of one layer.
 
     Teacher wiring (`shared_kv is None`): q/k/v from this layer's own input. SwiftKV wiring: the query
-    from `q_proj_swiftkv` of this layer's input, K/V given as a view (k, v, positions, segment_ids): the
-    group owner's, already rotated, or a cache. Serving: with `cache` (k, v) [B, S, K, H] this layer's own
+    from `q_proj_swiftkv` of this layer's input, K/V given as a view (k, v, positions, segment_ids,
+    lengths): the group owner's, already rotated (lengths None), or a cache. Few queries over a cache take
+    `decode_attention_impl`; everything else `attention_impl`. Serving: with `cache` (k, v) [B, S, K, H] this layer's own
     K/V are written into it at `cache_write` and attention reads the whole cache.
     """
 
@@ -151,17 +153,20 @@ class Attention(nn.Module):
             q = self.q_proj(x)
             k = apply_rope(self.k_proj(x), cos, sin)
             v = self.v_proj(x)
-            view = (k, v, positions, segment_ids)
+            view = (k, v, positions, segment_ids, None)
             if cache is not None:
                 new_cache = tuple(write_cache(c, new, cache_write.write_at) for c, new in zip(cache, (k, v)))
                 view = cache_view(*new_cache, cache_write.kv_lengths)
         if shared_kv is not None:
             q = self.q_proj_swiftkv(x)
             view = shared_kv
-        k, v, kv_positions, kv_segment_ids = view
+        k, v, kv_positions, kv_segment_ids, kv_lengths = view
         self.sow("intermediates", "keys", k)  # what this layer reads: its own K, or its group owner's
         q = apply_rope(q, cos, sin)
-        out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
+        if kv_lengths is not None and q.shape[1] <= FEW_QUERIES:
+            out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths)
+        else:
+            out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
         return self.o_proj(out), new_cache
 
 

@@ -78,7 +78,7 @@ class SwiftKVGroup(nn.Module):
         if x_swiftkv is not None:
             k = apply_rope(kv_projection(cfg, name="k_proj_swiftkv")(x_swiftkv), *rope)
             v = kv_projection(cfg, name="v_proj_swiftkv")(x_swiftkv)
-            shared_kv = (k, v, positions, segment_ids)
+            shared_kv = (k, v, positions, segment_ids, None)
         elif cache is not None and cache[0].ndim == 4:  # SwiftKV wiring over a cache: one K/V per group
             shared_kv, layer_cache = cache_view(*cache, cache_write.kv_lengths), None
         layers = scanned_layers(cfg, cfg.key_value_group_size, has_swiftkv_query=True, name="layers")

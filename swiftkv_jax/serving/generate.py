@@ -71,14 +71,17 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
              *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
              cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
-             logprobs: bool = False, tokenizer=None) -> Generation:
+             logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None) -> Generation:
     """Generate for a batch of prompts (token id lists, or text with a `tokenizer`).
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
-    max_len: cache length (default: longest padded prompt + max_new_tokens).
+    max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl:
+    "xla" or "pallas" for the few-query attention over the cache (default: the config's).
     """
     cfg = model.config
+    if decode_attention_impl is not None:
+        cfg = cfg.replace(decode_attention_impl=decode_attention_impl)
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
     sampling = SamplingParams(temperature, top_k, top_p)
     if isinstance(prompts, str):
