@@ -354,6 +354,12 @@ def test_student_config_rejects_bad_layouts(tmp_path, l, g, match):
                           ).num_kv_groups == 1
 
 
+def test_student_config_refuses_a_forward_only_attention(tmp_path):
+    teacher = write_hf_config(tmp_path, num_hidden_layers=4)
+    with pytest.raises(ConfigError, match="attention_impl='pallas' has no backward pass"):
+        student_config(ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="pallas"))
+
+
 def test_student_config_of_missing_teacher(tmp_path):
     with pytest.raises(ConfigError, match="model.teacher"):
         student_config(ModelSection(teacher=str(tmp_path / "nowhere")))

@@ -156,3 +156,13 @@ def test_pallas_decode_attention_serves_what_xla_serves(swiftkv):
     np.testing.assert_allclose(got, want, atol=2e-5)
     with pytest.raises(ValueError, match="unknown decode_attention_impl 'triton'"):
         cfg.replace(decode_attention_impl="triton")
+
+
+def test_pallas_flash_prefill_serves_what_xla_serves():
+    """attention_impl="pallas" (the flash kernel, interpret mode on CPU) for prefill chunks over the cache."""
+    model = sk.to_swiftkv(sk.init(CFG.replace(head_dim=16), 1), 2, 2)
+    pallas = sk.Model(model.config.replace(attention_impl="pallas"), model.params)
+    long = np.random.default_rng(3).integers(6, 96, (2, 40))
+    want, _ = engine_logits(model, True, long, [37, 30], padded=40, chunk=20, max_len=48)
+    got, _ = engine_logits(pallas, True, long, [37, 30], padded=40, chunk=20, max_len=48)
+    np.testing.assert_allclose(got, want, atol=2e-5)

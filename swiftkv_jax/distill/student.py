@@ -14,6 +14,7 @@ from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import trainable as trainable_lib
 from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.dtypes import as_dtype
+from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.model import abstract_params, param_shardings
 from swiftkv_jax.model.swiftkv import to_swiftkv
@@ -26,6 +27,11 @@ def _runtime(section: ModelSection) -> dict:
 
 def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
     l, g = section.num_key_value_layers, section.key_value_group_size
+    if section.attention_impl not in DIFFERENTIABLE_IMPLS:
+        raise ConfigError(
+            f"model.attention_impl={section.attention_impl!r} has no backward pass; distillation needs one of "
+            f"{', '.join(DIFFERENTIABLE_IMPLS)} (xla_chunked bounds memory on long sequences)"
+        )
     if teacher.is_swiftkv and (teacher.num_key_value_layers, teacher.key_value_group_size) != (l, g):
         raise ConfigError(
             f"{section.teacher} is already a SwiftKV model with l={teacher.num_key_value_layers}, "

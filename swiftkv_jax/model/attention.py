@@ -61,8 +61,15 @@ def xla_chunked_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     return out[:, :t]
 
 
-# The serving issue adds its kernels here; a name not in this table raises, there is no fallback.
-_IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention}
+def _pallas_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    from swiftkv_jax.kernels.flash_attention import flash_attention  # Pallas imports only when chosen
+
+    return flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+
+
+# A name not in this table raises, there is no fallback. "pallas" is forward-only (serving prefill).
+_IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention, "pallas": _pallas_flash_attention}
+DIFFERENTIABLE_IMPLS = ("xla", "xla_chunked")
 ATTENTION_IMPLS = tuple(_IMPLS)
 
 
