@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from results_file import write_results
+
 CHILD_FLAG = "--child-load"
 
 
@@ -111,13 +113,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['source']:7} {r['load_dtype']:9} {r['save_s']:7.2f} {r['load_s']:7.2f} {r['param_mb']:10.0f} "
               f"{r['peak_host_over_params']:12.2f} {r['largest_param_over_params']:15.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    Path(args.out).write_text(json.dumps({
-        "command": "python " + " ".join(sys.argv), "commit": commit, "params": n_params, "jax": jax.__version__,
-        "backend": jax.default_backend(), "cpu_count": os.cpu_count(), "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "benchmarks/checkpoint_io.py", None,
+                  {"params": n_params, "jax": jax.__version__, "backend": jax.default_backend(), "rows": rows})
 
 
 if __name__ == "__main__":

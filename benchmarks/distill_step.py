@@ -20,12 +20,12 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from results_file import write_results
 
 PRESETS = {
     # runs in ~1 minute on 2 CPU cores
@@ -159,14 +159,9 @@ def main(argv=None) -> int:
         ratios["device_peak_naive_over_ours"] = naive["device_peak_bytes"] / ours["device_peak_bytes"]
     print("naive / ours: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    path = Path(args.out or f"benchmarks/results/distill_step_{args.preset}_{ours['platform']}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "command": "python benchmarks/distill_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit, "preset": args.preset, "config": PRESETS[args.preset], "host": platform.node(),
-        "results": rows, "ratios": ratios}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(args.out or f"benchmarks/results/distill_step_{args.preset}_{ours['platform']}.json",
+                  "benchmarks/distill_step.py", argv,
+                  {"preset": args.preset, "config": PRESETS[args.preset], "results": rows, "ratios": ratios})
     return 0
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from results_file import write_results
 
 
 def main(argv=None) -> int:
@@ -78,14 +76,9 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['wiring']:<9}{r['prefill_s']:>11.3f}{r['cache_layers']:>14}{r['kv_cache_bytes'] / 2**20:>9.1f}")
     print("swiftkv / teacher: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    path = Path(args.out or f"benchmarks/results/prefill_{device.platform}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "command": "python benchmarks/prefill.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit, "host": platform.node(), "device": device.device_kind, "params": n_params,
-        "args": vars(args), "results": rows, "ratios": ratios}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(args.out or f"benchmarks/results/prefill_{device.platform}.json", "benchmarks/prefill.py", argv,
+                  {"device": device.device_kind, "params": n_params, "args": vars(args), "results": rows,
+                   "ratios": ratios})
     return 0
 
 

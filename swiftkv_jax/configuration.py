@@ -97,8 +97,10 @@ def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
             raise fail()
         return value
     if tp is float:
+        if isinstance(value, bool):
+            raise fail()
         try:  # YAML 1.1 reads "1e-4" as text
-            return float(value) if not isinstance(value, bool) else fail()
+            return float(value)
         except (TypeError, ValueError):
             raise fail() from None
     if tp is str:

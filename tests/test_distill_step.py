@@ -285,6 +285,13 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path, text, key, suggestion):
         load(path=path)
 
 
+def test_a_yaml_bool_is_no_float(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("optim:\n  learning_rate: true\n")
+    with pytest.raises(ConfigError, match="optim.learning_rate: expected float, got True"):
+        configuration.load(TrainConfig, path)
+
+
 @pytest.mark.parametrize("assignment,match", [
     ("train.global_batch_size=eight", "train.global_batch_size: expected int"),
     ("train.global_batch_size=2.5", "expected int"),

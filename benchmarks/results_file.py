@@ -1,0 +1,24 @@
+"""One way every benchmark records a run: the command, the commit and the machine beside its numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def write_results(path, script: str, argv, payload: dict) -> Path:
+    """Write payload + provenance as JSON to path (parents created); returns the path."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    args = list(sys.argv[1:] if argv is None else argv)
+    record = {"command": " ".join(["python", script, *args]), "commit": commit, "host": platform.node(),
+              "cpu_count": os.cpu_count(), **payload}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
