@@ -84,10 +84,15 @@ def attend(impl: str, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segm
 
 # Few-query attention over a KV cache (decode, and SwiftKV's later layers in prefill): q [B, q, N, H] against
 # the cache [B, S, K, H] whose first kv_lengths[b] entries are valid, entry i holding position i.
+def cache_positions(kv_lengths, length: int):
+    """(positions, segment_ids) [B, S] of a cache: entry i is position i; entries >= length get segment -1,
+    which no query (segment 0) matches."""
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (kv_lengths.shape[0], length))
+    return positions, jnp.where(positions < kv_lengths[:, None], 0, -1)
+
+
 def _xla_cache_attention(q, k, v, q_positions, kv_lengths):
-    batch, length = k.shape[:2]
-    kv_positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    kv_segments = jnp.where(kv_positions < kv_lengths[:, None], 0, -1)
+    kv_positions, kv_segments = cache_positions(kv_lengths, k.shape[1])
     return xla_attention(q, k, v, q_positions, kv_positions, jnp.zeros_like(q_positions), kv_segments)
 
 

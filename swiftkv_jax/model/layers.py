@@ -16,7 +16,7 @@ from flax import struct
 
 from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
-from swiftkv_jax.model.attention import FEW_QUERIES, attend, attend_cache
+from swiftkv_jax.model.attention import FEW_QUERIES, attend, attend_cache, cache_positions
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.rope import apply_rope
 
@@ -113,9 +113,7 @@ def write_cache(cache, new, write_at):
 def cache_view(k, v, kv_lengths):
     """(k, v, positions, segment_ids, lengths) of a cache: entry i is position i; entries >= length match
     no query."""
-    batch, length = k.shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return k, v, positions, jnp.where(positions < kv_lengths[:, None], 0, -1), kv_lengths
+    return (k, v, *cache_positions(kv_lengths, k.shape[1]), kv_lengths)
 
 
 class Attention(nn.Module):

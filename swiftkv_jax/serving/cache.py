@@ -23,14 +23,6 @@ class KVCache:
     lengths: jax.Array
 
     @property
-    def max_len(self) -> int:
-        return self.lower[0].shape[2]
-
-    @property
-    def batch_size(self) -> int:
-        return self.lower[0].shape[1]
-
-    @property
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.lower, self.upper)))
 
