@@ -166,3 +166,32 @@ def test_pallas_flash_prefill_serves_what_xla_serves():
     want, _ = engine_logits(model, True, long, [37, 30], padded=40, chunk=20, max_len=48)
     got, _ = engine_logits(pallas, True, long, [37, 30], padded=40, chunk=20, max_len=48)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the error is for machines without a GPU")
+def test_cudnn_prefill_refuses_without_a_gpu():
+    model = sk.Model(CFG.replace(attention_impl="cudnn"), BASE.params)
+    with pytest.raises(ValueError, match="attention_impl='cudnn' needs an NVIDIA GPU.*use attention_impl='xla'"):
+        sk.logits(model, SEQ)
+
+
+@pytest.mark.gpu
+def test_cudnn_prefill_serves_what_xla_serves():
+    """attention_impl="cudnn" (bf16, the position/segment mask as cuDNN's bias) against XLA, prefill + decode."""
+    cfg = CFG.replace(head_dim=64, dtype="bfloat16", param_dtype="bfloat16")
+    model = sk.to_swiftkv(sk.init(cfg, 1), 2, 2)
+    cudnn = sk.Model(model.config.replace(attention_impl="cudnn"), model.params)
+    long = np.random.default_rng(3).integers(6, 96, (2, 40))
+    want, _ = engine_logits(model, True, long, [37, 30], padded=40, chunk=20, max_len=48)
+    got, _ = engine_logits(cudnn, True, long, [37, 30], padded=40, chunk=20, max_len=48)
+    np.testing.assert_allclose(got, want, atol=5e-2)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        sk.logits(sk.Model(cudnn.config.replace(dtype="float32"), model.params), long)
+
+
+def test_streaming_callback_sees_every_token_in_order():
+    model, _ = MODELS["swiftkv-g1"]
+    seen = []
+    out = sk.generate(model, [SEQ[0, :5].tolist()], 12, stop_token_ids=[], cache_dtype="float32",
+                      on_token=lambda t, live: seen.append(int(t[0])) if live[0] else None)
+    assert seen == out.tokens[0] and len(seen) == 12

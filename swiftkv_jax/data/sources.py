@@ -145,15 +145,31 @@ def _normalise(batch, fmt: str, src: DataSource, keys=("role", "content")):
     return {"messages": messages, "text": [None] * n}
 
 
-def _load_raw(src: DataSource, cache_dir: Optional[str]) -> tuple[datasets.Dataset, DataSource]:
+def read_raw(path: str, split: str = "train", name: Optional[str] = None, cache_dir: Optional[str] = None,
+             text_by_file: bool = False) -> datasets.Dataset:
+    """The rows of local json/jsonl/parquet/txt file(s), a glob, a folder or a hub dataset, as stored.
+
+    `.txt` files give a `text` column, one row per line, or with `text_by_file` one per file (a folder's
+    `.txt` files are then read and its other files ignored).
+    """
+    return _load_raw(DataSource(path=path, split=split, name=name), cache_dir, text_by_file)[0]
+
+
+def _load_raw(src: DataSource, cache_dir: Optional[str],
+              text_by_file: bool = False) -> tuple[datasets.Dataset, DataSource]:
     path = os.path.expanduser(src.path)
     if any(ch in path for ch in "*?["):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
         if not files:
             raise DataError(f"source {src.path!r}: no files match this pattern")
-        return _load_files(files, src, cache_dir)
+        return _load_files(files, src, cache_dir, text_by_file)
     if os.path.isfile(path):
-        return _load_files([path], src, cache_dir)
+        return _load_files([path], src, cache_dir, text_by_file)
+    if os.path.isdir(path) and text_by_file:
+        texts = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if os.path.isfile(f) and _extension(f) == ".txt")
+        if texts:
+            return _load_files(texts, src, cache_dir, text_by_file)
     if os.path.isdir(path):  # a downloaded hub dataset or a folder of data files: datasets finds the splits
         try:
             return datasets.load_dataset(path, src.name, split=src.split, cache_dir=cache_dir), src
@@ -165,7 +181,7 @@ def _load_raw(src: DataSource, cache_dir: Optional[str]) -> tuple[datasets.Datas
     return _load_hub(src, cache_dir), src
 
 
-def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str]):
+def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str], text_by_file: bool = False):
     extensions = sorted({_extension(f) for f in files})
     unknown = [e for e in extensions if e not in BUILDERS]
     if unknown or len({BUILDERS[e] for e in extensions}) > 1:
@@ -178,7 +194,8 @@ def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str]):
     if not files:
         raise DataError(f"source {src.path!r} has no examples: its file(s) are empty")
     try:
-        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir), src
+        by_file = {"sample_by": "document"} if builder == "text" and text_by_file else {}
+        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **by_file), src
     except datasets.exceptions.DatasetGenerationError as e:
         raise DataError(f"source {src.path!r}: cannot read the file(s) as {builder} ({e.__cause__ or e}); "
                         f"check that they are valid {', '.join(x for x, b in BUILDERS.items() if b == builder)}"

@@ -67,8 +67,32 @@ def _pallas_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, k
     return flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
 
 
-# A name not in this table raises, there is no fallback. "pallas" is forward-only (serving prefill).
-_IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention, "pallas": _pallas_flash_attention}
+def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`), NVIDIA GPUs only.
+
+    Our position/segment mask goes in as a boolean mask, which jax hands to cuDNN as an additive bias
+    [B, 1, T, S]: exact for any positions (chunked prefill, packed documents) at the price of reading
+    that bias. cuDNN takes fp16/bf16 only. Unsupported setups raise, there is no fallback to XLA.
+    """
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU with cuDNN, but JAX's backend is "
+                         f"{backend!r}: use attention_impl='xla' (or 'pallas')")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"attention_impl='cudnn' takes bfloat16 or float16 activations, got {q.dtype}: set the "
+                         f"model's dtype to bfloat16, or use attention_impl='xla'")
+    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)[:, None]
+    try:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        raise ValueError(f"attention_impl='cudnn' does not support this case ({e}); use attention_impl='xla' "
+                         f"or 'pallas'") from e
+
+
+# A name not in this table raises, there is no fallback. "pallas" and "cudnn" serve prefill only: neither
+# is validated for training (cuDNN's backward is untested here, no GPU in CI).
+_IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention, "pallas": _pallas_flash_attention,
+          "cudnn": cudnn_attention}
 DIFFERENTIABLE_IMPLS = ("xla", "xla_chunked")
 ATTENTION_IMPLS = tuple(_IMPLS)
 

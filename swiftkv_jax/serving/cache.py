@@ -26,6 +26,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.lower, self.upper)))
 
+    def take(self, rows) -> "KVCache":
+        """The cache of sequences `rows` [R] (repeats allowed): one prefilled context serves several
+        continuations. Every K/V leaf ends in [B, S, K, H]."""
+        take = lambda a: jnp.take(a, rows, axis=a.ndim - 4)
+        return KVCache(jax.tree.map(take, self.lower), jax.tree.map(take, self.upper), self.lengths[rows])
+
 
 def cache_layers(config: ModelConfig, swiftkv: bool) -> int:
     """Layers of K/V held: l + (L - l) / g in SwiftKV wiring, L otherwise."""

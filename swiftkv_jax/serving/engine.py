@@ -6,7 +6,7 @@ every prompt token; layers >= l run for the last prompt token of each sequence o
 bounds activation memory: chunks run layers < l and the owners' projection; only the last token of each
 sequence goes through the later layers, once, at the end. Teacher wiring (a plain Llama, or a SwiftKV
 model run as its teacher) sends every prompt token through every layer. Decode runs every layer for one
-new token per sequence.
+new token per sequence; `extend` runs every layer for several new tokens (scoring continuations).
 """
 
 from __future__ import annotations
@@ -65,17 +65,28 @@ def prefill(params, cache: KVCache, tokens, prompt_lengths, *, config: ModelConf
     return logits, KVCache(lower, upper, prompt_lengths.astype(jnp.int32))
 
 
-def decode_step(params, cache: KVCache, tokens, *, config: ModelConfig, swiftkv: bool):
-    """One new token per sequence, tokens [B] at position cache.lengths: (logits [B, V] fp32, cache)."""
-    positions = cache.lengths[:, None]
-    lengths = cache.lengths + 1
-    write = CacheWrite(cache.lengths, lengths)
-    h, lower = _apply(params, config, "cached_lower", tokens[:, None], positions, write, cache.lower)
+def extend(params, cache: KVCache, tokens, lengths, *, config: ModelConfig, swiftkv: bool):
+    """Append right-padded tokens [B, T] (lengths [B] valid, 0 allowed) after each sequence's cache and run
+    every layer on them: (logits [B, T, V] fp32, cache with lengths + lengths).
+
+    Decode is T = 1; scoring continuations after a prefilled context (evaluation) is T > 1. The cache
+    must hold max(cache.lengths) + T entries. Logits of padding positions are meaningless.
+    """
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    new_lengths = cache.lengths + lengths.astype(jnp.int32)
+    write = CacheWrite(cache.lengths, new_lengths)
+    h, lower = _apply(params, config, "cached_lower", tokens, positions, write, cache.lower)
     upper = cache.upper
     if swiftkv:
         upper = _apply(params, config, "swiftkv_cache_kv", h, positions, write, upper)
-        h, _ = _apply(params, config, "cached_upper", h, positions, CacheWrite(None, lengths), upper)
+        h, _ = _apply(params, config, "cached_upper", h, positions, CacheWrite(None, new_lengths), upper)
     else:
         h, upper = _apply(params, config, "cached_upper", h, positions, write, upper)
-    logits = _apply(params, config, "head", h)[:, 0]
-    return logits, KVCache(lower, upper, lengths)
+    return _apply(params, config, "head", h), KVCache(lower, upper, new_lengths)
+
+
+def decode_step(params, cache: KVCache, tokens, *, config: ModelConfig, swiftkv: bool):
+    """One new token per sequence, tokens [B] at position cache.lengths: (logits [B, V] fp32, cache)."""
+    logits, cache = extend(params, cache, tokens[:, None], jnp.ones_like(cache.lengths), config=config,
+                           swiftkv=swiftkv)
+    return logits[:, 0], cache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +17,17 @@ from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 
 
-@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "sampling", "max_new_tokens", "chunk_size"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "sampling", "max_new_tokens", "chunk_size",
+                                             "on_token", "with_logprobs"), donate_argnames=("cache",))
 def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_ids, *, config: ModelConfig,
-                    swiftkv: bool, sampling: SamplingParams, max_new_tokens: int, chunk_size: Optional[int]):
+                    swiftkv: bool, sampling: SamplingParams, max_new_tokens: int, chunk_size: Optional[int],
+                    on_token: Optional[Callable] = None, with_logprobs: bool = True):
     """(tokens [B, N], logprobs [B, N], generated counts [B], cache); rows stop at a stop id or after N tokens.
 
-    logprobs are under the model's own distribution (before temperature / top-k / top-p).
+    logprobs are under the model's own distribution (before temperature / top-k / top-p); zeros unless
+    with_logprobs (which costs a log-softmax over the vocabulary per step).
+    on_token(tokens [B], live [B]): a host callback per step, in order, for streaming (it costs a
+    device-to-host sync per token; None keeps the loop free of it).
     """
     logits, cache = prefill(params, cache, tokens, prompt_lengths, config=config, swiftkv=swiftkv,
                             chunk_size=chunk_size)
@@ -35,11 +39,14 @@ def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_id
         step, cache, logits, rng, out, logprobs, done, count = state
         rng, key = jax.random.split(rng)
         token = sample(logits, key, sampling)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
         live = ~done
         out = out.at[:, step].set(jnp.where(live, token, 0))
-        logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
+        if with_logprobs:
+            logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
+            logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
         count = count + live
+        if on_token is not None:
+            jax.debug.callback(on_token, token, live, ordered=True)
         done = done | jnp.isin(token, stop_ids) | (count >= max_new_tokens)
         logits, cache = decode_step(params, cache, token, config=config, swiftkv=swiftkv)
         return step + 1, cache, logits, rng, out, logprobs, done, count
@@ -60,7 +67,7 @@ class Generation:
     texts: Optional[list[str]] = None
 
 
-def _padded_length(length: int, chunk: Optional[int]) -> int:
+def padded_length(length: int, chunk: Optional[int]) -> int:
     """Prompts are padded to a bucket (a power of two >= 16, or a multiple of the chunk) to reuse compiles."""
     if chunk:
         return -(-length // chunk) * chunk
@@ -71,17 +78,20 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
              *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
              cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
-             logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None) -> Generation:
+             logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
+             attention_impl: Optional[str] = None, on_token: Optional[Callable] = None) -> Generation:
     """Generate for a batch of prompts (token id lists, or text with a `tokenizer`).
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
     max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl:
-    "xla" or "pallas" for the few-query attention over the cache (default: the config's).
+    "xla" or "pallas" for the few-query attention over the cache, attention_impl: "xla", "pallas" or
+    "cudnn" for prefill (defaults: the config's). on_token(tokens [B], live [B]) streams: it is called
+    on the host as each token is sampled.
     """
     cfg = model.config
-    if decode_attention_impl is not None:
-        cfg = cfg.replace(decode_attention_impl=decode_attention_impl)
+    overrides = {"decode_attention_impl": decode_attention_impl, "attention_impl": attention_impl}
+    cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
     sampling = SamplingParams(temperature, top_k, top_p)
     if isinstance(prompts, str):
@@ -99,7 +109,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     if min(flat) < 0 or max(flat) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")
     longest = max(len(p) for p in prompts)
-    padded = _padded_length(longest, prefill_chunk)
+    padded = padded_length(longest, prefill_chunk)
     needed = max(longest + max_new_tokens, padded)
     if max_len is None:
         max_len = needed
@@ -117,7 +127,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     out, lps, count, _ = generate_tokens(
         model.params, cache, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
         jax.random.key(seed), stop_ids, config=cfg, swiftkv=swiftkv, sampling=sampling,
-        max_new_tokens=max_new_tokens, chunk_size=prefill_chunk)
+        max_new_tokens=max_new_tokens, chunk_size=prefill_chunk, on_token=on_token, with_logprobs=logprobs)
     out, lps, count = jax.device_get((out, lps, count))
     result = Generation([out[i, : count[i]].tolist() for i in range(len(prompts))])
     if logprobs:

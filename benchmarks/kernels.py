@@ -1,0 +1,200 @@
+"""Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
+
+    python benchmarks/kernels.py [--repeats 20] [--out benchmarks/results/kernels_gpu.json]
+    python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
+
+Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
+- Decode: one query token per sequence over a full cache, batch 32/64 x context 4K..32K. Reported as the
+  memory bandwidth achieved (bytes of K and V read / time), beside the device's copy bandwidth (a jitted
+  `x + 1` over --copy-gib GiB: bytes read + written / time). Rivals: XLA (`attend_cache("xla")`, the engine's
+  default) and jax's bundled Pallas decode kernel (`pallas.ops.gpu.decode_attention.gqa`; its API takes
+  K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time).
+- Prefill: causal self-attention, batch 1..4 x 2K..16K tokens, in TFLOP/s of causal FLOPs
+  4 * B * N * T * T * H / 2. Rivals: cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal
+  flag), the engine's cuDNN path (attention_impl="cudnn": our position mask as a bias) and XLA
+  (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of memory at the largest shapes, reported so).
+Each implementation is first checked against an fp32 reference at one small shape; one that disagrees or
+fails gets an error in its rows instead of timings. Timings: compiled first, then the median of --repeats
+runs, each waited for with block_until_ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from results_file import write_results
+
+SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU: checks the script")
+    parser.add_argument("--repeats", type=int, help="timed runs per point (default 20, smoke 2)")
+    parser.add_argument("--copy-gib", type=float, help="size of the copy-bandwidth probe (default 2, smoke 1/64)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
+                                      f"with --smoke {SMOKE_OUT})")
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from swiftkv_jax.kernels.decode_attention import decode_attention
+    from swiftkv_jax.kernels.flash_attention import flash_attention
+    from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
+
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.smoke:
+        print(f"benchmarks/kernels.py times GPU kernels: it needs a GPU, and this machine's JAX backend is "
+              f"{device.platform!r}. Nothing was measured. `--smoke` runs tiny shapes in interpret mode to "
+              f"check that the script works.", file=sys.stderr)
+        return 2
+    interpret = device.platform == "cpu"
+    repeats = args.repeats or (2 if args.smoke else 20)
+    if args.smoke:  # tiny, and N / K = 4 as in Llama-3.1-8B
+        heads, kv_heads, head_dim = 8, 2, 32
+        decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
+    else:
+        heads, kv_heads, head_dim = 32, 8, 128
+        decode_points = [(b, s) for b in (32, 64) for s in (4096, 8192, 16384, 32768)]
+        prefill_points = [(b, t) for t in (2048, 8192, 16384) for b in (1, 2, 4)]
+    copy_gib = args.copy_gib or (1 / 64 if args.smoke else 2.0)
+    dtype = jnp.bfloat16
+    keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 64))
+    normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
+
+    def timed(fn, *inputs):
+        """(median seconds, compile seconds) of jit(fn)(*inputs)."""
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(*inputs).compile()
+        compile_s = time.perf_counter() - start
+        jax.block_until_ready(compiled(*inputs))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*inputs))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), compile_s
+
+    def measure(row: dict, error, fn, inputs, derived) -> dict:
+        """row + timings and derived(seconds), or + the error that kept it from being timed."""
+        if error is None:
+            try:
+                seconds, compile_s = timed(fn, *inputs)
+                return {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
+            except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
+                error = _error(e)
+        return {**row, "error": error}
+
+    def check(fn, reference, *inputs) -> str | None:
+        """None if fn (bf16) agrees with the reference run on fp32 copies of the inputs, else why not."""
+        try:
+            out = np.asarray(jax.jit(fn)(*inputs), np.float32)
+            want = np.asarray(reference(*(x.astype(jnp.float32) if x.dtype == dtype else x for x in inputs)))
+            diff = np.abs(out - want)
+            if np.any(diff > 4e-3 + 1e-2 * np.abs(want)):  # bf16 rounding; a key missed or added is ~2e-2
+                return f"disagrees with the fp32 reference at a small shape: max |diff| {diff.max():.3g}"
+            return None
+        except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
+            return _error(e)
+
+    # Device copy bandwidth.
+    x = jnp.ones((int(copy_gib * 2**30) // 2,), dtype)
+    copy_s, _ = timed(lambda a: a + 1, x)
+    copy_bw = 2 * x.nbytes / copy_s
+    del x
+    if args.smoke:
+        print("SMOKE RUN: tiny shapes" + (", kernels interpreted on the CPU" if interpret else "")
+              + "; the numbers below check that the script runs, they measure nothing")
+    print(f"{device.device_kind} ({device.platform}{', interpret mode' if interpret else ''}): copy bandwidth "
+          f"{copy_bw / 1e9:.1f} GB/s ({copy_gib:g} GiB read + written in {copy_s * 1e3:.2f} ms)")
+
+    # Decode: q [B, 1, N, H] over k, v [B, S, K, H], every entry valid, the query at position S - 1.
+    decode_impls = {
+        "pallas": lambda q, k, v, n, p: decode_attention(q, k, v, n, p),
+        "xla": lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n),
+    }
+    try:
+        from jax.experimental.pallas.ops.gpu.decode_attention import gqa as jax_gqa
+        decode_impls["jax_pallas"] = lambda q, k, v, n, p: jax_gqa(q[:, 0], k, v, kv_seq_len=n,
+                                                                   interpret=interpret)[:, None]
+    except ImportError as e:
+        jax_gqa_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
+    else:
+        jax_gqa_error = None
+    decode_reference = lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n)
+
+    def decode_inputs(b, s):
+        return (normal(b, 1, heads, head_dim), normal(b, s, kv_heads, head_dim), normal(b, s, kv_heads, head_dim),
+                jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
+
+    small = decode_inputs(2, 512)
+    decode_errors = {name: check(fn, decode_reference, *small) for name, fn in decode_impls.items()}
+    if jax_gqa_error:
+        decode_errors["jax_pallas"] = jax_gqa_error
+    decode_rows = []
+    for b, s in decode_points:
+        inputs = decode_inputs(b, s)
+        kv_bytes = inputs[1].nbytes + inputs[2].nbytes
+        for name, error in decode_errors.items():
+            decode_rows.append(measure(
+                {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, decode_impls[name], inputs,
+                lambda seconds: dict(bandwidth=kv_bytes / seconds, of_copy_bandwidth=kv_bytes / seconds / copy_bw)))
+        del inputs
+
+    # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H].
+    def prefill_inputs(b, t):
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return (normal(b, t, heads, head_dim), normal(b, t, kv_heads, head_dim), normal(b, t, kv_heads, head_dim),
+                positions, jnp.zeros((b, t), jnp.int32))
+
+    prefill_impls = {
+        "pallas": lambda q, k, v, p, g: flash_attention(q, k, v, p, p, g, g),
+        "cudnn": lambda q, k, v, p, g: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "cudnn_mask": lambda q, k, v, p, g: attend("cudnn", q, k, v, p, p, g, g),  # the engine's cuDNN path
+        "xla": lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g),
+    }
+    prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
+    small = prefill_inputs(1, 256)
+    prefill_errors = {name: check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
+    del small
+    prefill_rows = []
+    for b, t in prefill_points:
+        inputs = prefill_inputs(b, t)
+        flops = 4 * b * heads * t * t * head_dim / 2
+        for name, error in prefill_errors.items():
+            prefill_rows.append(measure({"impl": name, "batch": b, "seq": t, "flops": flops}, error,
+                                        prefill_impls[name], inputs, lambda seconds: dict(tflops=flops / seconds / 1e12)))
+        del inputs
+
+    print(f"\ndecode: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
+    print(f"{'impl':<12}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
+    for r in decode_rows:
+        print(f"{r['impl']:<12}{r['batch']:>6}{r['context']:>9}" + (
+            f"  {r['error']}" if "error" in r else
+            f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
+    print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
+    print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'ms':>10}{'TFLOP/s':>9}")
+    for r in prefill_rows:
+        print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}" + (
+            f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
+
+    out = args.out or (SMOKE_OUT if args.smoke else f"benchmarks/results/kernels_{device.platform}.json")
+    write_results(out, "benchmarks/kernels.py", argv, {
+        "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
+        "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "dtype": "bfloat16", "copy": {"bytes": int(copy_gib * 2**30), "time_s": copy_s, "bandwidth": copy_bw},
+        "decode": decode_rows, "prefill": prefill_rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

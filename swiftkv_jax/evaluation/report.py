@@ -1,0 +1,47 @@
+"""The eval table (one row per task and metric, a column per model, and the delta of two) and its JSON."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",),
+                 "perplexity": ("perplexity", "bits_per_byte", "nats_per_token")}
+
+
+def _label(path: str) -> str:
+    return os.path.basename(os.path.normpath(path)) or path
+
+
+def _cell(metrics: dict, name: str) -> str:
+    value, err = metrics[name], metrics.get(f"{name}_stderr")
+    return f"{value:.4f} ± {err:.4f}" if err is not None and err == err else f"{value:.4f}"
+
+
+def comparison_table(tasks, results: dict) -> str:
+    """results: {model path: {task name: metrics}}. With two models the last column is first - second."""
+    paths = list(results)
+    header = ["task", "metric", "n"] + [_label(p) for p in paths] + (["Δ (model − compare)"] if len(paths) == 2 else [])
+    rows = []
+    for task in tasks:
+        for metric in TABLE_METRICS[task.kind]:
+            row = [task.name, metric, str(results[paths[0]][task.name]["n"])]
+            row += [_cell(results[p][task.name], metric) for p in paths]
+            if len(paths) == 2:
+                a, b = (results[p][task.name][metric] for p in paths)
+                row.append(f"{a - b:+.4f}")
+            rows.append(row)
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def results_json(args, tasks, results: dict) -> dict:
+    paths = list(results)
+    out = {"command": sys.argv, "options": {k: v for k, v in vars(args).items() if k != "command"},
+           "tasks": {t.name: {"kind": t.kind, "source": t.source, "n": len(t.items)} for t in tasks},
+           "results": results}
+    if len(paths) == 2:
+        out["deltas"] = {t.name: {m: results[paths[0]][t.name][m] - results[paths[1]][t.name][m]
+                                  for m in TABLE_METRICS[t.kind]} for t in tasks}
+    return out

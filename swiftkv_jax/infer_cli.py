@@ -1,0 +1,255 @@
+"""`python infer.py generate | eval | bench | analyze`: serve, evaluate, time and inspect a checkpoint.
+
+The logic lives in swiftkv_jax.serving and swiftkv_jax.evaluation; this file parses and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+TASKS_HELP = ("tasks as NAME or NAME=SOURCE (local json/jsonl/parquet/txt, a folder or glob, or a hub name "
+              "owner/name[:config][@split]); NAME is one of arc_easy, arc_challenge, hellaswag, winogrande, mmlu, "
+              "gsm8k, perplexity (perplexity needs a SOURCE)")
+
+
+def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> None:
+    p.add_argument("--dtype", default=None, help="parameter and compute dtype: bf16 | fp32 | fp16 (default: as stored)")
+    if teacher_mode:
+        p.add_argument("--teacher-mode", action="store_true",
+                       help="serve a SwiftKV model in its teacher wiring (every layer for every token, full KV cache)")
+    p.add_argument("--cache-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
+    p.add_argument("--attention-impl", choices=("xla", "pallas", "cudnn"), default=None,
+                   help="prefill attention (default: the checkpoint's, xla)")
+    p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
+                   help="few-query attention over the cache (decode; SwiftKV's later layers in prefill)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt (streamed) or a file of prompts")
+    g.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt; its tokens are streamed as they are generated")
+    src.add_argument("--prompts-file", help="a text file with one prompt per line, or jsonl with a 'prompt' field")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--batch-size", type=int, default=16, help="prompts per batch (--prompts-file)")
+    g.add_argument("--max-len", type=int, default=None, help="KV-cache length (default: prompt + max-new-tokens)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    _model_options(g)
+
+    e = sub.add_parser("eval", help="accuracy / perplexity on benchmark tasks, optionally against a second model")
+    e.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
+    e.add_argument("--tasks", required=True, nargs="+", help=TASKS_HELP)
+    e.add_argument("--compare", metavar="DIR2", help="a second checkpoint (e.g. the teacher) evaluated in the same run")
+    e.add_argument("--num-fewshot", type=int, default=0, help="examples before each question (not perplexity)")
+    e.add_argument("--limit", type=int, default=None, help="first N examples of each task")
+    e.add_argument("--chat-template", action="store_true", help="each context as a user turn of the chat template")
+    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--max-length", type=int, default=2048, help="context + answer tokens (perplexity: window)")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="generation tasks (gsm8k)")
+    e.add_argument("--seed", type=int, default=1234, help="few-shot sampling")
+    e.add_argument("--output", help="write the results as JSON here")
+    e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    _model_options(e)
+
+    b = sub.add_parser("bench", help="TTFT, TPOT, tokens/s and KV-cache bytes: SwiftKV vs its teacher wiring")
+    which = b.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="checkpoint directory (HF or Orbax)")
+    which.add_argument("--preset", help="a named model shape (see swiftkv_jax.serving.bench.PRESETS); needs --random-weights")
+    b.add_argument("--random-weights", action="store_true", help="random weights for --preset (no checkpoint)")
+    b.add_argument("--prompt-len", type=int, default=2048)
+    b.add_argument("--gen-len", type=int, default=128)
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--prefill-chunk", type=int, default=None, help="chunked prefill (must divide --prompt-len)")
+    b.add_argument("--memory-bandwidth", type=float, default=None,
+                   help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline")
+    b.add_argument("--seed", type=int, default=0, help="random prompts (and --random-weights)")
+    b.add_argument("--output", help="write the results as JSON here")
+    _model_options(b, teacher_mode=False)  # bench always measures both wirings
+
+    a = sub.add_parser("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
+    a.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
+    a.add_argument("--data", required=True, help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
+    a.add_argument("--max-tokens", type=int, default=8192, help="tokens analysed in all")
+    a.add_argument("--max-length", type=int, default=512, help="window length")
+    a.add_argument("--batch-size", type=int, default=8)
+    a.add_argument("--swiftkv", action="store_true", help="analyse a SwiftKV model's own wiring (default: the teacher's)")
+    a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
+    a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    a.add_argument("--dtype", default=None, help="parameter and compute dtype (default: as stored)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    from swiftkv_jax.checkpoints import CheckpointError
+
+    try:
+        return {"generate": _generate, "eval": _eval, "bench": _bench, "analyze": _analyze}[args.command](args)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:  # DataError and TaskError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _load_model(path: str, args):
+    import swiftkv_jax as sk
+
+    model = sk.load(path, args.dtype)
+    changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if getattr(args, "teacher_mode", False) and not model.config.is_swiftkv:
+        raise ValueError(f"--teacher-mode: {path} is not a SwiftKV model (it is already served as its own teacher)")
+    return sk.Model(model.config.replace(**changes), model.params) if changes else model
+
+
+def _tokenizer(args, path: Optional[str] = None):
+    from swiftkv_jax.data import DataError
+    from swiftkv_jax.data.chat import load_tokenizer
+
+    try:
+        return load_tokenizer(args.tokenizer or path or args.model)
+    except DataError as e:
+        raise DataError(f"{e}; or pass --tokenizer DIR") from e
+
+
+def _read_prompts(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            rows = [json.loads(line) for line in f if line.strip()]
+            if any("prompt" not in r for r in rows):
+                raise ValueError(f"{path}: every jsonl line needs a 'prompt' field")
+            return [r["prompt"] for r in rows]
+        return [line.rstrip("\n") for line in f if line.strip()]
+
+
+def _generate(args) -> int:
+    from swiftkv_jax.evaluation.harness import render_context
+    from swiftkv_jax.serving import generate
+
+    tokenizer = _tokenizer(args)
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
+    if not prompts:
+        raise ValueError(f"{args.prompts_file}: no prompts")
+    model = _load_model(args.model, args)
+    ids = [render_context(tokenizer, p, args.chat) for p in prompts]
+    stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=args.cache_dtype,
+                   max_len=args.max_len, tokenizer=tokenizer)
+    if len(ids) == 1:
+        stream = _Stream(tokenizer)
+        out = generate(model, ids, args.max_new_tokens, on_token=stream, **options)
+        stream.finish(out.texts[0])
+        return 0
+    for start in range(0, len(ids), args.batch_size):
+        out = generate(model, ids[start: start + args.batch_size], args.max_new_tokens, **options)
+        for i, text in enumerate(out.texts, start):
+            print(f"=== {i}: {prompts[i]}\n{text}\n", flush=True)
+    return 0
+
+
+class _Stream:
+    """Prints each new token's text as it arrives: decodes everything so far and prints what is new, so
+    multi-byte characters split over tokens print once complete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+    def __call__(self, tokens, live):
+        if not live[0]:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+    def finish(self, text: str) -> None:
+        sys.stdout.write(text[len(self.printed):] + "\n")
+        sys.stdout.flush()
+
+
+def _eval(args) -> int:
+    from tqdm import tqdm
+
+    from swiftkv_jax.evaluation.harness import EvalOptions, evaluate, units
+    from swiftkv_jax.evaluation.report import comparison_table, results_json
+    from swiftkv_jax.evaluation.tasks import load_task, parse_task_spec
+
+    # tasks first: a bad task name or file fails before a large checkpoint is read
+    shots = lambda spec: 0 if parse_task_spec(spec)[0] == "perplexity" else args.num_fewshot  # no shots in a text
+    tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
+    options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
+                          chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
+                          cache_dtype=args.cache_dtype)
+    paths = [args.model] + ([args.compare] if args.compare else [])
+    results = {}
+    for path in paths:
+        tokenizer, model = _tokenizer(args, path), _load_model(path, args)
+        results[path] = {}
+        for task in tasks:
+            with tqdm(total=units(task), desc=f"{task.name} · {os.path.basename(os.path.normpath(path))}",
+                      unit="req", file=sys.stderr) as bar:
+                results[path][task.name] = evaluate(model, tokenizer, task, options, progress=bar.update)
+        del model
+    print(comparison_table(tasks, results))
+    if args.output:
+        _write_json(args.output, results_json(args, tasks, results))
+    return 0
+
+
+def _bench(args) -> int:
+    from swiftkv_jax.serving import bench
+
+    if args.preset and not args.random_weights:
+        raise ValueError("--preset builds a model shape without weights: add --random-weights (or use --model DIR)")
+    if args.model:
+        model = _load_model(args.model, args)
+    else:
+        model = bench.random_model(args.preset, dtype=args.dtype or "bfloat16", seed=args.seed)
+    rows = bench.bench(model, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
+                       repeats=args.repeats, cache_dtype=args.cache_dtype, attention_impl=args.attention_impl,
+                       decode_attention_impl=args.decode_attention_impl, prefill_chunk=args.prefill_chunk,
+                       memory_bandwidth=args.memory_bandwidth, seed=args.seed)
+    print(bench.format_table(rows))
+    if args.output:
+        _write_json(args.output, {"command": sys.argv, "model": args.model or args.preset, "results": rows})
+    return 0
+
+
+def _analyze(args) -> int:
+    from tqdm import tqdm
+
+    from swiftkv_jax.evaluation.analyze import analyze, format_summary
+
+    with tqdm(total=args.max_tokens, unit="tok", desc="analyze", file=sys.stderr) as bar:
+        result = analyze(args.model, args.data, max_tokens=args.max_tokens, max_length=args.max_length,
+                         out_dir=args.out, tokenizer_dir=args.tokenizer, dtype=args.dtype,
+                         batch_size=args.batch_size, swiftkv=args.swiftkv, progress=bar.update)
+    print(format_summary(result))
+    print(f"wrote {result['out_dir']}/similarity.json and similarity.png", file=sys.stderr)
+    return 0
+
+
+def _write_json(path: str, data) -> None:
+    """Write whole or not at all: a crash mid-write leaves any earlier file intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}", file=sys.stderr)

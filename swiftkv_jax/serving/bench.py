@@ -1,0 +1,271 @@
+"""Serving benchmark: SwiftKV wiring against the teacher wiring of the same weights, side by side in one run.
+
+    from swiftkv_jax.serving import bench as B
+    model = B.random_model("llama-3.1-8b")                        # or sk.load(DIR)
+    rows = B.bench(model, prompt_len=2048, gen_len=128, batch=1)  # one row per wiring, JSON-serialisable
+    print(B.format_table(rows))
+
+Per wiring, on `batch` random prompts of exactly `prompt_len` tokens (no padding):
+- TTFT: the engine's `prefill` + `sample` of the first token, one jitted call with the cache donated.
+- TPOT: a jitted on-device loop (`lax.fori_loop`) of `gen_len` greedy `decode_step`s with the cache donated
+  and no early stop, divided by gen_len. The loop feeds the prefill's token, so a run produces
+  gen_len + 1 tokens per sequence: exactly what `sk.generate(..., max_new_tokens=gen_len + 1)` returns.
+- decode tokens/s = batch * gen_len / loop time; end-to-end tokens/s = batch * (gen_len + 1) / (TTFT + loop).
+- KV-cache bytes are the allocated cache's, compile times are reported apart from the timings; each timing
+  is the median of `repeats` runs after one untimed warm-up, each run on a fresh cache.
+With a device memory bandwidth, a TPOT roofline: bytes one decode step must read (the weights this wiring
+uses, except the embedding table when untied, of which a step gathers `batch` rows; plus K/V: each of the L
+layers reads its own or its group owner's entries, at the mean length over the loop) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from swiftkv_jax.checkpoints.hf_config import config_from_hf
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.model import Model, cast, init
+from swiftkv_jax.model.swiftkv import to_swiftkv
+from swiftkv_jax.serving.cache import cache_layers, init_cache
+from swiftkv_jax.serving.engine import decode_step, prefill
+from swiftkv_jax.serving.sampling import SamplingParams, sample
+
+# Llama-3.1-8B(-Instruct)'s published config.json: the numbers are written here once.
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "initializer_range": 0.02,
+    "torch_dtype": "bfloat16",
+}
+TINY = {  # seconds on a CPU; AcrossKV g = 2 so that the KV saving is visible (cache: 2 + 1 of 4 layers)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "initializer_range": 0.1, "torch_dtype": "float32",
+}
+
+
+def _swiftkv(hf: dict, l: int, g: int) -> dict:
+    """The config.json of `hf` made SwiftKV (SWIFTKV.md §5)."""
+    return {**hf, "model_type": "llama_swiftkv", "architectures": ["LlamaSwiftKVForCausalLM"],
+            "num_key_value_layers": l, "key_value_group_size": g, "swiftkv": True}
+
+
+# name -> config.json (HF layout). llama-3.1-8b is Snowflake's published SwiftKV-8B layout (l = 16, g = 1).
+PRESETS = {
+    "llama-3.1-8b": _swiftkv(LLAMA_3_1_8B, 16, 1),
+    "llama-3.1-8b-acrosskv4": _swiftkv(LLAMA_3_1_8B, 16, 4),
+    "tiny": _swiftkv(TINY, 2, 2),
+}
+GREEDY = SamplingParams()
+
+
+def preset_config(name: str, **runtime) -> ModelConfig:
+    """ModelConfig of a preset (`runtime`: param_dtype, dtype, attention_impl, ... as in `config_from_hf`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}: available are {', '.join(PRESETS)}")
+    return config_from_hf(PRESETS[name], **runtime)
+
+
+def random_model(preset_or_config: Union[str, ModelConfig], dtype="bfloat16", seed: int = 0) -> Model:
+    """Random weights for a preset or config: `init` (in `dtype`) + `to_swiftkv` (when the config has SwiftKV
+    layers, with its l and g) + `cast`, traced as one jitted program, so the teacher and the student are
+    never held side by side. The key is an "rbg" key (XLA's RngBitGenerator): threefry's random bits would
+    add ~0.8x the weights in temporaries. XLA's own estimate for llama-3.1-8b in bf16: 15.7 GiB of weights
+    + 10.5 GiB of temporaries (three stacked MLP weights before the split at layer l). The weights depend
+    on the seed and the platform (the generator is the backend's)."""
+    cfg = preset_config(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    plain = cfg.replace(num_key_value_layers=None, key_value_group_size=1, param_dtype=dtype, dtype=dtype)
+
+    def build(rng):
+        model = init(plain, rng)
+        if cfg.is_swiftkv:
+            model = to_swiftkv(model, cfg.num_key_value_layers, cfg.key_value_group_size)
+        return cast(model, dtype)
+
+    return jax.jit(build)(jax.random.key(seed, impl="rbg"))
+
+
+def random_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
+    """The benchmark's prompts: int32 [batch, prompt_len], uniform over the vocabulary."""
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, prompt_len), dtype=np.int32)
+
+
+def _first_token(params, cache, tokens, lengths, *, config, swiftkv, chunk_size):
+    logits, cache = prefill(params, cache, tokens, lengths, config=config, swiftkv=swiftkv, chunk_size=chunk_size)
+    return sample(logits, jax.random.key(0), GREEDY), cache
+
+
+def _decode_loop(params, cache, token, *, config, swiftkv, steps):
+    """`steps` greedy decode steps from `token` [B], no early stop: (tokens [B, steps], cache)."""
+    def body(i, carry):
+        cache, token, out = carry
+        logits, cache = decode_step(params, cache, token, config=config, swiftkv=swiftkv)
+        token = sample(logits, jax.random.key(0), GREEDY)
+        return cache, token, out.at[:, i].set(token)
+
+    out = jnp.zeros((token.shape[0], steps), jnp.int32)
+    cache, _, out = jax.lax.fori_loop(0, steps, body, (cache, token, out))
+    return out, cache
+
+
+def _compile(fn, *args):
+    start = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=(1,)).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - start
+
+
+def _nbytes(tree) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
+
+
+def step_param_bytes(model: Model, swiftkv: bool) -> int:
+    """Bytes of the weights one decode step reads in this wiring: SwiftKV skips the original q/k/v of layers
+    >= l, the teacher every *_swiftkv weight; an untied embedding table is gathered (`batch` rows), not read."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        names = [getattr(key, "key", str(key)) for key in path]
+        if swiftkv and "swiftkv_groups" in names and {"q_proj", "k_proj", "v_proj"} & set(names):
+            continue
+        if not swiftkv and any(name.endswith("_swiftkv") for name in names):
+            continue
+        if "embed_tokens" in names and not model.config.tie_word_embeddings:
+            continue
+        total += leaf.size * leaf.dtype.itemsize
+    return int(total)
+
+
+def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cache_dtype, chunk, bandwidth,
+                  keep_tokens):
+    cfg, params = model.config, model.params
+    batch, prompt_len = prompts.shape
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+    fresh = lambda: init_cache(cfg, batch, prompt_len + gen_len, swiftkv, cache_dtype)
+    abstract_cache = jax.eval_shape(fresh)
+    first, prefill_compile_s = _compile(
+        functools.partial(_first_token, config=cfg, swiftkv=swiftkv, chunk_size=chunk),
+        params, abstract_cache, prompts, lengths)
+    loop, decode_compile_s = _compile(
+        functools.partial(_decode_loop, config=cfg, swiftkv=swiftkv, steps=gen_len),
+        params, abstract_cache, jax.ShapeDtypeStruct((batch,), jnp.int32))
+    ttfts, loops = [], []
+    for run in range(repeats + 1):  # run 0 warms up
+        cache = jax.block_until_ready(fresh())
+        kv_bytes = int(cache.nbytes)
+        (token, cache), ttft = _timed(first, params, cache, prompts, lengths)
+        (out, cache), loop_s = _timed(loop, params, cache, token)
+        del cache
+        if run:
+            ttfts.append(ttft)
+            loops.append(loop_s)
+    ttft, loop_s = statistics.median(ttfts), statistics.median(loops)
+    row = {
+        "wiring": ("swiftkv" if swiftkv else "teacher") if cfg.is_swiftkv else "plain",
+        "swiftkv": swiftkv, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats,
+        "num_layers": cfg.num_hidden_layers, "num_key_value_layers": cfg.num_key_value_layers,
+        "key_value_group_size": cfg.key_value_group_size, "param_dtype": cfg.param_dtype,
+        "compute_dtype": cfg.dtype, "cache_dtype": jnp.dtype(abstract_cache.lower[0].dtype).name,
+        "attention_impl": cfg.attention_impl, "decode_attention_impl": cfg.decode_attention_impl,
+        "prefill_chunk": chunk, "device": jax.devices()[0].device_kind,
+        "params": int(sum(a.size for a in jax.tree.leaves(params))), "param_bytes": _nbytes(params),
+        "step_param_bytes": step_param_bytes(model, swiftkv),
+        "cache_layers": cache_layers(cfg, swiftkv), "kv_cache_bytes": kv_bytes,
+        "ttft_s": ttft, "ttft_runs_s": ttfts, "prefill_tokens_per_s": batch * prompt_len / ttft,
+        "tpot_s": loop_s / gen_len, "decode_loop_s": loop_s, "decode_loop_runs_s": loops,
+        "decode_tokens_per_s": batch * gen_len / loop_s, "e2e_tokens_per_s": batch * (gen_len + 1) / (ttft + loop_s),
+        "prefill_compile_s": prefill_compile_s, "decode_compile_s": decode_compile_s,
+    }
+    if bandwidth:
+        entry = 2 * batch * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(row["cache_dtype"]).itemsize
+        kv_read = cfg.num_hidden_layers * entry * (prompt_len + (gen_len + 1) / 2)
+        step_bytes = row["step_param_bytes"] + kv_read
+        row.update(memory_bandwidth=float(bandwidth), step_bytes=int(step_bytes),
+                   tpot_roofline_s=step_bytes / bandwidth, roofline_fraction=step_bytes / bandwidth / row["tpot_s"])
+    if keep_tokens:
+        row["tokens"] = np.concatenate([np.asarray(token)[:, None], np.asarray(out)], axis=1).tolist()
+    return row
+
+
+def expected_kv_ratio(config: ModelConfig) -> float:
+    """KV-cache size of the SwiftKV wiring over the teacher's: (l + (L - l) / g) / L."""
+    return config.num_kv_cache_layers / config.num_hidden_layers
+
+
+def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: int = 3, cache_dtype="bfloat16",
+          decode_attention_impl: Optional[str] = None, attention_impl: Optional[str] = None,
+          prefill_chunk: Optional[int] = None, memory_bandwidth: Optional[float] = None, seed: int = 0,
+          keep_tokens: bool = False) -> list[dict]:
+    """Rows [swiftkv, teacher] for a SwiftKV model, [plain] otherwise; see the module docstring.
+
+    The swiftkv row carries `vs_teacher`: swiftkv / teacher ratios of ttft, tpot, kv_bytes, e2e_tokens_per_s
+    and kv_bytes_expected = (l + (L - l) / g) / L. memory_bandwidth (bytes/s) adds the TPOT roofline.
+    attention_impl / decode_attention_impl override the config's (prefill / few-query attention).
+    keep_tokens adds each row's generated tokens [batch, gen_len + 1] (prompts: `random_prompts(..., seed)`).
+    """
+    for name, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("batch", batch), ("repeats", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if prefill_chunk is not None and (prefill_chunk < 1 or prompt_len % prefill_chunk):
+        raise ValueError(f"prefill_chunk {prefill_chunk} must divide prompt_len {prompt_len}")
+    cfg = model.config
+    if attention_impl is not None:
+        cfg = cfg.replace(attention_impl=attention_impl)
+    if decode_attention_impl is not None:
+        cfg = cfg.replace(decode_attention_impl=decode_attention_impl)
+    model = Model(cfg, model.params)
+    prompts = jax.device_put(random_prompts(cfg.vocab_size, batch, prompt_len, seed))
+    rows = [_bench_wiring(model, swiftkv, prompts, gen_len=gen_len, repeats=repeats, cache_dtype=cache_dtype,
+                          chunk=prefill_chunk, bandwidth=memory_bandwidth, keep_tokens=keep_tokens)
+            for swiftkv in ((True, False) if cfg.is_swiftkv else (False,))]
+    if cfg.is_swiftkv:
+        fast, slow = rows
+        fast["vs_teacher"] = {
+            "ttft": fast["ttft_s"] / slow["ttft_s"], "tpot": fast["tpot_s"] / slow["tpot_s"],
+            "kv_bytes": fast["kv_cache_bytes"] / slow["kv_cache_bytes"],
+            "kv_bytes_expected": expected_kv_ratio(cfg),
+            "e2e_tokens_per_s": fast["e2e_tokens_per_s"] / slow["e2e_tokens_per_s"]}
+    return rows
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_table(rows: list[dict]) -> str:
+    """A printable table of `bench` rows, with the swiftkv / teacher ratios below it."""
+    first = rows[0]
+    lines = [f"batch {first['batch']} x prompt {first['prompt_len']} + {first['gen_len']} generated, "
+             f"{_count(first['params'])} params {first['param_dtype']}, KV {first['cache_dtype']}, "
+             f"L={first['num_layers']} l={first['num_key_value_layers']} g={first['key_value_group_size']}, "
+             f"attention {first['attention_impl']}/{first['decode_attention_impl']}, on {first['device']}"]
+    roofline = "memory_bandwidth" in first
+    header = (f"{'wiring':<9}{'TTFT ms':>10}{'TPOT ms':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
+              f"{'KV layers':>10}{'KV MiB':>10}{'compile s':>12}" + (f"{'roofline':>10}" if roofline else ""))
+    lines.append(header)
+    for r in rows:
+        lines.append(f"{r['wiring']:<9}{r['ttft_s'] * 1e3:>10.2f}{r['tpot_s'] * 1e3:>10.3f}"
+                     f"{r['decode_tokens_per_s']:>14.1f}{r['e2e_tokens_per_s']:>11.1f}{r['cache_layers']:>10}"
+                     f"{r['kv_cache_bytes'] / 2**20:>10.1f}"
+                     f"{r['prefill_compile_s']:>6.1f}+{r['decode_compile_s']:<5.1f}"
+                     + (f"{r['roofline_fraction']:>10.1%}" if roofline else ""))
+    for r in rows:
+        if "vs_teacher" in r:
+            lines.append("swiftkv / teacher: " + ", ".join(f"{k} {v:.3f}" for k, v in r["vs_teacher"].items()))
+    return "\n".join(lines)

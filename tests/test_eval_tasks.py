@@ -1,0 +1,255 @@
+"""Benchmark task definitions: lm-evaluation-harness's default prompts over local files in each hub schema.
+
+The expected strings are written out from lm-eval's task templates (arc_easy.yaml, hellaswag/utils.py,
+winogrande/preprocess_winogrande.py, mmlu/default/_default_template_yaml, gsm8k.yaml), not computed.
+"""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from swiftkv_jax.evaluation.tasks import (KINDS, TASK_NAMES, GenerationItem, MultipleChoiceItem, TaskError,
+                                          extract_answer, is_correct, load_task, parse_task_spec)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def load(tmp_path):
+    def load(spec, **kw):
+        return load_task(spec, cache_dir=str(tmp_path / "cache"), **kw)
+    return load
+
+
+def arc_row(i, key="B"):
+    return {"id": f"q{i}", "question": f"Question number {i}?",
+            "choices": {"text": [f"wrong {i}", f"right {i}", f"other {i}"], "label": ["A", "B", "C"]},
+            "answerKey": key}
+
+
+def test_arc_prompt_continuations_and_gold(tmp_path, load):
+    rows = [{"id": "a", "question": "What is the capital of France?",
+             "choices": {"text": ["Berlin", "Paris", "Rome", "Madrid"], "label": ["A", "B", "C", "D"]},
+             "answerKey": "B"},
+            {"id": "b", "question": "Which gas do plants absorb?",  # numeric labels occur in ARC
+             "choices": {"text": ["Oxygen", "Nitrogen", "Carbon dioxide"], "label": ["1", "2", "3"]},
+             "answerKey": "3"}]
+    for name in ("arc_easy", "arc_challenge"):
+        task = load(f"{name}={write_jsonl(tmp_path / 'arc.jsonl', rows)}")
+        assert (task.name, task.kind, task.source, task.stop) == (name, "multiple_choice", str(tmp_path / "arc.jsonl"),
+                                                                  ())
+        assert task.items == (
+            MultipleChoiceItem(("Question: What is the capital of France?\nAnswer:",) * 4,
+                               (" Berlin", " Paris", " Rome", " Madrid"), 1),
+            MultipleChoiceItem(("Question: Which gas do plants absorb?\nAnswer:",) * 3,
+                               (" Oxygen", " Nitrogen", " Carbon dioxide"), 2))
+
+
+def test_arc_from_parquet_and_limit(tmp_path, load):
+    pq.write_table(pa.Table.from_pylist([arc_row(i) for i in range(5)]), tmp_path / "arc.parquet")
+    task = load(f"arc_easy={tmp_path / 'arc.parquet'}", limit=2)
+    assert [it.contexts[0] for it in task.items] == ["Question: Question number 0?\nAnswer:",
+                                                    "Question: Question number 1?\nAnswer:"]
+    assert task.items[1].continuations == (" wrong 1", " right 1", " other 1") and task.items[1].gold == 1
+
+
+def test_hellaswag_preprocessing(tmp_path, load):
+    rows = [{"ind": 4, "activity_label": "Home and Garden",
+             "ctx_a": "[header] How to clean a grill. [title] Heat the grill.", "ctx_b": "then scrub the grates.",
+             "endings": ["Scrub the grates [substeps] with a wire brush.", "Eat the grill.  ", "Paint it.",
+                         "Sell the grill."],
+             "label": "0"},
+            {"ind": 5, "activity_label": "Roof shingle removal", "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+             "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                         "is holding a rubik's cube.", "starts pulling up roofing on a roof."],
+             "label": 3}]
+    task = load(f"hellaswag={write_jsonl(tmp_path / 'hs.jsonl', rows)}")
+    # " [title]" -> ". ", brackets dropped, double spaces collapsed (lm-eval's ".." is kept); ctx_b capitalised
+    assert task.items[0] == MultipleChoiceItem(
+        ("Home and Garden: How to clean a grill.. Heat the grill. Then scrub the grates.",) * 4,
+        (" Scrub the grates with a wire brush.", " Eat the grill.", " Paint it.", " Sell the grill."), 0)
+    assert task.items[1] == MultipleChoiceItem(
+        ("Roof shingle removal: A man is sitting on a roof. He",) * 4,
+        (" is using wrap to wrap a pair of skis.", " is ripping level tiles off.", " is holding a rubik's cube.",
+         " starts pulling up roofing on a roof."), 3)
+
+
+def test_winogrande_partial_contexts(tmp_path, load):
+    rows = [{"sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
+             "option1": "Sarah", "option2": "Maria", "answer": "1"},
+            {"sentence": "The trophy doesn't fit into the suitcase because the _ is too small.",
+             "option1": "trophy", "option2": "suitcase", "answer": "2"}]
+    task = load(f"winogrande={write_jsonl(tmp_path / 'wg.jsonl', rows)}", num_fewshot=1)
+    assert task.items[0] == MultipleChoiceItem(
+        ("The trophy doesn't fit into the suitcase because the suitcase is too small.\n\n"
+         "Sarah was a much better surgeon than Maria so Sarah",
+         "The trophy doesn't fit into the suitcase because the suitcase is too small.\n\n"
+         "Sarah was a much better surgeon than Maria so Maria"),
+        (" always got the harder cases.", " always got the harder cases."), 0)
+    assert task.items[1].contexts == (
+        "Sarah was a much better surgeon than Maria so Sarah always got the harder cases.\n\n"
+        "The trophy doesn't fit into the suitcase because the trophy",
+        "Sarah was a much better surgeon than Maria so Sarah always got the harder cases.\n\n"
+        "The trophy doesn't fit into the suitcase because the suitcase")
+    assert task.items[1].continuations == (" is too small.",) * 2 and task.items[1].gold == 1
+
+
+def mmlu_row(subject, question, answer=1):
+    return {"question": question, "subject": subject, "choices": ["Atlantic", "Pacific", "Indian", "Arctic"],
+            "answer": answer}
+
+
+def test_mmlu_header_letters_and_same_subject_shots(tmp_path, load):
+    rows = [mmlu_row("high_school_geography", "  Which is the largest ocean?\n"),
+            mmlu_row("astronomy", "Which ocean is on Mars?", 3),
+            mmlu_row("high_school_geography", "Which ocean borders Portugal?", 0)]
+    path = write_jsonl(tmp_path / "mmlu.jsonl", rows)
+    item = load(f"mmlu={path}").items[0]
+    assert item == MultipleChoiceItem(
+        ("The following are multiple choice questions (with answers) about high school geography.\n\n"
+         "Which is the largest ocean?\nA. Atlantic\nB. Pacific\nC. Indian\nD. Arctic\nAnswer:",) * 4,
+        (" A", " B", " C", " D"), 1)
+    # one description first, then the example (same subject, gold letter appended), then the question
+    assert load(f"mmlu={path}", num_fewshot=1, limit=1).items[0].contexts[0] == (
+        "The following are multiple choice questions (with answers) about high school geography.\n\n"
+        "Which ocean borders Portugal?\nA. Atlantic\nB. Pacific\nC. Indian\nD. Arctic\nAnswer: A\n\n"
+        "Which is the largest ocean?\nA. Atlantic\nB. Pacific\nC. Indian\nD. Arctic\nAnswer:")
+    with pytest.raises(TaskError, match="pool of subject 'astronomy' has only 0"):  # no other example
+        load(f"mmlu={path}", num_fewshot=1, limit=2)
+
+
+def test_gsm8k_prompt_answer_and_fewshot(tmp_path, load):
+    rows = [{"question": "Janet has 3 apples and buys 15 more. How many does she have?",
+             "answer": "She has 3+15=<<3+15=18>>18 apples.\n#### 18"},
+            {"question": "A car costs $1,000 and a bike $250. What do both cost?",
+             "answer": "1,000+250=<<1000+250=1250>>1,250\n#### 1,250"}]
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
+    task = load(f"gsm8k={path}")
+    assert (task.kind, task.stop) == ("generation", ("Question:", "</s>", "<|im_end|>", "\n\n"))
+    assert task.items == (
+        GenerationItem("Question: Janet has 3 apples and buys 15 more. How many does she have?\nAnswer:", "18"),
+        GenerationItem("Question: A car costs $1,000 and a bike $250. What do both cost?\nAnswer:", "1250"))
+    assert load(f"gsm8k={path}", num_fewshot=1).items[0].prompt == (
+        "Question: A car costs $1,000 and a bike $250. What do both cost?\n"
+        "Answer: 1,000+250=<<1000+250=1250>>1,250\n#### 1,250\n\n"
+        "Question: Janet has 3 apples and buys 15 more. How many does she have?\nAnswer:")
+
+
+def test_fewshot_count_seed_and_never_the_doc(tmp_path, load):
+    path = write_jsonl(tmp_path / "arc.jsonl", [arc_row(i) for i in range(12)])
+    task = load(f"arc_easy={path}", num_fewshot=3)
+    assert task.num_fewshot == 3
+    for i, item in enumerate(task.items):
+        context = item.contexts[0]
+        assert context.count("Question: ") == 4 and context.count(f"Question number {i}?") == 1
+        assert context.endswith(f"\n\nQuestion: Question number {i}?\nAnswer:")
+        shots = context.split("\n\n")[:-1]
+        assert all(s.startswith("Question: Question number ") for s in shots)
+        assert all(s.endswith(f"\nAnswer: right {s.split('number ')[1].split('?')[0]}") for s in shots)
+    assert load(f"arc_easy={path}", num_fewshot=3) == task
+    assert load(f"arc_easy={path}", num_fewshot=3, seed=7) != task
+    two = write_jsonl(tmp_path / "two.jsonl", [arc_row(0), arc_row(1, "C")])
+    assert load(f"arc_easy={two}", num_fewshot=1).items[1].contexts[0] == (
+        "Question: Question number 0?\nAnswer: right 0\n\nQuestion: Question number 1?\nAnswer:")
+    with pytest.raises(TaskError, match="2 few-shot examples asked.*only 1"):
+        load(f"arc_easy={two}", num_fewshot=2)
+
+
+def test_folder_is_read_like_a_hub_dataset_with_splits(tmp_path, load):
+    (tmp_path / "gsm").mkdir()  # a downloaded dataset: docs from split test, few-shot examples from train
+    write_jsonl(tmp_path / "gsm" / "test.jsonl", [{"question": "q0", "answer": "a #### 1"}])
+    write_jsonl(tmp_path / "gsm" / "train.jsonl", [{"question": f"t{i}", "answer": f"b #### {i}"} for i in range(2)])
+    task = load(f"gsm8k={tmp_path / 'gsm'}:default", num_fewshot=1, limit=1)
+    assert task.source == f"{tmp_path / 'gsm'}:default@test"
+    assert task.items[0].prompt.startswith("Question: t") and task.items[0].prompt.endswith("\n\nQuestion: q0\nAnswer:")
+    # evaluating the few-shot split itself: the example is the other row
+    assert load(f"gsm8k={tmp_path / 'gsm'}:default@train", num_fewshot=1).items == (
+        GenerationItem("Question: t1\nAnswer: b #### 1\n\nQuestion: t0\nAnswer:", "0"),
+        GenerationItem("Question: t0\nAnswer: b #### 0\n\nQuestion: t1\nAnswer:", "1"))
+    with pytest.raises(TaskError, match="FOLDER:CONFIG@SPLIT"):  # default config "main" is not in a plain folder
+        load(f"gsm8k={tmp_path / 'gsm'}")
+
+
+@pytest.mark.parametrize("generated, expected", [
+    ("She has 3 + 15 = 18 apples.\n#### 18", "18"),                        # strict
+    ("#### 42 since 6 * 7 = 42, not 100", "42"),                           # strict wins over the last number
+    ("So she has 5 + 13 = 18 apples.", "18"),                              # flexible: the last number
+    ("The total is $1,250.50.", "1250.50"),                                # $ and commas, trailing "."
+    ("#### $1,000", "1000"),
+    ("It drops to -7 degrees.", "-7"),
+    ("I do not know.", ""),
+    ("The answer is 18.\n\nQuestion: Tom has 99 apples", "18"),            # cut at the stop strings
+    ("It is 5 Question: and 7", "5"),
+    ("It is 5<|im_end|>7", "5"),
+])
+def test_gsm8k_extract_answer(tmp_path, load, generated, expected):
+    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': '#### 1'}])}")
+    assert extract_answer(task, generated) == expected
+
+
+def test_gsm8k_is_correct_compares_numbers(tmp_path, load):
+    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': 'x #### -3'}])}")
+    assert task.items[0].answer == "-3"
+    assert is_correct(task, "The answer is -3.0", "-3") and is_correct(task, "#### -3", "-3")
+    assert is_correct(task, "18", "18.0") and is_correct(task, "1,000", "1000")
+    assert not is_correct(task, "-4", "-3") and not is_correct(task, "no idea", "-3")
+
+
+def test_perplexity_documents(tmp_path, load):
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "a.txt").write_text("First document.\n\nIts second paragraph.\n")
+    (tmp_path / "docs" / "sub" / "b.txt").write_text("Second document, one line.")
+    (tmp_path / "docs" / "README.md").write_text("not a document")
+    task = load(f"perplexity={tmp_path / 'docs'}")
+    assert (task.kind, task.items) == ("perplexity", ("First document.\n\nIts second paragraph.\n",
+                                                      "Second document, one line."))
+    assert load(f"perplexity={tmp_path / 'docs' / '*.txt'}").items == ("First document.\n\nIts second paragraph.\n",)
+    rows = [{"text": "row one"}, {"text": ""}, {"text": "row two\nstill two"}, {"text": "row three"}]
+    assert load(f"perplexity={write_jsonl(tmp_path / 'p.jsonl', rows)}", limit=2).items == (
+        "row one", "row two\nstill two")
+    with pytest.raises(TaskError, match="needs a source"):
+        load("perplexity")
+    with pytest.raises(TaskError, match="no field.*'text'"):
+        load(f"perplexity={write_jsonl(tmp_path / 'q.jsonl', [{'body': 'x'}])}")
+
+
+def test_parse_task_spec_and_unknown_names():
+    assert TASK_NAMES == ("arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "gsm8k", "perplexity")
+    assert KINDS == ("multiple_choice", "generation", "perplexity")
+    assert parse_task_spec("arc_easy") == ("arc_easy", None)
+    assert parse_task_spec("arc_easy=data/arc.jsonl") == ("arc_easy", "data/arc.jsonl")
+    assert parse_task_spec("mmlu=cais/mmlu:all@test") == ("mmlu", "cais/mmlu:all@test")
+    with pytest.raises(TaskError, match="'arc_easy'.*mmlu"):
+        parse_task_spec("arc-easy=x.jsonl")
+    with pytest.raises(TaskError, match="'hellaswag'"):
+        load_task("helaswag")
+    with pytest.raises(TaskError, match="nothing after '='"):
+        parse_task_spec("gsm8k=")
+
+
+def test_bad_data_errors(tmp_path, load):
+    row = arc_row(0)
+    del row["answerKey"]
+    with pytest.raises(TaskError, match=r"arc_easy: .* no field\(s\) \['answerKey'\].*allenai/ai2_arc"):
+        load(f"arc_easy={write_jsonl(tmp_path / 'a.jsonl', [row])}")
+    with pytest.raises(TaskError, match="row 1 .*answerKey 'F' is not one of"):
+        load(f"arc_easy={write_jsonl(tmp_path / 'b.jsonl', [arc_row(0), arc_row(1, 'F')])}")
+    no_blank = {"sentence": "No blank here.", "option1": "a", "option2": "b", "answer": "1"}
+    with pytest.raises(TaskError, match="row 0 .*has no '_' blank"):
+        load(f"winogrande={write_jsonl(tmp_path / 'w.jsonl', [no_blank])}")
+    with pytest.raises(TaskError, match="no such file"):
+        load(f"hellaswag={tmp_path / 'missing.jsonl'}")
+    with pytest.raises(TaskError, match="config/split applies to hub datasets"):
+        load(f"arc_easy={write_jsonl(tmp_path / 'c.jsonl', [arc_row(0)])}@test")
+
+
+def test_hub_names_offline_say_how_to_download(load):
+    with pytest.raises(TaskError, match="offline.*hf download allenai/ai2_arc"):
+        load("arc_easy")
+    with pytest.raises(TaskError, match="cais/mmlu:abstract_algebra@validation.*offline"):
+        load("mmlu=cais/mmlu:abstract_algebra@validation")
