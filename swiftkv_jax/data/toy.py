@@ -1,26 +1,19 @@
 """Tiny deterministic data and tokenizer for tests and the tiny recipe: no downloads.
 
 Conversations are small tasks a tiny model can learn (arithmetic, counting, sorting, repeating,
-reversing); the tokenizer is a byte-level BPE with Llama 3's special tokens and chat format.
+reversing); the tokenizer is `bpe.train_chat_tokenizer`, a byte-level BPE with Llama 3's special tokens
+and chat format.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from swiftkv_jax.data.bpe import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, train_chat_tokenizer
 
-BOS, EOS, PAD = "<|begin_of_text|>", "<|eot_id|>", "<|pad|>"
-SPECIAL_TOKENS = [BOS, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOS, PAD]
-# Llama 3's chat format (content trimmed, BOS first), without the 3.1 tool and date preamble.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+# the tokenizer lives in bpe.py (also used for the stdlib corpus); re-exported for existing callers
+__all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "SPECIAL_TOKENS", "synthetic_chat_examples",
+           "train_chat_tokenizer"]
 
 WORDS = ("apple", "pear", "fig", "plum", "kiwi", "lime", "grape", "melon", "peach", "cherry", "mango", "lemon",
          "red", "blue", "green", "cat", "dog", "owl", "fox", "bee")
@@ -71,21 +64,3 @@ def synthetic_chat_examples(n: int, seed: int = 0) -> list[dict]:
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         examples.append({"messages": messages})
     return examples
-
-
-def train_chat_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on `texts`, with BOS/EOS/PAD and a Llama-3-style chat template."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
-    # as Llama 3: untrimmed offsets, BOS added by `tokenizer(text)` (not by the chat path, whose template has it)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
-                                      special_tokens=[(BOS, tokenizer.token_to_id(BOS))]),
-    ])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   chat_template=CHAT_TEMPLATE, model_max_length=1 << 30)

@@ -94,26 +94,70 @@ def distill_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, l
     return grads, sums
 
 
+def next_token_targets(batch: dict):
+    """(targets, weights) [B, T]: position t predicts token t + 1 of the same document (packed rows hold
+    several; the last token of each predicts nothing), weighted by the loss mask of the predicted token."""
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    shift = lambda a: jnp.pad(a[:, 1:], ((0, 0), (0, 1)))
+    same_document = (shift(segments) == segments) & (segments > 0)
+    return shift(tokens), shift(batch["loss_mask"]) * same_document
+
+
+def pretrain_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, loss: LossSection):
+    """Gradients and sums of next-token cross-entropy, every parameter trainable (the teacher's pretraining)."""
+    positions, segment_ids = batch["positions"], batch["segment_ids"]
+    targets, weights = next_token_targets(batch)
+
+    def objective(trainable):
+        params = merge(trainable, frozen)
+        h = stage(params, config, "lower", batch["tokens"], positions, segment_ids)
+        h = stage(params, config, "upper", h, positions, segment_ids)
+        head = functools.partial(stage, params, config, "head")
+        nll, correct = losses.chunked_cross_entropy_sums(head, h, targets, weights, loss.chunk_size)
+        return nll * inv_tokens, {"nll": nll, "correct": correct, "predicted": jnp.sum(weights)}
+
+    (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+    return grads, sums
+
+
+def _stage_metrics(stage_name: str, sums: dict, inv_tokens, loss: LossSection, config: ModelConfig) -> dict:
+    if stage_name == "pretrain":  # the objective divides by all tokens; report per predicted token
+        per = 1.0 / jnp.maximum(sums["predicted"], 1.0)
+        return {"loss": sums["nll"] * inv_tokens, "ce": sums["nll"] * per, "accuracy": sums["correct"] * per}
+    kl = sums["kl"] * inv_tokens
+    hidden_mse = sums["sq"] * inv_tokens / config.hidden_size
+    return {"loss": loss.temperature**2 * kl + loss.hidden_loss_mult * hidden_mse, "kl": kl,
+            "hidden_mse": hidden_mse}
+
+
+OBJECTIVES = {"distill": distill_sums, "pretrain": pretrain_sums}
+
+
 def train_step(state: TrainState, frozen: dict, batch: dict, *, config: ModelConfig, loss: LossSection,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule, grad_accum: int = 1,
-               batch_sharding: Optional[NamedSharding] = None):
-    """(new state, metrics). A non-finite loss or gradient leaves the state unchanged (metrics show it)."""
+               batch_sharding: Optional[NamedSharding] = None, stage_name: str = "distill"):
+    """(new state, metrics). A non-finite loss or gradient leaves the state unchanged (metrics show it).
+
+    stage_name: "distill" (SwiftKV's KL objective) or "pretrain" (cross-entropy, all weights trainable)."""
     tokens = jnp.sum(batch["segment_ids"] > 0)
     inv_tokens = 1.0 / jnp.maximum(tokens, 1).astype(jnp.float32)
-    sums_of = functools.partial(distill_sums, config=config, loss=loss)
+    sums_of = functools.partial(OBJECTIVES[stage_name], config=config, loss=loss)
     if grad_accum == 1:
         grads, sums = sums_of(state.trainable, frozen, batch, inv_tokens)
     else:
+        micro_batches = _split_microbatches(batch, grad_accum, batch_sharding)
+
         def accumulate(acc, micro):
             g, s = sums_of(state.trainable, frozen, micro, inv_tokens)
             return jax.tree.map(jnp.add, acc, (g, s)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.trainable), {"kl": jnp.zeros(()), "sq": jnp.zeros(())}
-        (grads, sums), _ = jax.lax.scan(accumulate, zeros, _split_microbatches(batch, grad_accum, batch_sharding))
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(sums_of, state.trainable, frozen, first, inv_tokens)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        (grads, sums), _ = jax.lax.scan(accumulate, zeros, micro_batches)
 
-    kl = sums["kl"] * inv_tokens
-    hidden_mse = sums["sq"] * inv_tokens / config.hidden_size
-    total = loss.temperature**2 * kl + loss.hidden_loss_mult * hidden_mse
+    metrics = _stage_metrics(stage_name, sums, inv_tokens, loss, config)
+    total = metrics["loss"]
     grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
@@ -121,8 +165,7 @@ def train_step(state: TrainState, frozen: dict, batch: dict, *, config: ModelCon
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = TrainState(state.step + finite.astype(state.step.dtype), keep(trainable, state.trainable),
                            keep(opt_state, state.opt_state))
-    metrics = {"loss": total, "kl": kl, "hidden_mse": hidden_mse, "grad_norm": grad_norm,
-               "lr": schedule(state.step), "tokens": tokens}
+    metrics.update(grad_norm=grad_norm, lr=schedule(state.step), tokens=tokens)
     return new_state, metrics
 
 

@@ -1,0 +1,137 @@
+"""`python infer.py generate | eval | bench` end to end on a tiny teacher and its SwiftKV student (CPU, fp32)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import swiftkv_jax as sk
+from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+from swiftkv_jax.data.chat import load_tokenizer
+from swiftkv_jax.infer_cli import main
+from swiftkv_jax.tiny_assets import make_tiny_assets
+
+ARC_ROWS = [
+    {"question": "What do bees make?", "choices": {"text": ["honey", "milk", "glass"], "label": ["A", "B", "C"]},
+     "answerKey": "A"},
+    {"question": "Which is a fruit?", "choices": {"text": ["owl", "pear"], "label": ["A", "B"]}, "answerKey": "B"},
+    {"question": "Count to three.", "choices": {"text": ["1 2 3", "3 2 1", "1 1 1", "2 2"],
+                                                "label": ["1", "2", "3", "4"]}, "answerKey": "1"},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = make_tiny_assets(tmp_path_factory.mktemp("infer"), num_examples=200)
+    teacher = root / "teacher"
+    student = sk.to_swiftkv(sk.load(teacher), 2, 1)
+    sk.save(student, root / "student", "hf", extra_files=read_sidecar_files(teacher))
+    with open(root / "arc.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ARC_ROWS)
+    with open(root / "gsm8k.jsonl", "w") as f:
+        for q, a in [("What is 2 + 3?", "2 + 3 = 5\n#### 5"), ("What is 10 + 1?", "10 + 1 = 11\n#### 11")]:
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    (root / "docs").mkdir()
+    (root / "docs" / "a.txt").write_text("apple pear fig " * 20)
+    (root / "docs" / "b.txt").write_text("Count from 3 to 9. 3 4 5 6 7 8 9")
+    return root
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_streams_what_the_engine_generates(checkpoints, capsys):
+    student = checkpoints / "student"
+    code, out, _ = run(capsys, "generate", "--model", student, "--prompt", "What is 4 + 5?", "--max-new-tokens", 12)
+    assert code == 0
+    tokenizer = load_tokenizer(str(student))
+    want = sk.generate(sk.load(student), "What is 4 + 5?", 12, tokenizer=tokenizer,
+                       stop_token_ids=[tokenizer.eos_token_id]).texts[0]
+    assert out == want + "\n"
+
+
+def test_generate_from_a_prompts_file_with_the_chat_template(checkpoints, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Sort these words: fig apple\nRepeat 'owl' 2 times.\n")
+    code, out, _ = run(capsys, "generate", "--model", checkpoints / "student", "--prompts-file", prompts, "--chat",
+                       "--max-new-tokens", 6, "--teacher-mode")
+    assert code == 0
+    assert "=== 0: Sort these words: fig apple" in out and "=== 1: Repeat 'owl' 2 times." in out
+
+
+def test_prompt_longer_than_the_cache_is_a_clear_error(checkpoints, capsys):
+    code, _, err = run(capsys, "generate", "--model", checkpoints / "student", "--prompt", "apple " * 40,
+                       "--max-len", 32)
+    assert code == 2 and "raise max_len or shorten the prompt" in err
+
+
+def test_checkpoint_without_a_tokenizer_is_a_clear_error(checkpoints, capsys, tmp_path):
+    sk.save(sk.load(checkpoints / "teacher"), tmp_path / "bare", "hf")
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "bare", "--prompt", "hi")
+    assert code == 2 and "no tokenizer in" in err and "or pass --tokenizer DIR" in err
+
+
+def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
+    out_json = tmp_path / "eval.json"
+    code, out, _ = run(capsys, "eval", "--model", checkpoints / "student", "--compare", checkpoints / "teacher",
+                       "--tasks", f"arc_easy={checkpoints / 'arc.jsonl'}", f"gsm8k={checkpoints / 'gsm8k.jsonl'}",
+                       f"perplexity={checkpoints / 'docs'}", "--max-new-tokens", 8, "--output", out_json)
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    student, teacher = str(checkpoints / "student"), str(checkpoints / "teacher")
+    assert set(report["results"]) == {student, teacher}
+    assert "Δ (model − compare)" in out and "arc_easy" in out and "bits_per_byte" in out
+    for name in ("arc_easy", "gsm8k", "perplexity"):
+        for metric, delta in report["deltas"][name].items():
+            assert delta == pytest.approx(report["results"][student][name][metric]
+                                          - report["results"][teacher][name][metric])
+    # accuracy against an independent computation: each choice scored by one full forward of context + choice
+    tokenizer = load_tokenizer(student)
+    for path in (student, teacher):
+        model = sk.load(path)
+        correct = []
+        for row in ARC_ROWS:
+            context = f"Question: {row['question']}\nAnswer:"
+            n = len(tokenizer(context)["input_ids"])
+            scores = []
+            for choice in row["choices"]["text"]:
+                ids = tokenizer(context + " " + choice)["input_ids"]
+                logits = np.asarray(sk.logits(model, np.asarray([ids])), np.float64)[0]
+                logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+                scores.append(sum(logp[i - 1, ids[i]] for i in range(n, len(ids))))
+            correct.append(row["choices"]["label"][int(np.argmax(scores))] == row["answerKey"])
+        assert report["results"][path]["arc_easy"]["acc"] == pytest.approx(np.mean(correct))
+        assert 0 < report["results"][path]["perplexity"]["perplexity"] < float(model.config.vocab_size) * 4
+
+
+def test_unknown_task_fails_before_loading_a_model(capsys):
+    code, _, err = run(capsys, "eval", "--model", "/nonexistent", "--tasks", "arc_eazy")
+    assert code == 2 and "arc_easy" in err
+
+
+def test_teacher_mode_needs_a_swiftkv_model(checkpoints, capsys):
+    code, _, err = run(capsys, "generate", "--model", checkpoints / "teacher", "--prompt", "hi", "--teacher-mode")
+    assert code == 2 and "not a SwiftKV model" in err
+
+
+def test_bench_reports_both_wirings(checkpoints, capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    code, out, _ = run(capsys, "bench", "--model", checkpoints / "student", "--prompt-len", 32, "--gen-len", 4,
+                       "--batch", 2, "--repeats", 1, "--cache-dtype", "float32", "--output", out_json)
+    assert code == 0 and "swiftkv / teacher" in out
+    rows = json.loads(out_json.read_text())["results"]
+    assert [r["wiring"] for r in rows] == ["swiftkv", "teacher"]
+    assert rows[0]["vs_teacher"]["kv_bytes"] == pytest.approx((2 + 2 / 1) / 4)  # l=2, g=1 of 4 layers: 1.0
+    code, _, err = run(capsys, "bench", "--preset", "tiny")
+    assert code == 2 and "--random-weights" in err
+
+
+def test_analyze_writes_the_similarity_of_layers(checkpoints, capsys, tmp_path):
+    code, out, _ = run(capsys, "analyze", "--model", checkpoints / "teacher", "--data", checkpoints / "docs",
+                       "--max-tokens", 64, "--out", tmp_path / "analysis")
+    report = json.loads((tmp_path / "analysis" / "similarity.json").read_text())
+    assert code == 0 and report["tokens"] == 64 and len(report["similarity"]) == 5
+    assert (tmp_path / "analysis" / "similarity.png").stat().st_size > 0 and "layer" in out
