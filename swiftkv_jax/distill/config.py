@@ -13,7 +13,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    teacher: str = field("", help="teacher checkpoint directory: Hugging Face (config.json + safetensors) or ours (Orbax)")
+    teacher: str = field("", help="teacher checkpoint directory: Hugging Face (config.json + safetensors) or ours (Orbax); "
+                                  "stage pretrain: the model to train (config.json alone: random weights)")
     tokenizer: Optional[str] = field(None, help="tokenizer directory (default: the teacher's)")
     num_key_value_layers: int = field(1, help="l: layers >= l take their KV from norm_swiftkv(h_l) (SWIFTKV.md §2)")
     key_value_group_size: int = field(1, help="g: AcrossKV group size (1 = SingleInputKV only)")
@@ -22,7 +23,7 @@ class ModelSection:
     trainable_dtype: DType = field("float32", help="master copy of the trainable weights (and the optimizer state)")
     compute_dtype: DType = field("bfloat16", help="matmul dtype; softmax, norms, logits and the loss are fp32 regardless")
     attention_impl: str = field("xla", help="attention backend (see swiftkv_jax.model.attention)")
-    remat: Literal["none", "full", "dots"] = field("full", help="activation checkpointing of the student's trained layers")
+    remat: Literal["none", "full", "dots"] = field("full", help="activation checkpointing of the trained layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +86,14 @@ class DistributedSection:
     cpu_collectives: Literal["gloo", "mpi", "none"] = field("gloo", help="collectives between CPU processes")
 
 
+STAGES = ("distill", "pretrain")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    stage: Literal["distill", "pretrain"] = field(
+        "distill", help="distill: SwiftKV distillation of model.teacher; pretrain: next-token cross-entropy, every "
+                        "weight trained (makes a teacher; l and g are unused)")
     model: ModelSection = field(ModelSection())
     data: DataConfig = field(DataConfig())
     loss: LossSection = field(LossSection())

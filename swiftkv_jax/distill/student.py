@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 from jax.sharding import Mesh
 
 from swiftkv_jax import checkpoints, sharding
-from swiftkv_jax.checkpoints.hf import read_config
+from swiftkv_jax.checkpoints.hf import INDEX_FILE, SINGLE_FILE, read_config
 from swiftkv_jax.checkpoints.hf_config import config_from_hf
 from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import trainable as trainable_lib
@@ -16,7 +18,8 @@ from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.model import abstract_params, param_shardings
+from swiftkv_jax.checkpoints.orbax import is_orbax_checkpoint
+from swiftkv_jax.model.model import abstract_params, init, param_shardings
 from swiftkv_jax.model.swiftkv import to_swiftkv
 
 
@@ -49,13 +52,59 @@ def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
         raise ConfigError(f"model: {e}") from None
 
 
-def student_config(section: ModelSection) -> ModelConfig:
-    """The student's config from the teacher's config.json alone (no weights read)."""
+def _teacher_config(section: ModelSection) -> ModelConfig:
     try:
-        teacher = config_from_hf(read_config(section.teacher), **_runtime(section))
+        return config_from_hf(read_config(section.teacher), **_runtime(section))
     except FileNotFoundError as e:
         raise ConfigError(f"model.teacher: {e}") from None
-    return _student_of(teacher, section)
+
+
+def student_config(section: ModelSection) -> ModelConfig:
+    """The student's config from the teacher's config.json alone (no weights read)."""
+    return _student_of(_teacher_config(section), section)
+
+
+def pretrain_config(section: ModelSection) -> ModelConfig:
+    """stage pretrain: the plain model trained as a whole (its config.json)."""
+    config = _teacher_config(section)
+    if config.is_swiftkv:
+        raise ConfigError(f"stage pretrain trains a plain model, but {section.teacher} is a SwiftKV model: pretrain "
+                          f"its base model, then distil (stage distill)")
+    if section.attention_impl not in DIFFERENTIABLE_IMPLS:
+        raise ConfigError(f"model.attention_impl={section.attention_impl!r} has no backward pass; use one of "
+                          f"{', '.join(DIFFERENTIABLE_IMPLS)}")
+    return config.replace(remat=section.remat)
+
+
+def has_weights(path) -> bool:
+    """A checkpoint with weights, rather than a config.json that only describes the model."""
+    path = Path(path)
+    return is_orbax_checkpoint(path) or (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+
+
+def abstract_pretrain(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
+    """(config, trainable = every parameter, frozen = {}) as ShapeDtypeStructs with shardings."""
+    config = pretrain_config(section)
+    dtype = as_dtype(section.trainable_dtype)
+    trainable = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                             abstract_params(config), param_shardings(config, mesh, rules))
+    return config, trainable, {}
+
+
+def load_pretrain(section: ModelSection, mesh: Mesh, seed: int, rules=sharding.LOGICAL_AXIS_RULES):
+    """(config, trainable = every parameter, frozen = {}): the checkpoint's weights, or random weights (seeded,
+    born sharded) when model.teacher holds only a config.json. Master weights in trainable_dtype."""
+    config = pretrain_config(section)
+    master = as_dtype(section.trainable_dtype)
+    if has_weights(section.teacher):
+        try:
+            params = checkpoints.load(section.teacher, master, mesh=mesh, rules=rules,
+                                      compute_dtype=section.compute_dtype).params
+        except (FileNotFoundError, checkpoints.CheckpointError) as e:
+            raise ConfigError(f"model.teacher: {e}") from None
+    else:
+        params = init(config.replace(param_dtype=section.trainable_dtype), seed, mesh=mesh, rules=rules).params
+    return config, params, {}
 
 
 def split_shardings(config: ModelConfig, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):

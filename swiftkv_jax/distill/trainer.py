@@ -1,4 +1,5 @@
-"""The distillation run: build the student, stream packed batches, step, checkpoint, export.
+"""The training run: build the student (or, for stage pretrain, the model), stream packed batches, step,
+checkpoint, export.
 
 `train(config)` is what `python train.py --config …` runs; `dry_run(config)` sizes the run per device
 without loading a weight.
@@ -35,9 +36,10 @@ from swiftkv_jax.model.model import Model
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
-EXPORT_DIRS = {"hf": "student_hf", "orbax": "student_orbax"}
+EXPORT_DIRS = {"distill": {"hf": "student_hf", "orbax": "student_orbax"},
+               "pretrain": {"hf": "model_hf", "orbax": "model_orbax"}}
 # Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
-RESUME_INVARIANTS = ("model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
+RESUME_INVARIANTS = ("stage", "model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
 
 
 class TrainingStopped(RuntimeError):
@@ -92,7 +94,8 @@ def build_step(config: TrainConfig, model_config: ModelConfig, mesh: Mesh, train
     batch_sharding = step_lib.batch_sharding(mesh, rules)
     batch_shardings = {k: batch_sharding for k in step_lib.BATCH_KEYS}
     step = functools.partial(step_lib.train_step, config=model_config, loss=config.loss, optimizer=optimizer,
-                             schedule=schedule, grad_accum=config.train.grad_accum, batch_sharding=batch_sharding)
+                             schedule=schedule, grad_accum=config.train.grad_accum, batch_sharding=batch_sharding,
+                             stage_name=config.stage)
 
     def sharded_step(*args):
         with sharding.activation_sharding(mesh, rules):
@@ -123,7 +126,8 @@ def count(tree) -> int:
 def dry_run(config: TrainConfig, print_fn=print) -> dict:
     """Compile the step for the configured mesh from shapes alone and report per-device memory."""
     mesh = make_mesh(config)
-    model_config, trainable, frozen = student_lib.abstract_student(config.model, mesh)
+    abstract = student_lib.abstract_pretrain if config.stage == "pretrain" else student_lib.abstract_student
+    model_config, trainable, frozen = abstract(config.model, mesh)
     compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen), 1000)
     state = compiled.abstract_state(trainable)
     executable = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
@@ -145,8 +149,8 @@ def dry_run(config: TrainConfig, print_fn=print) -> dict:
     per["total"] = sum(v for v in per.values() if v > 0)
     gib = lambda b: f"{b / 2**30:9.2f} GiB"
     total_params = report["trainable_parameters"] + report["frozen_parameters"]
-    print_fn(f"dry run: {config.model.teacher} -> SwiftKV l={model_config.num_key_value_layers} "
-             f"g={model_config.key_value_group_size}; mesh {report['mesh']} ({report['platform']})")
+    print_fn(f"dry run ({config.stage}): {config.model.teacher} -> {_describe(model_config, config.stage)}; "
+             f"mesh {report['mesh']} ({report['platform']})")
     print_fn(f"  trainable parameters {report['trainable_parameters']:,} of {total_params:,} "
              f"({report['trainable_parameters'] / total_params:.2%})")
     print_fn(f"  global batch {config.train.global_batch_size} x {config.data.seq_len} tokens over "
@@ -225,9 +229,18 @@ def _save(manager, step: int, state, data_position: int, config: TrainConfig, fo
                  force=force)
 
 
+def _describe(config: ModelConfig, stage: str) -> str:
+    if stage == "pretrain":
+        return f"a {config.num_hidden_layers}-layer model, every weight trained"
+    return (f"SwiftKV l={config.num_key_value_layers} g={config.key_value_group_size} of "
+            f"{config.num_hidden_layers} layers")
+
+
 def export_student(model_config: ModelConfig, trainable, frozen, config: TrainConfig, print_fn=print) -> list[Path]:
-    """The student as HF `*_swiftkv` and/or Orbax checkpoints with the tokenizer files beside them."""
+    """The trained model (the student; for stage pretrain the model) as HF and/or Orbax checkpoints with the
+    tokenizer files beside them."""
     out = Path(config.train.output_dir)
+    export_dirs = EXPORT_DIRS[config.stage]
     model = Model(model_config.replace(remat="none"), merge(trainable, frozen))
     sidecars = read_sidecar_files(config.model.tokenizer or config.model.teacher)
     written = []
@@ -236,9 +249,9 @@ def export_student(model_config: ModelConfig, trainable, frozen, config: TrainCo
             continue
         if fmt == "hf" and jax.process_count() > 1:
             print_fn("HF export runs on one host: convert the Orbax export with "
-                     f"`python -m swiftkv_jax.convert {out / EXPORT_DIRS['orbax']} DST --to hf`")
+                     f"`python -m swiftkv_jax.convert {out / export_dirs['orbax']} DST --to hf`")
             continue
-        written.append(checkpoints.save(model, out / EXPORT_DIRS[fmt], fmt, dtype=config.export.dtype, overwrite=True,
+        written.append(checkpoints.save(model, out / export_dirs[fmt], fmt, dtype=config.export.dtype, overwrite=True,
                                         max_shard_size=config.export.max_shard_size, extra_files=sidecars))
     return written
 
@@ -265,11 +278,16 @@ def train(config: TrainConfig, print_fn=print) -> int:
     if latest is not None:
         _check_resumable(config, out / CONFIG_FILE)
 
+    # The model's settings first: a wrong teacher must fail before minutes of tokenising.
+    (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config)(config.model)
     # Tokenise before JAX starts its device threads: datasets forks its workers.
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.teacher)
     dataset = build_dataset(config.data, tokenizer)
     mesh = make_mesh(config)
-    model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
+    if config.stage == "pretrain":
+        model_config, trainable, frozen = student_lib.load_pretrain(config.model, mesh, config.train.seed)
+    else:
+        model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
     shape = (config.train.global_batch_size, config.data.seq_len)
     rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
     batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
@@ -277,9 +295,8 @@ def train(config: TrainConfig, print_fn=print) -> int:
     compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
                           total_steps)
     n_train, n_frozen = count(trainable), count(frozen)
-    say(f"student: SwiftKV l={model_config.num_key_value_layers} g={model_config.key_value_group_size} of "
-        f"{model_config.num_hidden_layers} layers; trainable {n_train:,} of {n_train + n_frozen:,} parameters "
-        f"({n_train / (n_train + n_frozen):.2%})")
+    say(f"{config.stage}: {_describe(model_config, config.stage)}; trainable {n_train:,} of "
+        f"{n_train + n_frozen:,} parameters ({n_train / (n_train + n_frozen):.2%})")
     say(f"data: {len(dataset):,} packed sequences of {config.data.seq_len}; {batches.steps_per_epoch} steps per "
         f"epoch; {total_steps} steps; mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
 
@@ -310,7 +327,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
             state, metrics = step_fn(state, frozen, batch)
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             seconds = time.perf_counter() - t0
-            record = {"step": step + 1, **{k: metrics[k] for k in ("loss", "kl", "hidden_mse", "lr", "grad_norm")},
+            record = {"step": step + 1, **{k: v for k, v in metrics.items() if k != "tokens"},
                       "tokens": int(metrics["tokens"]), "tokens_per_s": metrics["tokens"] / seconds}
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 manager.wait_until_finished()
@@ -343,12 +360,11 @@ def train(config: TrainConfig, print_fn=print) -> int:
     manager.close()
 
     for path in export_student(model_config, state.trainable, frozen, config, say):
-        say(f"exported the student to {path}")
+        say(f"exported the {'model' if config.stage == 'pretrain' else 'student'} to {path}")
     if lead:
         records = read_metrics(out / "metrics.jsonl")
         if records:
-            plot_losses(records, out / PLOT_FILE, title=f"SwiftKV distillation, l={model_config.num_key_value_layers}, "
-                                                     f"g={model_config.key_value_group_size}")
+            plot_losses(records, out / PLOT_FILE, title=f"{config.stage}: {_describe(model_config, config.stage)}")
         say(f"metrics: {out / 'metrics.jsonl'}; loss curves: {out / PLOT_FILE}")
     return 0
 
