@@ -1,0 +1,323 @@
+"""The embedded default, end to end with nothing downloaded: the Python standard library's source is the corpus.
+
+    python demo.py [--quick] [--out artifacts/demo]
+
+build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs/stdlib-teacher.yaml; skipped
+when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped, and 50% + 2-way AcrossKV ->
+distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
+print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
+settings left in --out, so a rerun only evaluates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+FRACTIONS = (0.25, 0.5, 0.75)  # of the layers whose KV comes from layer l's input (L - l) / L
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+    max_files: Optional[int]   # stdlib files in the corpus (None: all)
+    vocab_size: int
+    architecture: dict         # of the teacher's config.json
+    seq_len: int
+    batch_size: int
+    pretrain_steps: int
+    distill_steps: int
+    val_rows: int              # packed held-out rows scored
+    prompts: int               # held-out prompts for greedy agreement
+    prompt_tokens: int
+    new_tokens: int = 64
+    prefill_len: int = 1024
+
+
+SETTINGS = {
+    "full": DemoSettings(max_files=None, vocab_size=4096, seq_len=256, batch_size=32, pretrain_steps=440,
+                         distill_steps=120, val_rows=256, prompts=64, prompt_tokens=128,
+                         architecture=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "quick": DemoSettings(max_files=300, vocab_size=1024, seq_len=128, batch_size=32, pretrain_steps=800,
+                          distill_steps=100, val_rows=64, prompts=16, prompt_tokens=64,
+                          architecture=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    l: int
+    g: int = 1
+    distilled: bool = True
+
+    def fraction(self, layers: int) -> float:
+        return (layers - self.l) / layers
+
+
+def variants(layers: int) -> list[Variant]:
+    out = []
+    for f in FRACTIONS:
+        l = layers - round(f * layers)
+        out += [Variant(f"swiftkv-{round(f * 100)}", l), Variant(f"swiftkv-{round(f * 100)}-undistilled", l,
+                                                                  distilled=False)]
+    return out + [Variant("swiftkv-50-acrosskv2", layers // 2, 2)]
+
+
+def _say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
+    """One --out per settings: a run of other settings would mix models; refuse instead of overwriting."""
+    record = {"settings": name, **dataclasses.asdict(settings)}
+    path = out / "demo_settings.json"
+    if path.is_file() and json.loads(path.read_text()) != record:
+        raise ValueError(f"{out} holds a demo run with other settings (see {path}): choose another --out, or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def build_data(out: Path, settings: DemoSettings):
+    from swiftkv_jax.data.stdlib_corpus import build_corpus, train_corpus_tokenizer
+
+    meta = build_corpus(out / "corpus", max_files=settings.max_files)
+    tokenizer = train_corpus_tokenizer(out / "corpus", vocab_size=settings.vocab_size,
+                                       out_dir=out / "corpus" / "tokenizer")
+    _say(f"corpus: {meta['python']['implementation']} {meta['python']['version'].split()[0]} stdlib, "
+         f"{meta['splits']['train']['files']} train / {meta['splits']['validation']['files']} validation files; "
+         f"tokenizer vocab {len(tokenizer)}")
+    return meta, tokenizer
+
+
+def teacher_init(out: Path, settings: DemoSettings, tokenizer) -> Path:
+    """config.json (+ the tokenizer) of the teacher to pretrain: no weights, so the trainer starts at random."""
+    import swiftkv_jax as sk
+    from swiftkv_jax.checkpoints.hf_config import config_to_hf
+    from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+
+    path = out / "teacher_init"
+    path.mkdir(parents=True, exist_ok=True)
+    config = sk.ModelConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
+                            initializer_range=0.02, tie_word_embeddings=True, max_position_embeddings=4096,
+                            **settings.architecture)
+    (path / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    for name, data in read_sidecar_files(out / "corpus" / "tokenizer").items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def _train(recipe: str, overrides: list[str], export: Path) -> None:
+    """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted."""
+    from swiftkv_jax import configuration
+    from swiftkv_jax.distill import trainer
+    from swiftkv_jax.distill.config import TrainConfig
+
+    if export.is_dir():
+        _say(f"{export} exists: skipped")
+        return
+    run_dir = export.parent
+    resume = ["train.resume=true"] if (run_dir / trainer.CHECKPOINT_DIR).is_dir() else []
+    config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
+    start = time.perf_counter()
+    trainer.train(config)
+    _say(f"{recipe} -> {export} in {time.perf_counter() - start:.0f} s")
+
+
+def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
+    return [f"data.sources=[{{path: {out / 'corpus' / 'train.parquet'}, format: text}}]",
+            f"data.seq_len={settings.seq_len}", f"data.cache_dir={out / 'cache'}",
+            f"train.global_batch_size={settings.batch_size}", f"train.max_steps={steps}",
+            f"train.output_dir={run_dir}"]
+
+
+def pretrain(out: Path, settings: DemoSettings, init_dir: Path) -> Path:
+    run_dir = out / "teacher"
+    _train("stdlib-teacher.yaml", [f"model.teacher={init_dir}"]
+           + common_overrides(out, settings, settings.pretrain_steps, run_dir), run_dir / "model_hf")
+    return run_dir / "model_hf"
+
+
+def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Variant) -> Path:
+    run_dir = out / "distill" / variant.name
+    _train("stdlib-swiftkv.yaml", [f"model.teacher={teacher_dir}", f"model.num_key_value_layers={variant.l}",
+                                   f"model.key_value_group_size={variant.g}"]
+           + common_overrides(out, settings, settings.distill_steps, run_dir), run_dir / "student_hf")
+    return run_dir / "student_hf"
+
+
+def held_out(out: Path, settings: DemoSettings, tokenizer):
+    """(packed validation batches, agreement prompts): the same for every model."""
+    import numpy as np
+
+    from swiftkv_jax.data import build_dataset
+    from swiftkv_jax.data.config import DataConfig, DataSource
+
+    val = out / "corpus" / "validation.parquet"
+    packed = build_dataset(DataConfig(sources=(DataSource(str(val), format="text"),), seq_len=settings.seq_len,
+                                      cache_dir=str(out / "cache")), tokenizer)
+    rows = packed[: settings.val_rows]
+    batches = [{k: rows[k][i: i + 8] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+               for i in range(0, len(rows["tokens"]), 8)]
+    import datasets
+
+    texts = datasets.load_dataset("parquet", data_files=str(val), split="train",
+                                  cache_dir=str(out / "cache"))["text"]
+    prompts = []
+    rng = np.random.default_rng(0)
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) > settings.prompt_tokens + settings.new_tokens:
+            start = int(rng.integers(0, len(ids) - settings.prompt_tokens - settings.new_tokens))
+            prompts.append(ids[start: start + settings.prompt_tokens])
+        if len(prompts) == settings.prompts:
+            break
+    return batches, prompts
+
+
+def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings) -> list[dict]:
+    """One row per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher."""
+    from swiftkv_jax.evaluation.quality import greedy_agreement, held_out_scores
+    from swiftkv_jax.serving import bench
+
+    speed = {}  # (l, g) -> ratios; the teacher wiring of the same weights runs in the same bench call
+    rows = []
+    for name, (model, variant) in models.items():
+        row = {"model": name, "layers_skipped": 0.0 if variant is None else variant.fraction(
+            teacher.config.num_hidden_layers), "l": None if variant is None else variant.l,
+               "g": None if variant is None else variant.g,
+               "distilled": None if variant is None else variant.distilled}
+        row.update(held_out_scores(teacher, model, batches))
+        row.update(greedy_agreement(teacher, model, prompts, settings.new_tokens))
+        if variant is None:
+            row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
+        else:
+            key = (variant.l, variant.g)
+            if key not in speed:
+                result = bench.bench(model, prompt_len=settings.prefill_len, gen_len=1, batch=1, repeats=5,
+                                     cache_dtype="float32")[0]["vs_teacher"]
+                speed[key] = {"prefill_time_vs_teacher": result["ttft"], "kv_bytes_vs_teacher": result["kv_bytes"]}
+            row.update(speed[key])
+        rows.append(row)
+        _say(f"evaluated {name}: val loss {row['val_loss']:.4f}, KL {row['kl_to_teacher']:.4f}")
+    return rows
+
+
+TABLE_ROWS = ("teacher", "swiftkv-50-undistilled", "swiftkv-50", "swiftkv-50-acrosskv2")
+LABELS = {"teacher": "teacher", "swiftkv-50-acrosskv2": "SwiftKV 50% + 2-way AcrossKV, distilled",
+          **{f"swiftkv-{p}{suffix}": f"SwiftKV {p}%, {state}" for p in (25, 50, 75)
+             for suffix, state in (("", "distilled"), ("-undistilled", "not distilled"))}}
+COLUMNS = (("val_loss", "val loss (nats/token)", "{:.4f}"), ("accuracy", "next-token acc", "{:.4f}"),
+           ("kl_to_teacher", "KL to teacher", "{:.4f}"), ("greedy_agreement", "greedy agreement (64)", "{:.3f}"),
+           ("prefill_time_vs_teacher", "prefill time @1024 vs teacher", "{:.3f}"),
+           ("kv_bytes_vs_teacher", "KV bytes vs teacher", "{:.3f}"))
+
+
+def markdown_table(rows: list[dict], names=TABLE_ROWS) -> str:
+    by_name = {r["model"]: r for r in rows}
+    lines = ["| model | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for name in names:
+        r = by_name[name]
+        lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def shape_checks(rows: list[dict]) -> dict:
+    """The paper's shape: distillation closes most of the gap to the teacher at 50%, and quality falls faster
+    beyond 50% skipped than before it (validation loss gaps to the teacher)."""
+    loss = {r["model"]: r["val_loss"] for r in rows}
+    gap = lambda name: loss[name] - loss["teacher"]
+    closed = 1 - gap("swiftkv-50") / gap("swiftkv-50-undistilled") if gap("swiftkv-50-undistilled") > 0 else float("nan")
+    steeper = (gap("swiftkv-75") - gap("swiftkv-50")) - (gap("swiftkv-50") - gap("swiftkv-25"))
+    return {"gap_closed_by_distillation_at_50": float(closed), "distilled_better_than_undistilled":
+            bool(loss["swiftkv-50"] < loss["swiftkv-50-undistilled"]),
+            "quality_falls_faster_beyond_50": bool(steeper > 0), "second_difference_of_gap": float(steeper)}
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    teacher = next(r for r in rows if r["model"] == "teacher")
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for distilled, style in ((True, "o-"), (False, "s--")):
+        pts = sorted((r["layers_skipped"], r["val_loss"]) for r in rows if r["distilled"] is distilled and r["g"] == 1)
+        ax.plot(*zip(*pts), style, label="SwiftKV, distilled" if distilled else "SwiftKV, not distilled")
+    across = next(r for r in rows if r["model"] == "swiftkv-50-acrosskv2")
+    ax.plot([across["layers_skipped"]], [across["val_loss"]], "^", label="+ 2-way AcrossKV, distilled")
+    ax.axhline(teacher["val_loss"], color="gray", linestyle=":", label="teacher")
+    ax.set_xlabel("fraction of layers skipped in prefill, (L - l) / L")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("quality vs layers skipped, equal distillation budget", fontsize=10)
+    ax.set_xticks(list(FRACTIONS))
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run(out: Path, quick: bool = False) -> dict:
+    import swiftkv_jax as sk
+
+    name = "quick" if quick else "full"
+    settings = SETTINGS[name]
+    _settings_guard(out, name, settings)
+    start = time.perf_counter()
+    _, tokenizer = build_data(out, settings)
+    teacher_dir = pretrain(out, settings, teacher_init(out, settings, tokenizer))
+    teacher = sk.load(teacher_dir)
+    models = {"teacher": (teacher, None)}
+    for v in variants(teacher.config.num_hidden_layers):
+        student = sk.load(distill(out, settings, teacher_dir, v)) if v.distilled else sk.to_swiftkv(teacher, v.l, v.g)
+        models[v.name] = (student, v)
+    batches, prompts = held_out(out, settings, tokenizer)
+    rows = evaluate(teacher, models, batches, prompts, settings)
+    checks = shape_checks(rows)
+    table = markdown_table(rows)
+    every = markdown_table(rows, sorted((r["model"] for r in rows), key=lambda n: (n != "teacher", n)))
+    (out / "results.md").write_text(f"{table}\n\nAll models:\n\n{every}\n")
+    result = {"settings": name, "rows": rows, "checks": checks, "seconds": time.perf_counter() - start}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, out / "quality_vs_layers_skipped.png")
+    from swiftkv_jax.evaluation.analyze import analyze
+
+    analyze(str(teacher_dir), str(out / "corpus" / "validation.parquet"), max_tokens=4 * settings.seq_len * 8,
+            max_length=settings.seq_len, out_dir=str(out / "analysis"))
+    print(table)
+    print(f"\ndistillation closes {checks['gap_closed_by_distillation_at_50']:.0%} of the 50% gap; quality falls "
+          f"{'faster' if checks['quality_falls_faster_beyond_50'] else 'NOT faster'} beyond 50% skipped")
+    _say(f"done in {result['seconds'] / 60:.1f} min: {out / 'results.md'}, {out / 'results.json'}, "
+         f"{out / 'quality_vs_layers_skipped.png'}, {out / 'analysis' / 'similarity.png'}")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python demo.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller corpus, model and budget (about 5 minutes)")
+    parser.add_argument("--out", default=None, help="working folder (default artifacts/demo or artifacts/demo-quick)")
+    args = parser.parse_args(argv)
+    out = Path(args.out or ("artifacts/demo-quick" if args.quick else "artifacts/demo"))
+    from swiftkv_jax.configuration import ConfigError
+
+    try:
+        run(out, args.quick)
+    except (ValueError, ConfigError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

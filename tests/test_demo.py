@@ -1,0 +1,63 @@
+"""`python demo.py --quick` end to end (about 3.5 minutes on 2 cores): the README's main job, scaled down.
+
+It runs as a subprocess on one CPU device (the suite's 8 fake devices would only slow it down) and checks
+that the table exists, its numbers are finite, and they are ordered as the method says they must be.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swiftkv_jax import demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "quick"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "demo.py", "--quick", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_quick_demo_table_is_complete_finite_and_ordered(quick_run):
+    out, stdout = quick_run
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["model"]: r for r in result["rows"]}
+    assert set(rows) == {"teacher", "swiftkv-25", "swiftkv-25-undistilled", "swiftkv-50", "swiftkv-50-undistilled",
+                         "swiftkv-75", "swiftkv-75-undistilled", "swiftkv-50-acrosskv2"}
+    for r in rows.values():
+        for key, _, _ in demo.COLUMNS:
+            assert math.isfinite(r[key]), (r["model"], key)
+    teacher = rows["teacher"]
+    assert teacher["kl_to_teacher"] == 0 and teacher["greedy_agreement"] == 1
+    # distillation helps at 50%, and more layers skipped costs more
+    assert rows["swiftkv-50"]["val_loss"] < rows["swiftkv-50-undistilled"]["val_loss"]
+    assert rows["swiftkv-50"]["kl_to_teacher"] < rows["swiftkv-50-undistilled"]["kl_to_teacher"]
+    assert rows["swiftkv-75"]["kl_to_teacher"] > rows["swiftkv-50"]["kl_to_teacher"]
+    assert teacher["val_loss"] <= rows["swiftkv-50"]["val_loss"] + 1e-3
+    # the cache: SingleInputKV keeps every layer's KV, 2-way AcrossKV of layers 2..3 of 4 drops one: 3/4
+    assert rows["swiftkv-50"]["kv_bytes_vs_teacher"] == 1.0
+    assert rows["swiftkv-50-acrosskv2"]["kv_bytes_vs_teacher"] == pytest.approx(0.75)
+    assert 0 < rows["swiftkv-50"]["prefill_time_vs_teacher"] < 1
+    assert result["checks"]["distilled_better_than_undistilled"]
+    table = (out / "results.md").read_text()
+    for name in demo.TABLE_ROWS:
+        assert f"| {demo.LABELS[name]} |" in table and f"| {demo.LABELS[name]} |" in stdout
+    assert all(f"| {label} |" in table for label in demo.LABELS.values())
+    for png in ("quality_vs_layers_skipped.png", "analysis/similarity.png", "teacher/loss.png"):
+        assert (out / png).stat().st_size > 0
+
+
+def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
+    (tmp_path / "demo_settings.json").write_text(json.dumps({"settings": "full"}))
+    assert demo.main(["--quick", "--out", str(tmp_path)]) == 2
+    assert "holds a demo run with other settings" in capsys.readouterr().err
