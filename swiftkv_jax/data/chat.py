@@ -7,7 +7,9 @@ each conversation up to every assistant turn (works for any template, also those
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Optional
 
 import datasets
@@ -25,6 +27,20 @@ FEATURES = datasets.Features({
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+@contextlib.contextmanager
+def _transformers_errors_only():
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():  # and its FutureWarning about config keys the tokenizer never reads
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer saved in `path` (a teacher checkpoint directory), never downloaded."""
     fix = (f"copy the teacher's tokenizer files (tokenizer.json, tokenizer_config.json) there, e.g. with "
@@ -33,7 +49,10 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if os.path.isdir(local) and not any(os.path.exists(os.path.join(local, f)) for f in TOKENIZER_FILES):
         raise DataError(f"no tokenizer in {path!r} (files there: {sorted(os.listdir(local))}); {fix}")
     try:
-        return AutoTokenizer.from_pretrained(local, local_files_only=True)
+        # AutoTokenizer reads config.json too; transformers then warns that it does not know a *_swiftkv
+        # model_type, which is harmless for the tokenizer: keep that out of users' logs.
+        with _transformers_errors_only():
+            return AutoTokenizer.from_pretrained(local, local_files_only=True)
     except (OSError, ValueError) as e:
         raise DataError(f"no usable tokenizer in {path!r} ({' '.join(str(e).split())}); {fix}") from e
 
