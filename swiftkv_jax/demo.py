@@ -156,6 +156,7 @@ def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Varia
 
 def held_out(out: Path, settings: DemoSettings, tokenizer):
     """(packed validation batches, agreement prompts): the same for every model."""
+    import datasets
     import numpy as np
 
     from swiftkv_jax.data import build_dataset
@@ -167,8 +168,6 @@ def held_out(out: Path, settings: DemoSettings, tokenizer):
     rows = packed[: settings.val_rows]
     batches = [{k: rows[k][i: i + 8] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
                for i in range(0, len(rows["tokens"]), 8)]
-    import datasets
-
     texts = datasets.load_dataset("parquet", data_files=str(val), split="train",
                                   cache_dir=str(out / "cache"))["text"]
     prompts = []

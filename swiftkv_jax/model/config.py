@@ -76,7 +76,7 @@ class ModelConfig:
     dtype: str = "float32"
     attention_impl: str = "xla"
     decode_attention_impl: str = "xla"  # few queries over a KV cache (serving decode, SwiftKV's later layers)
-    remat: str = "none"  # activation checkpointing of each layer in backward passes; see layers.REMAT_POLICIES
+    remat: str = "none"  # activation checkpointing of each layer in backward passes; see REMAT_POLICIES
     initializer_range: float = 0.02
     # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
     hf_extra: str = "{}"
