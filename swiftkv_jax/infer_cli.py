@@ -186,7 +186,7 @@ def _eval(args) -> int:
     from tqdm import tqdm
 
     from swiftkv_jax.evaluation.harness import EvalOptions, evaluate, units
-    from swiftkv_jax.evaluation.report import comparison_table, results_json
+    from swiftkv_jax.evaluation.report import comparison_table, model_label, results_json
     from swiftkv_jax.evaluation.tasks import load_task, parse_task_spec
 
     # tasks first: a bad task name or file fails before a large checkpoint is read
@@ -201,7 +201,7 @@ def _eval(args) -> int:
         tokenizer, model = _tokenizer(args, path), _load_model(path, args)
         results[path] = {}
         for task in tasks:
-            with tqdm(total=units(task), desc=f"{task.name} · {os.path.basename(os.path.normpath(path))}",
+            with tqdm(total=units(task), desc=f"{task.name} · {model_label(path)}",
                       unit="req", file=sys.stderr) as bar:
                 results[path][task.name] = evaluate(model, tokenizer, task, options, progress=bar.update)
         del model

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from swiftkv_jax.evaluation.report import model_label
 from swiftkv_jax.model.model import Model, intermediates
 from swiftkv_jax.serving.generate import padded_length
 
@@ -126,7 +127,7 @@ def layer_similarity(model: Model, documents_ids: Sequence[Sequence[int]], *, ma
 
 def _name(result: dict) -> str:
     model = result.get("model")
-    return os.path.basename(os.path.normpath(str(model))) if model else "model"
+    return model_label(model) if model else "model"
 
 
 def plot_similarity(result: dict, path) -> Path:
@@ -175,7 +176,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def default_out_dir(model_dir) -> Path:
     """./analysis/<model basename>: never inside the checkpoint."""
-    return Path("analysis") / (os.path.basename(os.path.normpath(str(model_dir))) or "model")
+    return Path("analysis") / model_label(model_dir)
 
 
 def analyze(model_dir, data_source: str, *, max_tokens: int = 8192, max_length: int = 512, out_dir=None,

@@ -9,8 +9,9 @@ TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("exact_m
                  "perplexity": ("perplexity", "bits_per_byte", "nats_per_token")}
 
 
-def _label(path: str) -> str:
-    return os.path.basename(os.path.normpath(path)) or path
+def model_label(path) -> str:
+    """A checkpoint's name in tables, titles and folders: its directory's base name."""
+    return os.path.basename(os.path.normpath(str(path))) or "model"
 
 
 def _cell(metrics: dict, name: str) -> str:
@@ -21,7 +22,7 @@ def _cell(metrics: dict, name: str) -> str:
 def comparison_table(tasks, results: dict) -> str:
     """results: {model path: {task name: metrics}}. With two models the last column is first - second."""
     paths = list(results)
-    header = ["task", "metric", "n"] + [_label(p) for p in paths] + (["Δ (model − compare)"] if len(paths) == 2 else [])
+    header = ["task", "metric", "n"] + [model_label(p) for p in paths] + (["Δ (model − compare)"] if len(paths) == 2 else [])
     rows = []
     for task in tasks:
         for metric in TABLE_METRICS[task.kind]:
