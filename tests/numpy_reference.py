@@ -102,3 +102,22 @@ def forward(config: dict, t: dict, tokens: np.ndarray, swiftkv: bool) -> np.ndar
     h = _rms_norm(h, t["model.norm.weight"], eps)
     head = t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
     return h @ head.T
+
+
+def attention_float64(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+    """Attention by loops in float64: q [B, T, N, H], k/v [B, S, K, H]; query (b, t) sees the keys of its segment
+    at positions <= its own; a query that sees none gets zeros."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, t, n, h = q.shape
+    group = n // k.shape[2]
+    out = np.zeros_like(q)
+    for bi in range(b):
+        for ti in range(t):
+            visible = (kv_pos[bi] <= q_pos[bi, ti]) & (kv_seg[bi] == q_seg[bi, ti])
+            for ni in range(n):
+                if not visible.any():
+                    continue
+                s = k[bi, visible, ni // group] @ q[bi, ti, ni] / np.sqrt(h)
+                p = np.exp(s - s.max())
+                out[bi, ti, ni] = (p / p.sum()) @ v[bi, visible, ni // group]
+    return out

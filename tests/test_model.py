@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import numpy_reference
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -78,23 +80,6 @@ def test_rope_frequencies_match_transformers(rope_parameters, head_dim):
     np.testing.assert_allclose(inverse_frequencies(rope, head_dim), expected.numpy(), rtol=2e-6)
 
 
-def _float64_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    b, t, n, h = q.shape
-    group = n // k.shape[2]
-    out = np.zeros_like(q)
-    for bi in range(b):
-        for ti in range(t):
-            visible = (kv_pos[bi] <= q_pos[bi, ti]) & (kv_seg[bi] == q_seg[bi, ti])
-            for ni in range(n):
-                if not visible.any():
-                    continue
-                s = k[bi, visible, ni // group] @ q[bi, ti, ni] / np.sqrt(h)
-                p = np.exp(s - s.max())
-                out[bi, ti, ni] = (p / p.sum()) @ v[bi, visible, ni // group]
-    return out
-
-
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 def test_xla_attention_against_float64_loops(heads, kv_heads):
     rng = np.random.RandomState(0)
@@ -108,7 +93,7 @@ def test_xla_attention_against_float64_loops(heads, kv_heads):
     q_pos = q_pos.copy()
     q_pos[1, 0] = -1  # a query that sees no key: zeros, not NaN
     got = np.asarray(xla_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg))
-    np.testing.assert_allclose(got, _float64_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg), atol=1e-5)
+    np.testing.assert_allclose(got, numpy_reference.attention_float64(q, k, v, q_pos, kv_pos, q_seg, kv_seg), atol=1e-5)
     assert np.all(got[1, 0] == 0)
 
 

@@ -105,15 +105,17 @@ class CacheWrite:
 
 
 def write_cache(cache, new, write_at):
-    """cache [B, S, K, H] with new [B, T, K, H] written at per-sequence offsets write_at [B]."""
-    put = lambda c, n, i: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (i, 0, 0))
-    return jax.vmap(put)(cache, new, write_at)
+    """cache [B, K, S, H] with new [B, T, K, H] written at per-sequence offsets write_at [B] (in place under jit
+    when the cache is donated or loop-carried)."""
+    put = lambda c, n, i: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, i, 0))
+    return jax.vmap(put)(cache, jnp.swapaxes(new, 1, 2), write_at)
 
 
 def cache_view(k, v, kv_lengths):
-    """(k, v, positions, segment_ids, lengths) of a cache: entry i is position i; entries >= length match
-    no query."""
-    return (k, v, *cache_positions(kv_lengths, k.shape[1]), kv_lengths)
+    """(k, v, positions, segment_ids, lengths) of a cache k, v [B, K, S, H]: entry i is position i; entries >=
+    length match no query. The cache keeps KV heads before positions, so that few-query attention reads it as
+    the batched product it is, with no transpose of the whole cache per layer and step."""
+    return (k, v, *cache_positions(kv_lengths, k.shape[2]), kv_lengths)
 
 
 class Attention(nn.Module):
@@ -122,7 +124,7 @@ class Attention(nn.Module):
     Teacher wiring (`shared_kv is None`): q/k/v from this layer's own input. SwiftKV wiring: the query
     from `q_proj_swiftkv` of this layer's input, K/V given as a view (k, v, positions, segment_ids,
     lengths): the group owner's, already rotated (lengths None), or a cache. Few queries over a cache take
-    `decode_attention_impl`; everything else `attention_impl`. Serving: with `cache` (k, v) [B, S, K, H] this layer's own
+    `decode_attention_impl`; everything else `attention_impl`. Serving: with `cache` (k, v) [B, K, S, H] this layer's own
     K/V are written into it at `cache_write` and attention reads the whole cache.
     """
 
@@ -164,6 +166,8 @@ class Attention(nn.Module):
         if kv_lengths is not None and q.shape[1] <= FEW_QUERIES:
             out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths)
         else:
+            if kv_lengths is not None:  # a cache [B, K, S, H]: many queries amortise one transpose
+                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
             out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
         return self.o_proj(out), new_cache
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 from typing import Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.layers import (CacheWrite, RMSNorm, cache_view, kv_projection, logical_param,
-                                     scanned_layers, write_cache)
+from swiftkv_jax.model.layers import RMSNorm, kv_projection, logical_param, scanned_layers
 from swiftkv_jax.model.rope import apply_rope, rope_angles
 
 
@@ -63,27 +61,23 @@ class LMHead(nn.Module):
 class SwiftKVGroup(nn.Module):
     """One AcrossKV group (scan body): g layers reading one K/V.
 
-    With `x_swiftkv = norm_swiftkv(h_l)` the group's owner projects that K/V (SwiftKV wiring); with None
-    each layer computes its own (teacher wiring). Serving passes the group's cache: [B, S, K, H] k/v in
-    SwiftKV wiring (the owner's, already written; read here), [g, B, S, K, H] in teacher wiring (one per
-    layer, written by each).
+    With `x_swiftkv = norm_swiftkv(h_l)` the group's owner projects that K/V (SwiftKV wiring); with None each
+    layer computes its own (teacher wiring). Serving runs the same layers one by one (`swiftkv_jax.model.cached`).
     """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, x_swiftkv, rope, positions, segment_ids, cache_write, cache):
+    def __call__(self, carry, x_swiftkv, rope, positions, segment_ids):
         cfg = self.config
-        shared_kv, layer_cache = None, cache
+        shared_kv = None
         if x_swiftkv is not None:
             k = apply_rope(kv_projection(cfg, name="k_proj_swiftkv")(x_swiftkv), *rope)
             v = kv_projection(cfg, name="v_proj_swiftkv")(x_swiftkv)
             shared_kv = (k, v, positions, segment_ids, None)
-        elif cache is not None and cache[0].ndim == 4:  # SwiftKV wiring over a cache: one K/V per group
-            shared_kv, layer_cache = cache_view(*cache, cache_write.kv_lengths), None
         layers = scanned_layers(cfg, cfg.key_value_group_size, has_swiftkv_query=True, name="layers")
-        carry, layer_cache = layers(carry, rope, positions, segment_ids, shared_kv, cache_write, layer_cache)
-        return carry, layer_cache
+        carry, _ = layers(carry, rope, positions, segment_ids, shared_kv, None, None)
+        return carry, None
 
 
 def default_positions(tokens, positions=None, segment_ids=None):
@@ -113,7 +107,7 @@ class Transformer(nn.Module):
                     SwiftKVGroup,
                     variable_axes={"params": 0, "intermediates": 0},
                     split_rngs={"params": True},
-                    in_axes=(nn.broadcast,) * 5 + (0,),  # x_swiftkv, rope, positions, segment_ids, cache_write | cache
+                    in_axes=(nn.broadcast,) * 4,  # x_swiftkv, rope, positions, segment_ids
                     length=cfg.num_kv_groups,
                     metadata_params={nn.PARTITION_NAME: "layer_groups"},
                 )(cfg)
@@ -160,7 +154,7 @@ class Transformer(nn.Module):
             x_swiftkv = self.norm_swiftkv(h)
         rope = rope_angles(cfg.rope, cfg.head_dim, positions)
         carry = (h, h) if with_last_input else h
-        carry, _ = self.swiftkv_groups(carry, x_swiftkv, rope, positions, segment_ids, None, None)
+        carry, _ = self.swiftkv_groups(carry, x_swiftkv, rope, positions, segment_ids)
         return carry
 
     def head(self, h):
@@ -169,44 +163,3 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(h)
         return self.lm_head(h)
-
-    # Serving: the same stages over a KV cache (swiftkv_jax.serving drives them). --------------------------
-
-    def cached_lower(self, tokens, positions, cache_write: CacheWrite, cache):
-        """Embedding and layers < l for new tokens [B, T], their K/V written into cache (k, v) [l, B, S, K, H]."""
-        cfg = self.config
-        h = self.embed_tokens(tokens)
-        rope = rope_angles(cfg.rope, cfg.head_dim, positions)
-        return self.layers(h, rope, positions, jnp.zeros_like(positions), None, cache_write, cache)
-
-    def swiftkv_cache_kv(self, h, positions, cache_write: CacheWrite, cache):
-        """The K/V of every AcrossKV group for tokens with residual h_l [B, T, D], written into the group
-        cache (k, v) [G, B, S, K, H]: one projection over all owners at once (SWIFTKV.md §2)."""
-        cfg = self.config
-        if not cfg.num_kv_groups:  # l == L: no later layer
-            return cache
-        x = self.norm_swiftkv(h)
-        owners = self.variables["params"]["swiftkv_groups"]
-        dtype = x.dtype
-
-        def project(name):
-            p = owners[name]
-            y = jnp.einsum("BTD,GDKH->GBTKH", x, p["kernel"].astype(dtype))
-            return y + p["bias"].astype(dtype)[:, None, None] if "bias" in p else y
-
-        cos, sin = rope_angles(cfg.rope, cfg.head_dim, positions)
-        k = apply_rope(project("k_proj_swiftkv"), cos, sin)
-        write = jax.vmap(write_cache, in_axes=(0, 0, None))
-        return write(cache[0], k, cache_write.write_at), write(cache[1], project("v_proj_swiftkv"), cache_write.write_at)
-
-    def cached_upper(self, h, positions, cache_write: CacheWrite, cache):
-        """Layers >= l for tokens h [B, T, D] over the group caches: (final residual, updated cache).
-
-        SwiftKV wiring when cache holds one K/V per group ([G, B, S, K, H], filled by `swiftkv_cache_kv`,
-        only read here); teacher wiring when it holds one per layer ([G, g, B, S, K, H], written here).
-        """
-        cfg = self.config
-        if not cfg.num_kv_groups:
-            return h, cache
-        rope = rope_angles(cfg.rope, cfg.head_dim, positions)
-        return self.swiftkv_groups(h, None, rope, positions, jnp.zeros_like(positions), cache_write, cache)

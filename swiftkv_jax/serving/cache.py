@@ -14,9 +14,10 @@ from swiftkv_jax.model.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
-    """lower: (k, v) [l, B, S, K, H] of layers < l (all L for a plain model). upper: (k, v) of layers >= l:
-    [G, B, S, K, H] (one per AcrossKV group) in SwiftKV wiring, [G, g, B, S, K, H] in teacher wiring, or None.
-    lengths [B]: valid entries per sequence; entry i holds position i."""
+    """One (k, v) pair of [B, K, S, H] arrays per cached layer (KV heads before positions, see `cache_view`), separate buffers so that a decode step updates
+    each in place (see `swiftkv_jax.model.cached`). lower: a tuple of l pairs, layers < l (all L for a plain
+    model). upper: layers >= l, a tuple of G = (L - l) / g pairs (one per AcrossKV group) in SwiftKV wiring,
+    of L - l pairs in teacher wiring, or None. lengths [B]: valid entries per sequence; entry i holds position i."""
 
     lower: tuple
     upper: Optional[tuple]
@@ -43,10 +44,9 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     dtype = as_dtype(dtype)
-    row = (batch_size, max_len, config.num_key_value_heads, config.head_dim)
-    zeros = lambda *lead: (jnp.zeros(lead + row, dtype), jnp.zeros(lead + row, dtype))
-    groups = config.num_kv_groups
+    row = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+    pairs = lambda n: tuple((jnp.zeros(row, dtype), jnp.zeros(row, dtype)) for _ in range(n))
     upper = None
-    if groups:
-        upper = zeros(groups) if swiftkv else zeros(groups, config.key_value_group_size)
-    return KVCache(zeros(config.num_lower_layers), upper, jnp.zeros((batch_size,), jnp.int32))
+    if config.num_kv_groups:
+        upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)
+    return KVCache(pairs(config.num_lower_layers), upper, jnp.zeros((batch_size,), jnp.int32))

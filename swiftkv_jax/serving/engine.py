@@ -7,6 +7,9 @@ bounds activation memory: chunks run layers < l and the owners' projection; only
 sequence goes through the later layers, once, at the end. Teacher wiring (a plain Llama, or a SwiftKV
 model run as its teacher) sends every prompt token through every layer. Decode runs every layer for one
 new token per sequence; `extend` runs every layer for several new tokens (scoring continuations).
+
+`params` is the model's parameter tree, stacked or in serving layout (`unstack_layers`): a caller that runs
+many steps inside one jitted program (the decode loop) unstacks once, outside its loop.
 """
 
 from __future__ import annotations
@@ -16,14 +19,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax.model.cached import cached_lower, cached_upper, head, swiftkv_cache_kv, unstack_layers
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.layers import CacheWrite
-from swiftkv_jax.model.transformer import Transformer
 from swiftkv_jax.serving.cache import KVCache
-
-
-def _apply(params, config: ModelConfig, method: str, *args):
-    return Transformer(config).apply({"params": params}, *args, method=method)
 
 
 def prefill(params, cache: KVCache, tokens, prompt_lengths, *, config: ModelConfig, swiftkv: bool,
@@ -33,6 +32,7 @@ def prefill(params, cache: KVCache, tokens, prompt_lengths, *, config: ModelConf
 
     chunk_size must divide T (None: one chunk).
     """
+    params = unstack_layers(params, config)
     batch, length = tokens.shape
     chunk = chunk_size or length
     if length % chunk:
@@ -44,11 +44,11 @@ def prefill(params, cache: KVCache, tokens, prompt_lengths, *, config: ModelConf
         chunk_tokens = jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
         write = CacheWrite(jnp.full((batch,), start, jnp.int32), jnp.minimum(prompt_lengths, start + chunk))
-        h, lower = _apply(params, config, "cached_lower", chunk_tokens, positions, write, lower)
+        h, lower = cached_lower(params, config, chunk_tokens, positions, write, lower)
         if swiftkv:
-            upper = _apply(params, config, "swiftkv_cache_kv", h, positions, write, upper)
+            upper = swiftkv_cache_kv(params, config, h, positions, write, upper)
         else:  # the teacher wiring needs every token's K/V in every layer
-            h, upper = _apply(params, config, "cached_upper", h, positions, write, upper)
+            h, upper = cached_upper(params, config, h, positions, write, upper, swiftkv=False)
         # keep each sequence's last prompt token when it falls in this chunk
         index = jnp.clip(last - start, 0, chunk - 1)
         picked = jnp.take_along_axis(h, index[:, None, None], axis=1)
@@ -59,9 +59,9 @@ def prefill(params, cache: KVCache, tokens, prompt_lengths, *, config: ModelConf
     starts = jnp.arange(0, length, chunk, dtype=jnp.int32)
     (lower, upper, h_last), _ = jax.lax.scan(step, (cache.lower, cache.upper, h_last), starts)
     if swiftkv:  # the later layers, for the last prompt token only, reading the owners' K/V
-        h_last, _ = _apply(params, config, "cached_upper", h_last, last[:, None],
-                           CacheWrite(None, prompt_lengths), upper)
-    logits = _apply(params, config, "head", h_last)[:, 0]
+        h_last, _ = cached_upper(params, config, h_last, last[:, None], CacheWrite(None, prompt_lengths), upper,
+                                 swiftkv=True)
+    logits = head(params, config, h_last)[:, 0]
     return logits, KVCache(lower, upper, prompt_lengths.astype(jnp.int32))
 
 
@@ -72,17 +72,18 @@ def extend(params, cache: KVCache, tokens, lengths, *, config: ModelConfig, swif
     Decode is T = 1; scoring continuations after a prefilled context (evaluation) is T > 1. The cache
     must hold max(cache.lengths) + T entries. Logits of padding positions are meaningless.
     """
+    params = unstack_layers(params, config)
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     new_lengths = cache.lengths + lengths.astype(jnp.int32)
     write = CacheWrite(cache.lengths, new_lengths)
-    h, lower = _apply(params, config, "cached_lower", tokens, positions, write, cache.lower)
+    h, lower = cached_lower(params, config, tokens, positions, write, cache.lower)
     upper = cache.upper
     if swiftkv:
-        upper = _apply(params, config, "swiftkv_cache_kv", h, positions, write, upper)
-        h, _ = _apply(params, config, "cached_upper", h, positions, CacheWrite(None, new_lengths), upper)
+        upper = swiftkv_cache_kv(params, config, h, positions, write, upper)
+        h, _ = cached_upper(params, config, h, positions, CacheWrite(None, new_lengths), upper, swiftkv=True)
     else:
-        h, upper = _apply(params, config, "cached_upper", h, positions, write, upper)
-    return _apply(params, config, "head", h), KVCache(lower, upper, new_lengths)
+        h, upper = cached_upper(params, config, h, positions, write, upper, swiftkv=False)
+    return head(params, config, h), KVCache(lower, upper, new_lengths)
 
 
 def decode_step(params, cache: KVCache, tokens, *, config: ModelConfig, swiftkv: bool):

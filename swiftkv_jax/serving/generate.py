@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.cache import KVCache, init_cache
@@ -29,6 +30,7 @@ def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_id
     on_token(tokens [B], live [B]): a host callback per step, in order, for streaming (it costs a
     device-to-host sync per token; None keeps the loop free of it).
     """
+    params = unstack_layers(params, config)  # once, outside the token loop
     logits, cache = prefill(params, cache, tokens, prompt_lengths, config=config, swiftkv=swiftkv,
                             chunk_size=chunk_size)
     batch = tokens.shape[0]

@@ -1,0 +1,105 @@
+"""The decoder's serving stages over a KV cache, layer by layer (`swiftkv_jax.serving` drives them).
+
+Training scans stacked layers, so that compile time stays flat in depth. Serving does not, for two costs measured
+in the compiled decode step (benchmarks/peers.py): inside a `lax.scan`, XLA reads each layer's weights by a
+dynamic slice that it materialises (a copy of every weight, every step, on CPU), and a cache that travels as the
+scan's per-layer input and output is copied whole every step. Here the layers are a Python loop over per-layer
+parameter dicts (`unstack_layers`, done once per jitted program) and per-layer cache arrays: each layer reads
+its weights in place and writes its new K/V with an in-place `dynamic_update_slice`.
+
+The layer code is the training model's (`DecoderLayer`, `Embedder`, `RMSNorm`, `Transformer.head`).
+Cache layout (`swiftkv_jax.serving.KVCache`): one (k, v) pair [B, S, K, H] per layer below l; above it one pair per
+AcrossKV group in SwiftKV wiring (written by `swiftkv_cache_kv`, read by the group's layers), one per layer in
+teacher wiring.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm, cache_view, write_cache
+from swiftkv_jax.model.rope import apply_rope, rope_angles
+from swiftkv_jax.model.transformer import Embedder, Transformer
+
+
+def _split(tree, n: int) -> tuple:
+    return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
+
+
+def unstack_layers(params: dict, config: ModelConfig) -> dict:
+    """The parameters in serving layout (idempotent): `layers` a tuple of l per-layer dicts, `swiftkv_groups/layers`
+    a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv stay stacked [G, ...] (one projection for all).
+    Inside jit this costs one copy of the layer weights per program, not one per step."""
+    if isinstance(params["layers"], tuple):
+        return params
+    out = dict(params, layers=_split(params["layers"], config.num_lower_layers))
+    if "swiftkv_groups" in params:
+        groups = params["swiftkv_groups"]
+        by_group = _split(groups["layers"], config.num_kv_groups)
+        out["swiftkv_groups"] = dict(groups, layers=tuple(_split(g, config.key_value_group_size) for g in by_group))
+    return out
+
+
+def _run_layer(config: ModelConfig, has_swiftkv_query: bool, layer_params, h, *args):
+    return DecoderLayer(config, has_swiftkv_query).apply({"params": layer_params}, h, *args)
+
+
+def cached_lower(params, config: ModelConfig, tokens, positions, cache_write: CacheWrite, cache: tuple):
+    """Embedding and layers < l for new tokens [B, T] at positions [B, T], each layer's K/V written into its
+    (k, v) of `cache`: (residual h_l [B, T, D], updated cache)."""
+    h = Embedder(config).apply({"params": params["embed_tokens"]}, tokens)
+    rope = rope_angles(config.rope, config.head_dim, positions)
+    segments = jnp.zeros_like(positions)
+    updated = []
+    for layer_params, layer_cache in zip(params["layers"], cache):
+        h, layer_cache = _run_layer(config, False, layer_params, h, rope, positions, segments, None, cache_write,
+                                    layer_cache)
+        updated.append(layer_cache)
+    return h, tuple(updated)
+
+
+def swiftkv_cache_kv(params, config: ModelConfig, h, positions, cache_write: CacheWrite, cache: tuple):
+    """The K/V of every AcrossKV group for tokens with residual h_l [B, T, D], written into the group caches:
+    one projection over all owners at once (SWIFTKV.md §2). Returns the updated cache."""
+    if not config.num_kv_groups:  # l == L: no later layer
+        return cache
+    x = RMSNorm(config).apply({"params": params["norm_swiftkv"]}, h)
+    owners = params["swiftkv_groups"]
+
+    def project(name):
+        p = owners[name]
+        y = jnp.einsum("BTD,GDKH->GBTKH", x, p["kernel"].astype(x.dtype))
+        return y + p["bias"].astype(x.dtype)[:, None, None] if "bias" in p else y
+
+    k = apply_rope(project("k_proj_swiftkv"), *rope_angles(config.rope, config.head_dim, positions))
+    v = project("v_proj_swiftkv")
+    return tuple((write_cache(ck, k[i], cache_write.write_at), write_cache(cv, v[i], cache_write.write_at))
+                 for i, (ck, cv) in enumerate(cache))
+
+
+def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWrite, cache: tuple, swiftkv: bool):
+    """Layers >= l for tokens h [B, T, D]: (final residual, updated cache).
+
+    SwiftKV wiring: `cache` holds one (k, v) per group, filled by `swiftkv_cache_kv` and only read here (the
+    layers' queries come from q_proj_swiftkv). Teacher wiring: one (k, v) per layer, each written by its layer.
+    """
+    if not config.num_kv_groups:
+        return h, cache
+    rope = rope_angles(config.rope, config.head_dim, positions)
+    segments = jnp.zeros_like(positions)
+    updated = []
+    for group, group_layers in enumerate(params["swiftkv_groups"]["layers"]):
+        shared_kv = cache_view(*cache[group], cache_write.kv_lengths) if swiftkv else None
+        for j, layer_params in enumerate(group_layers):
+            layer_cache = None if swiftkv else cache[group * config.key_value_group_size + j]
+            h, layer_cache = _run_layer(config, True, layer_params, h, rope, positions, segments, shared_kv,
+                                        cache_write, layer_cache)
+            updated.append(layer_cache)
+    return h, (cache if swiftkv else tuple(updated))
+
+
+def head(params, config: ModelConfig, h):
+    """Final norm and output projection: fp32 logits [..., V]."""
+    return Transformer(config).apply({"params": params}, h, method="head")
