@@ -22,8 +22,8 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
         p.add_argument("--teacher-mode", action="store_true",
                        help="serve a SwiftKV model in its teacher wiring (every layer for every token, full KV cache)")
     p.add_argument("--cache-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
-    p.add_argument("--attention-impl", choices=("xla", "pallas", "cudnn"), default=None,
-                   help="prefill attention (default: the checkpoint's, xla)")
+    p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "cudnn"), default=None,
+                   help="prefill attention (default: the checkpoint's, xla_flash)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
                    help="few-query attention over the cache (decode; SwiftKV's later layers in prefill)")
 

@@ -30,7 +30,7 @@ def detect_format(path) -> str:
 
 
 def load(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
-         compute_dtype=None, attention_impl: str = "xla") -> Model:
+         compute_dtype=None, attention_impl: str = "xla_flash") -> Model:
     """Load a HF or Orbax checkpoint directory (detected).
 
     dtype: parameter dtype ("float32" | "bfloat16" | a jnp dtype | None = as stored); compute_dtype

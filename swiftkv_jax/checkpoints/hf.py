@@ -97,7 +97,7 @@ class _SafetensorsFiles(contextlib.ExitStack):
 
 
 def load_hf(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
-            compute_dtype=None, attention_impl: str = "xla") -> Model:
+            compute_dtype=None, attention_impl: str = "xla_flash") -> Model:
     """Load a HF `llama`, `llama_swiftkv`, `qwen2` or `qwen2_swiftkv` checkpoint.
 
     dtype: parameter dtype (None: as stored); compute_dtype defaults to it. With a mesh the parameters

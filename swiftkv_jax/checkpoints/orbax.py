@@ -48,7 +48,7 @@ def _stored_shapes(checkpointer: ocp.StandardCheckpointer, directory: Path) -> d
 
 
 def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,
-               compute_dtype=None, attention_impl: str = "xla") -> Model:
+               compute_dtype=None, attention_impl: str = "xla_flash") -> Model:
     """Restore onto `mesh` (sharded by `rules`) or the default device, casting to `dtype` if given."""
     path = Path(path)
     hf_config = read_config(path)

@@ -3,8 +3,10 @@
 from swiftkv_jax.kernels.decode_attention import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, decode_attention,
                                                   decode_attention_reference, merge_partials, normalize)
 from swiftkv_jax.kernels.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
+from swiftkv_jax.kernels.paged_attention import paged_attention, paged_attention_reference
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "FlashBlockSizes", "decode_attention",
     "decode_attention_reference", "flash_attention", "flash_attention_reference", "merge_partials", "normalize",
+    "paged_attention", "paged_attention_reference",
 ]

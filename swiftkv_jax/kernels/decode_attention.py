@@ -17,7 +17,9 @@ Kernel layout: one program per (batch b, KV head k, KV split j). It holds the T*
 in place (no transpose or pad of the cache per call). Each split returns its unnormalised output with the
 running max and sum of the softmax (the flash-attention residuals); ``merge_partials`` combines them
 exactly in jnp. The same merge combines two KV segments (SwiftKV: prompt KV + decode KV), see
-``decode_attention(..., return_residuals=True)``.
+``decode_attention(..., return_residuals=True)``. The launch (``_split_k_attention``) and the program body
+(``_attend_split``) are shared with the paged kernel (paged_attention.py): only where a block's keys are read
+from differs.
 
 Backend decision: the kernel is a Triton-style ``pl.pallas_call`` (BlockSpecs over a grid, fori_loop over
 key blocks, masked ``load``). That style is the one that runs in ``interpret=True`` on CPU (so CI checks
@@ -143,33 +145,37 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, ret
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _kernel(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int, split_len: int):
-    """One (b, kv head, split) program. limit_ref [R]: row r sees keys with index < limit[r].
+def _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int,
+                  split_len: int, key_index):
+    """One (b, kv head, split) program, for any layout of the keys. limit_ref [R]: row r sees keys < limit[r].
 
-    q_ref [R, H]; k_ref, v_ref [split_len, H] (this split of the cache, may run past S: masked loads);
-    o_ref [R, H], m_ref [R], l_ref [R] fp32.
+    q_ref [R, H]; o_ref [R, H], m_ref [R], l_ref [R] fp32. ``key_index(i, idx, in_range)`` gives the indexer of
+    block i's keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load) into k_ref and
+    v_ref, which it must turn into ``[block_k, H]``. The dense cache and the paged pool differ only there.
     """
     rows, head_dim = q_ref.shape
     split_start = pl.program_id(2) * split_len
     limit = limit_ref[...]
-    q = q_ref[...]
+    # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case).
+    dot_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+    q = q_ref[...].astype(dot_dtype)
     # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S).
     split_end = jnp.minimum(jnp.max(limit), split_start + split_len)
     num_blocks = (jnp.maximum(split_end - split_start, 0) + block_k - 1) // block_k
 
     def body(i, carry):
         o, m, l = carry
-        local = pl.ds(i * block_k, block_k)
         idx = split_start + i * block_k + jnp.arange(block_k)
-        in_range = (idx < split_end)[:, None]
-        k = pltriton.load(k_ref.at[local, :], mask=in_range, other=0.0)
+        in_range = idx < split_end
+        keys = key_index(i, idx, in_range)
+        k = pltriton.load(k_ref.at[keys], mask=in_range[:, None], other=0.0).astype(dot_dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         visible = idx[None, :] < limit[:, None]
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
-        v = pltriton.load(v_ref.at[local, :], mask=in_range, other=0.0)
+        v = pltriton.load(v_ref.at[keys], mask=in_range[:, None], other=0.0)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o * correction[:, None] + pv, m_next, l * correction + jnp.sum(p, axis=1)
 
@@ -181,22 +187,23 @@ def _kernel(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float
     l_ref[...] = l
 
 
+def _dense_key_index(i, idx, in_range):
+    """Block i of this split of the dense cache (k_ref, v_ref [split_len, H]: the split, may run past S)."""
+    del in_range  # the masked load
+    return pl.ds(i * idx.shape[0], idx.shape[0]), slice(None)
+
+
 def _compiler_params(block_sizes: DecodeBlockSizes, interpret: bool):
     """Triton compiler params: without them JAX 0.10 lowers a GPU pallas_call with Mosaic GPU."""
     return None if interpret else pltriton.CompilerParams(num_warps=block_sizes.num_warps,
                                                           num_stages=block_sizes.num_stages)
 
 
-def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
-    if q.ndim != 4 or k_cache.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k_cache [B, S, K, H], got {q.shape} and {k_cache.shape}")
+def _check_queries(q, num_kv_heads: int, lengths, q_positions):
+    """The checks shared with the paged kernel (q already checked to be 4-D)."""
     B, T, N, H = q.shape
-    _, S, K, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != H:
-        raise ValueError(f"k_cache and v_cache must both be [B={B}, S, K, H={H}], got {k_cache.shape} and "
-                         f"{v_cache.shape}")
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    if N % num_kv_heads:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={num_kv_heads}")
     if not _is_power_of_two(H) or H < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {H}")
     if tuple(lengths.shape) != (B,) or tuple(q_positions.shape) != (B, T):
@@ -206,36 +213,49 @@ def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
         raise ValueError(f"lengths and q_positions must be integers, got {lengths.dtype} and {q_positions.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool):
+def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_cache [B, S, K, H], got {q.shape} and {k_cache.shape}")
+    B, _, _, H = q.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != H:
+        raise ValueError(f"k_cache and v_cache must both be [B={B}, S, K, H={H}], got {k_cache.shape} and "
+                         f"{v_cache.shape}")
+    _check_queries(q, k_cache.shape[2], lengths, q_positions)
+
+
+def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, num_kv_heads: int, num_keys: int,
+                       block_sizes: DecodeBlockSizes, interpret: bool, name: str) -> AttentionResiduals:
+    """The launch shared by the dense and the paged kernels: query rows, row limits, grid, merge of the splits.
+
+    kernel: ``(limit_ref, q_ref, *kv_refs, o_ref, m_ref, l_ref, *, scale, block_k, split_len)``; kv_inputs: what
+    kv_refs come from; kv_specs(split_len): their BlockSpecs over the grid (b, kv head k, split j). num_keys: the
+    key capacity of one sequence (S), split in ``num_splits`` pieces of a multiple of block_k keys.
+    """
     B, T, N, H = q.shape
-    _, S, K, _ = k_cache.shape
+    K = num_kv_heads
     G = N // K
     rows = T * G
     padded_rows = max(_MIN_ROWS, pl.next_power_of_2(rows))
     block_k = block_sizes.block_k
-    split_len = pl.cdiv(pl.cdiv(S, block_sizes.num_splits), block_k) * block_k
-    num_splits = pl.cdiv(S, split_len)
+    split_len = pl.cdiv(pl.cdiv(num_keys, block_sizes.num_splits), block_k) * block_k
+    num_splits = pl.cdiv(num_keys, split_len)
 
     # Rows of one KV head: r = t * G + g (a copy of q only: small). Padded rows see no key.
     q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, H)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, lengths.astype(jnp.int32)[:, None])
-    limit = jnp.clip(limit, 0, S)
+    limit = jnp.clip(limit, 0, num_keys)
     limit = jnp.pad(jnp.repeat(limit, G, axis=1), ((0, 0), (0, padded_rows - rows)))
 
-    kv_spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, j: (b, j, k, 0))
     stat_spec = pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (j, b, k, 0))
     stat_shape = jax.ShapeDtypeStruct((num_splits, B, K, padded_rows), jnp.float32)
-    kernel = functools.partial(_kernel, scale=1.0 / math.sqrt(H), block_k=block_k, split_len=split_len)
     outs, maxes, sums = pl.pallas_call(
-        kernel,
+        functools.partial(kernel, scale=1.0 / math.sqrt(H), block_k=block_k, split_len=split_len),
         grid=(B, K, num_splits),
         in_specs=[
             pl.BlockSpec((None, padded_rows), lambda b, k, j: (b, 0)),
             pl.BlockSpec((None, None, padded_rows, H), lambda b, k, j: (b, k, 0, 0)),
-            kv_spec,
-            kv_spec,
+            *kv_specs(split_len),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, padded_rows, H), lambda b, k, j: (j, b, k, 0, 0)),
@@ -245,8 +265,8 @@ def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: De
         out_shape=[jax.ShapeDtypeStruct((num_splits, B, K, padded_rows, H), jnp.float32), stat_shape, stat_shape],
         compiler_params=_compiler_params(block_sizes, interpret),
         interpret=interpret,
-        name="swiftkv_decode_attention",
-    )(limit, q_rows, k_cache, v_cache)
+        name=name,
+    )(limit, q_rows, *kv_inputs)
 
     out, m, total = merge_partials(outs, maxes, sums)
 
@@ -255,6 +275,44 @@ def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: De
         return jnp.moveaxis(x, 2, 1).reshape(B, T, N, *x.shape[4:])
 
     return AttentionResiduals(to_heads(out), to_heads(m), to_heads(total))
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool):
+    _, S, K, H = k_cache.shape
+
+    def kv_specs(split_len):  # this split of the cache, in place (the last one may run past S: masked loads)
+        spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, j: (b, j, k, 0))
+        return [spec, spec]
+
+    kernel = functools.partial(_attend_split, key_index=_dense_key_index)
+    return _split_k_attention(kernel, q, lengths, q_positions, (k_cache, v_cache), kv_specs, num_kv_heads=K,
+                              num_keys=S, block_sizes=block_sizes, interpret=interpret,
+                              name="swiftkv_decode_attention")
+
+
+def _kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str):
+    """Defaults and loud failures shared by the public kernels: (block sizes, interpret)."""
+    if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
+        raise NotImplementedError(
+            f"{what} needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
+            f"{jax.__version__} does not have; use {what}_reference")
+    block_sizes = DecodeBlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, DecodeBlockSizes):
+        raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
+    backend = jax.default_backend()
+    if interpret is None:
+        interpret = backend == "cpu"
+    if not interpret and backend != "gpu":
+        raise NotImplementedError(f"the compiled {what.replace('_', '-')} kernel needs a GPU (backend is "
+                                  f"{backend!r}); pass interpret=True or use {what}_reference")
+    return block_sizes, bool(interpret)
+
+
+def _no_keys(q) -> AttentionResiduals:
+    """The residuals of attention over no key at all (zero cache capacity)."""
+    zeros = jnp.zeros(q.shape[:3], jnp.float32)
+    return AttentionResiduals(jnp.zeros(q.shape, jnp.float32), zeros + MASK_VALUE, zeros)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: DecodeBlockSizes | None = None,
@@ -275,22 +333,9 @@ def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: 
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
     _check_shapes(q, k_cache, v_cache, lengths, q_positions)
-    if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
-        raise NotImplementedError(
-            f"decode_attention needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
-            f"{jax.__version__} does not have; use decode_attention_reference")
-    block_sizes = DecodeBlockSizes() if block_sizes is None else block_sizes
-    if not isinstance(block_sizes, DecodeBlockSizes):
-        raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
-    backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if not interpret and backend != "gpu":
-        raise NotImplementedError(f"the compiled decode-attention kernel needs a GPU (backend is {backend!r}); "
-                                  f"pass interpret=True or use decode_attention_reference")
+    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "decode_attention")
     if k_cache.shape[1] == 0:  # no cache at all: nothing to attend to
-        zeros = jnp.zeros(q.shape[:3], jnp.float32)
-        residuals = AttentionResiduals(jnp.zeros(q.shape, jnp.float32), zeros + MASK_VALUE, zeros)
+        residuals = _no_keys(q)
     else:
-        residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, bool(interpret))
+        residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, interpret)
     return residuals if return_residuals else normalize(residuals, q.dtype)

@@ -61,9 +61,9 @@ def xla_chunked_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     return out[:, :t]
 
 
-# Blocks of the blockwise path, tuned on CPU (2 cores, Llama heads of 64: 4x faster than `xla_attention` at 1K
+# Blocks of the blockwise path, tuned on CPU (2 cores, Llama heads of 64: 4-6x faster than `xla_attention` at 1-2K
 # tokens); a prompt of at most FLASH_BLOCK_Q queries is one block and takes `xla_attention` unchanged.
-FLASH_BLOCK_Q, FLASH_BLOCK_K = 256, 512
+FLASH_BLOCK_Q, FLASH_BLOCK_K = 256, 256
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the running max
 
 
@@ -75,21 +75,24 @@ def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
     tokens that is memory-bound and 9x slower than torch's fused CPU attention. Here a `lax.map` over blocks of
     `block_q` queries runs a loop over blocks of `block_k` keys whose scores stay in cache, and skips (`lax.cond`)
     every key block whose smallest valid position is past the query block's largest: causal prefill does
-    about half the work, and keys past a cache's length none. Serving only (not in DIFFERENTIABLE_IMPLS).
+    about half the work, and keys past a cache's length none. Each KV head's G * block_q query rows meet its
+    keys as one batched product over (B, K), with K/V in the cache's [B, K, S, H] layout (the transposes at
+    the call cancel out under jit). Serving only (not in DIFFERENTIABLE_IMPLS).
     """
     b, t, n, h = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     if t <= block_q:
         return xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
     g = n // kv_heads
+    rows = g * block_q  # row r = g_index * block_q + t_index
     pad_q, pad_k = -t % block_q, -s % block_k
     pad = lambda a, extra, value: jnp.pad(a, [(0, 0), (0, extra)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
-    # [nQ, B, K, G, Tb, H], pre-scaled; padded queries get segment -1 (no key) and are sliced off at the end
-    q_blocks = jnp.einsum("BQTKGH->QBKGTH", pad(q, pad_q, 0).reshape(b, -1, block_q, kv_heads, g, h))
-    q_blocks = q_blocks * jnp.asarray(h ** -0.5, q.dtype)
+    q_blocks = pad(q * jnp.asarray(h ** -0.5, q.dtype), pad_q, 0).reshape(b, -1, block_q, kv_heads, g, h)
+    q_blocks = jnp.einsum("BQTKGH->QBKGTH", q_blocks).reshape(-1, b, kv_heads, rows, h)  # [nQ, B, K, R, H]
+    # padded queries get segment -1 (no key: zero rows, sliced off at the end)
     to_blocks = lambda a, value: jnp.moveaxis(pad(a, pad_q, value).reshape(b, -1, block_q), 1, 0)
     q_pos, q_seg = to_blocks(q_positions, 0), to_blocks(q_segment_ids, -1)
-    k, v = pad(k, pad_k, 0), pad(v, pad_k, 0)
+    k, v = (jnp.swapaxes(pad(a, pad_k, 0), 1, 2) for a in (k, v))  # [B, K, S, H]
     kv_positions, kv_segment_ids = pad(kv_positions, pad_k, 0), pad(kv_segment_ids, pad_k, -2)
     num_k = (s + pad_k) // block_k
     big = jnp.iinfo(jnp.int32).max
@@ -99,28 +102,32 @@ def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
 
     def query_block(args):
         qb, qp, qs, last = args
+        qp, qs = jnp.tile(qp, (1, g)), jnp.tile(qs, (1, g))  # [B, R]
 
         def key_block(j, carry):
             def visit(out, row_max, row_sum):
-                kb, vb, kp, ks = (jax.lax.dynamic_slice_in_dim(a, j * block_k, block_k, axis=1)
-                                  for a in (k, v, kv_positions, kv_segment_ids))
-                scores = jnp.einsum("BKGTH,BSKH->BKGTS", qb, kb, preferred_element_type=jnp.float32)
-                mask = ((kp[:, None, :] <= qp[:, :, None]) & (ks[:, None, :] == qs[:, :, None]))[:, None, None]
-                scores = jnp.where(mask, scores, _MASKED)
+                kb, vb = (jax.lax.dynamic_slice_in_dim(a, j * block_k, block_k, axis=2) for a in (k, v))
+                kp, ks = (jax.lax.dynamic_slice_in_dim(a, j * block_k, block_k, axis=1)
+                          for a in (kv_positions, kv_segment_ids))
+                visible = (kp[:, None, :] <= qp[:, :, None]) & (ks[:, None, :] == qs[:, :, None])
+                scores = jnp.einsum("BKRH,BKSH->BKRS", qb, kb, preferred_element_type=jnp.float32)
+                scores = scores + jnp.where(visible, 0.0, _MASKED)[:, None]
                 new_max = jnp.maximum(row_max, scores.max(axis=-1))
-                probs = jnp.where(mask, jnp.exp(scores - new_max[..., None]), 0.0)
+                probs = jnp.exp(scores - new_max[..., None])  # masked keys: 0, once a row has seen a visible one
                 rescale = jnp.exp(row_max - new_max)
-                out = out * rescale[..., None] + jnp.einsum("BKGTS,BSKH->BKGTH", probs.astype(vb.dtype), vb,
+                out = out * rescale[..., None] + jnp.einsum("BKRS,BKSH->BKRH", probs.astype(vb.dtype), vb,
                                                             preferred_element_type=jnp.float32)
                 return out, new_max, row_sum * rescale + probs.sum(axis=-1)
 
             return jax.lax.cond(first_key[j] <= last, visit, lambda *c: c, *carry)
 
-        rows = (b, kv_heads, g, block_q)
-        carry = (jnp.zeros(rows + (h,), jnp.float32), jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32))
-        out, _, row_sum = jax.lax.fori_loop(0, num_k, key_block, carry)
-        out = out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]  # a query with no visible key: zeros
-        return jnp.einsum("BKGTH->BTKGH", out).astype(q.dtype)
+        shape = (b, kv_heads, rows)
+        carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _MASKED, jnp.float32),
+                 jnp.zeros(shape, jnp.float32))
+        out, row_max, row_sum = jax.lax.fori_loop(0, num_k, key_block, carry)
+        seen = row_max > _MASKED / 2  # a row that never saw a visible key: zeros
+        out = jnp.where(seen[..., None], out / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
+        return jnp.einsum("BKGTH->BTKGH", out.reshape(b, kv_heads, g, block_q, h)).astype(q.dtype)
 
     out = jax.lax.map(query_block, (q_blocks, q_pos, q_seg, last_query))  # [nQ, B, Tb, K, G, H]
     return jnp.moveaxis(out, 0, 1).reshape(b, t + pad_q, n, h)[:, :t]

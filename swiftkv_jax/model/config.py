@@ -74,7 +74,7 @@ class ModelConfig:
     # are always fp32.
     param_dtype: str = "float32"
     dtype: str = "float32"
-    attention_impl: str = "xla"
+    attention_impl: str = "xla_flash"  # serving prefill and `logits`; training configs pick a differentiable one
     decode_attention_impl: str = "xla"  # few queries over a KV cache (serving decode, SwiftKV's later layers)
     remat: str = "none"  # activation checkpointing of each layer in backward passes; see REMAT_POLICIES
     initializer_range: float = 0.02

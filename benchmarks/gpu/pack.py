@@ -1,0 +1,150 @@
+"""Every GPU check and benchmark of this project in one command, on a GPU host with no package index.
+
+Where pip works (here):
+    python benchmarks/gpu/pack.py prepare            # .whl/: the pinned wheels the host lacks, checked; commit.json
+    python benchmarks/gpu/pack.py check              # the same check, nothing downloaded
+On the GPU host (the working tree and .whl/ copied there; python3 is the host's):
+    python3 benchmarks/gpu/pack.py run --out DIR [--steps pytest,kernels | 1,2 | all] [--deadline 540]
+Anywhere (a CPU: tiny shapes, kernels interpreted; CI runs it):
+    python benchmarks/gpu/pack.py run --smoke --out /tmp/gpu-pack-smoke
+Afterwards:
+    python benchmarks/gpu/pack.py collect CALL_DIR [CALL_DIR ...] --into benchmarks/results/gpu-YYYY-MM-DD
+    python benchmarks/gpu/pack.py summary DIR        # rebuild DIR/summary.md from the step files there
+    python benchmarks/gpu/pack.py steps              # the steps, their time limits and commands
+
+`run` installs the wheelhouse into --site with no index and no dependency resolution, puts it and the repo on
+PYTHONPATH for every step, records the machine in env.json, then runs the steps in order, each in its own
+processes under its time limit and the call's --deadline; a step that fails or runs out of time is recorded and
+the next one starts. DIR stays flat: env.json, <step>.json per step, summary.md (at most 8 files). It exits 1
+when a step failed or timed out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pack_runner
+from pack_steps import BENCH, STEPS, parse_points, select, summarize
+
+REPO = pack_runner.REPO
+SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
+
+
+def _limits(items) -> dict:
+    limits = {}
+    for item in items or ():
+        name, _, seconds = item.partition("=")
+        if name not in {s.name for s in STEPS} or not seconds.replace(".", "", 1).isdigit():
+            raise ValueError(f"--limit {item!r}: want STEP=SECONDS with STEP one of {', '.join(s.name for s in STEPS)}")
+        limits[name] = float(seconds)
+    return limits
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pack.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("prepare", "download the pinned wheels into the wheelhouse, check it, stamp the commit"),
+                        ("check", "check the wheelhouse and the pins against pyproject and the host's packages")):
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
+        s.add_argument("--budget-mib", type=float, default=40.0, help="size budget of the wheels (default 40)")
+    r = sub.add_parser("run", help="install the wheelhouse, then run the steps (on the GPU host, or --smoke)")
+    r.add_argument("--out", type=Path, required=True, help="results folder (flat; earlier step files are kept)")
+    r.add_argument("--steps", default="all", help="'all', or numbers or names: 1,2 / pytest,kernels / " +
+                   ",".join(s.name for s in STEPS))
+    r.add_argument("--smoke", action="store_true", help="the same steps with tiny shapes on the CPU")
+    r.add_argument("--deadline", type=float, default=540.0,
+                   help="seconds for the whole call; no step starts with less than 20 s left (default 540)")
+    r.add_argument("--limit", action="append", metavar="STEP=SECONDS", help="a step's time limit (repeatable)")
+    r.add_argument("--memory-bandwidth", type=float, default=None,
+                   help="bytes/s for the bench roofline (default: from the GPU's name; H100 3.35e12, H200 4.8e12)")
+    r.add_argument("--mem-fraction", type=float, default=0.9,
+                   help="XLA_PYTHON_CLIENT_MEM_FRACTION for every step, and the share of memory a bench point may "
+                        "take (default 0.9)")
+    r.add_argument("--device-memory-gib", type=float, default=None,
+                   help="device memory (default: nvidia-smi's; with --smoke 4, so that one point does not fit)")
+    r.add_argument("--bench-points", type=parse_points, default=None,
+                   help="bench points PROMPTxBATCH,... (default 2048,8192,32768 x 1,16,64)")
+    r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
+    r.add_argument("--site", type=Path, default=Path("/tmp/swiftkv-jax-site"), help="where the wheels go")
+    r.add_argument("--no-install", action="store_true", help="use this environment as it is (--smoke implies it)")
+    r.add_argument("--quiet", action="store_true", help="do not echo the steps' output")
+    r.add_argument("--inject-failure", action="append", default=[], metavar="STEP", help=argparse.SUPPRESS)
+    s = sub.add_parser("summary", help="rebuild DIR/summary.md from the step files in DIR")
+    s.add_argument("folder", type=Path)
+    c = sub.add_parser("collect", help="merge the results folders of several calls into one, and summarize")
+    c.add_argument("sources", type=Path, nargs="+")
+    c.add_argument("--into", type=Path, required=True)
+    sub.add_parser("steps", help="list the steps")
+    return p
+
+
+def _run(args) -> int:
+    steps = select(args.steps)
+    limits = _limits(args.limit)
+    steps = [dataclasses.replace(s, limit_s=limits[s.name], smoke_limit_s=limits[s.name]) if s.name in limits else s
+             for s in steps]
+    smi = pack_runner.nvidia_smi()
+    gpu = (smi.get("gpus") or [{}])[0]
+    memory = (args.device_memory_gib * 2**30 if args.device_memory_gib else
+              SMOKE_MEMORY if args.smoke else gpu.get("memory_bytes"))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if args.smoke:
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{args.mem_fraction:g}")
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/swiftkv-jax-compile-cache")
+    ctx = pack_runner.Context(
+        smoke=args.smoke, python=sys.executable, repo=REPO, env=env,
+        usable_memory=int(memory * args.mem_fraction) if memory else None,
+        memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
+        bench_points=args.bench_points)
+    echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
+               "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
+               args.bench_points, "inject_failure": args.inject_failure}
+    return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
+                           install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),
+                           options=options, echo=echo, smi=smi)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    if args.command in ("prepare", "check"):
+        import pack_wheels
+
+        if args.command == "prepare":
+            return pack_wheels.prepare(args.wheelhouse, budget_mib=args.budget_mib)
+        return pack_wheels.report(args.wheelhouse, budget_mib=args.budget_mib)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "summary":
+        (args.folder / "summary.md").write_text(summarize(args.folder))
+        print(args.folder / "summary.md")
+        return 0
+    if args.command == "collect":
+        print(pack_runner.collect(args.sources, args.into, summarize) / "summary.md")
+        return 0
+    for s in STEPS:
+        print(f"{s.index} {s.name:<8} limit {s.limit_s:.0f} s (smoke {s.smoke_limit_s:.0f} s): {s.title}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

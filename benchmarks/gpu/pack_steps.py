@@ -1,0 +1,364 @@
+"""The GPU pack's steps, in order, each as it runs on the GPU and as `--smoke` runs it on a CPU; and summary.md.
+
+ 1 pytest   `pytest -m gpu`: compiled kernels against their references, cuDNN against XLA
+            (smoke: the GPU tests are collected, not run)
+ 2 kernels  benchmarks/kernels.py (smoke: its --smoke, kernels interpreted)
+ 3 bench    `infer.py bench --preset llama-3.1-8b --random-weights` at 2K/8K/32K prompts x batch 1/16/64 with the
+            TPOT roofline, one process a point; a point whose estimated memory exceeds the device's is skipped
+            ("does not fit"), and large batch x prompt prefills are chunked to bound their activations
+            (smoke: the tiny preset, one chunked point and one that does not fit)
+ 4 distill  benchmarks/distill_step.py --preset 1b, and the 8B recipe's `train.py --dry-run` compiled for the
+            device, its teacher a folder holding Llama-3.1-8B's config.json alone
+            (smoke: distill_step's arguments checked; the dry run on the tiny config with a few overrides)
+ 5 serving  benchmarks/serving.py (skipped while it is not built)
+ 6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
+Standard library only, like the runner.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from itertools import product
+from pathlib import Path
+
+from pack_runner import HERE, Command, Step, read_results
+
+PACK_JAX = HERE / "pack_jax.py"
+DRY_RUN_RECIPE = "configs/llama-3.1-8b-instruct.yaml"
+# bench: (preset, points, gen_len, repeats, tokens per prefill call) on the GPU and in smoke
+BENCH = {False: ("llama-3.1-8b", tuple(product((2048, 8192, 32768), (1, 16, 64))), 128, 3, 65536),
+         True: ("tiny", ((32, 2), (1 << 20, 64)), 4, 1, 32)}
+SMOKE_DRY_RUN = ("model.num_key_value_layers=2", "data.seq_len=64", "train.global_batch_size=8")
+
+
+def prefill_chunk(prompt_len: int, batch: int, tokens_per_call: int) -> int:
+    """The prefill chunk for a bench point: the whole prompt when batch x prompt fits tokens_per_call, else the
+    prompt halved (while even, down to 16) until it does, which bounds the prefill's activation memory."""
+    chunk = prompt_len
+    while batch * chunk > tokens_per_call and chunk % 2 == 0 and chunk > 16:
+        chunk //= 2
+    return chunk
+
+
+def parse_points(text: str) -> tuple:
+    """"2048x1,8192x16" -> ((2048, 1), (8192, 16)): prompt length x batch."""
+    points = []
+    for item in text.split(","):
+        prompt, _, batch = item.strip().partition("x")
+        if not (prompt.isdigit() and batch.isdigit()) or not int(prompt) or not int(batch):
+            raise ValueError(f"bench point {item!r}: want PROMPTxBATCH, e.g. 2048x16")
+        points.append((int(prompt), int(batch)))
+    return tuple(points)
+
+
+def last_json_line(text: str):
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def gib(n) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+# --- the steps ------------------------------------------------------------------------------------------------
+
+def pytest_step(ctx, run):
+    base = (ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider")
+    if ctx.smoke:
+        files = sorted(str(p.relative_to(ctx.repo)) for p in (ctx.repo / "tests").glob("test_*.py")
+                       if "mark.gpu" in p.read_text())
+        run(Command("pytest -m gpu --collect-only (smoke: collected, not run)", (*base, "--collect-only", *files),
+                    120, parse=_collected))
+        return
+    junit = ctx.tmp / "junit.xml"
+    run(Command("pytest -m gpu", (*base, "-rfE", "--continue-on-collection-errors", "--junitxml", junit), 600,
+                parse=lambda _: _junit(junit)))
+
+
+def _collected(log: str) -> dict:
+    match = re.search(r"(\d+)(?:/\d+)? tests? collected", log)
+    return {"collected": int(match[1]) if match else 0}
+
+
+def _junit(path: Path) -> dict:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = []
+    for case in root.iter("testcase"):
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if problem is not None:
+            failed.append({"test": f"{case.get('classname')}::{case.get('name')}",
+                           "message": (problem.get("message") or "")[:300]})
+    return {**counts, "failed": failed[:30]}
+
+
+def kernels_step(ctx, run):
+    out = ctx.tmp / "kernels.json"
+    smoke = ("--smoke", "--repeats", "1") if ctx.smoke else ()
+    run(Command("benchmarks/kernels.py", (ctx.python, "benchmarks/kernels.py", *smoke, "--out", out), 600,
+                output=out, script="benchmarks/kernels.py"))
+
+
+def bench_step(ctx, run):
+    preset, points, gen_len, repeats, per_call = BENCH[ctx.smoke]
+    points = ctx.bench_points or points
+    spec = ",".join(f"{t}x{b}" for t, b in points)
+    fit = run(Command("memory estimate of each point (shapes only, on the CPU)",
+                      (ctx.python, PACK_JAX, "fit", "--preset", preset, "--points", spec, "--gen-len", gen_len,
+                       "--tokens-per-call", per_call), 300, parse=last_json_line, env={"JAX_PLATFORMS": "cpu"}))
+    estimates = {(r["prompt_len"], r["batch"]): r for r in fit.get("result") or []}
+    for prompt_len, batch in points:
+        estimate = estimates.get((prompt_len, batch), {})
+        chunk = prefill_chunk(prompt_len, batch, per_call)
+        skip = None
+        if estimate and ctx.usable_memory and estimate["need_bytes"] > ctx.usable_memory:
+            skip = f"does not fit ({gib(estimate['need_bytes'])} GiB needed, {gib(ctx.usable_memory)} GiB usable)"
+        out = ctx.tmp / f"bench_{prompt_len}x{batch}.json"
+        argv = (ctx.python, "infer.py", "bench", "--preset", preset, "--random-weights", "--prompt-len", prompt_len,
+                "--batch", batch, "--gen-len", gen_len, "--repeats", repeats, "--output", out)
+        argv += ("--prefill-chunk", chunk) if chunk != prompt_len else ()
+        argv += ("--memory-bandwidth", f"{ctx.memory_bandwidth:g}") if ctx.memory_bandwidth else ()
+        run(Command(f"prompt {prompt_len} x batch {batch}", argv, 300, output=out, skip=skip, script="infer.py",
+                    info={"point": {"prompt_len": prompt_len, "batch": batch, "prefill_chunk": chunk},
+                          "estimate": estimate or None}))
+
+
+def distill_step(ctx, run):
+    out = ctx.tmp / "distill_step.json"
+    argv = (ctx.python, "benchmarks/distill_step.py", "--preset", "1b", "--out", out)
+    if ctx.smoke:  # its smallest preset takes minutes on a CPU: check that the GPU arguments parse
+        run(Command("benchmarks/distill_step.py --preset 1b (smoke: arguments checked only)", (*argv, "--help"), 60,
+                    script="benchmarks/distill_step.py"))
+    else:
+        run(Command("benchmarks/distill_step.py --preset 1b", argv, 420, output=out,
+                    script="benchmarks/distill_step.py"))
+    teacher = ctx.tmp / "teacher"
+    made = run(Command("teacher folder: config.json only", (ctx.python, PACK_JAX, "teacher", teacher, "--preset",
+                                                            "tiny" if ctx.smoke else "llama-3.1-8b"), 120,
+                       env={"JAX_PLATFORMS": "cpu"}))
+    overrides = (f"model.teacher={teacher}", f"train.output_dir={ctx.tmp / 'never'}",
+                 *(SMOKE_DRY_RUN if ctx.smoke else ()))
+    run(Command(f"train.py --config {DRY_RUN_RECIPE} --dry-run",
+                (ctx.python, "train.py", "--config", DRY_RUN_RECIPE, "--dry-run", *overrides), 360,
+                parse=_dry_run, script="train.py", skip=None if made["status"] == "ok" else "no teacher folder"))
+
+
+def _dry_run(log: str) -> dict:
+    out = {"bytes_per_device_gib": {m[1]: float(m[2]) for m in re.finditer(r"^  (\w+)\s+([\d.]+) GiB$", log, re.M)}}
+    if match := re.search(r"trainable parameters ([\d,]+) of ([\d,]+)", log):
+        out["trainable_parameters"], out["parameters"] = (int(g.replace(",", "")) for g in match.groups())
+    if match := re.search(r"mesh (\{.*?\}) \((\w+)\)", log):
+        out["mesh"], out["platform"] = match[1], match[2]
+    if not out["bytes_per_device_gib"]:
+        raise ValueError("no per-device bytes in the dry run's output")
+    return out
+
+
+def serving_step(ctx, run):
+    out = ctx.tmp / "serving.json"
+    argv = (ctx.python, "benchmarks/serving.py", *(("--smoke",) if ctx.smoke else ()), "--out", out)
+    run(Command("benchmarks/serving.py", argv, 600, output=out, script="benchmarks/serving.py"))
+
+
+def peers_step(ctx, run):
+    out = ctx.tmp / "peers.json"
+    argv = (ctx.python, "benchmarks/peers.py", "--shape", "1b", "--out", out)
+    if ctx.smoke:  # transformers and a 30-layer model take minutes on a CPU: check that the arguments parse
+        run(Command("benchmarks/peers.py --shape 1b (smoke: arguments checked only)", (*argv, "--help"), 60,
+                    script="benchmarks/peers.py"))
+    else:
+        run(Command("benchmarks/peers.py --shape 1b", argv, 540, output=out, script="benchmarks/peers.py"))
+
+
+STEPS = (
+    Step(1, "pytest", "pytest -m gpu: compiled kernels against references, cuDNN against XLA", 420, pytest_step),
+    Step(2, "kernels", "benchmarks/kernels.py: decode and prefill attention kernels against their rivals", 480,
+         kernels_step),
+    Step(3, "bench", "infer.py bench, Llama-3.1-8B (SwiftKV l=16), random weights: 2K/8K/32K x batch 1/16/64",
+         560, bench_step),
+    Step(4, "distill", "benchmarks/distill_step.py --preset 1b, and the 8B recipe's train.py --dry-run", 540,
+         distill_step),
+    Step(5, "serving", "benchmarks/serving.py", 540, serving_step),
+    Step(6, "peers", "benchmarks/peers.py --shape 1b: our engine against transformers", 480, peers_step),
+)
+BY_NAME = {s.name: s for s in STEPS}
+
+
+def select(spec: str | None) -> list[Step]:
+    """Steps by "1,2", "bench,distill" or "all" (None), in the pack's order."""
+    if spec in (None, "", "all"):
+        return list(STEPS)
+    chosen = set()
+    for item in spec.split(","):
+        item = item.strip()
+        step = BY_NAME.get(item) or next((s for s in STEPS if item.isdigit() and s.index == int(item)), None)
+        if step is None:
+            raise ValueError(f"unknown step {item!r}: steps are " + ", ".join(f"{s.index} {s.name}" for s in STEPS))
+        chosen.add(step.name)
+    return [s for s in STEPS if s.name in chosen]
+
+
+# --- summary.md -----------------------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.0f}" if n >= 2**20 else f"{n / 2**20:.3f}"
+
+
+def _ms(seconds) -> str:
+    return f"{seconds * 1e3:.2f}" if isinstance(seconds, (int, float)) else "-"
+
+
+def _first_line(text) -> str:
+    return (str(text).strip().splitlines() or [""])[0][:160]
+
+
+def _headline(record: dict) -> str:
+    """One line of what a step found, for the overview table."""
+    results = [c.get("result") for c in record.get("commands", []) if isinstance(c.get("result"), dict)]
+    name = record["step"]
+    if name == "pytest" and results:
+        r = results[0]
+        if "collected" in r:
+            return f"{r['collected']} GPU tests collected"
+        return f"{r['passed']} passed, {r['failures']} failed, {r['errors']} errors, {r['skipped']} skipped"
+    if name == "bench":
+        points = [c for c in record["commands"] if "point" in c]
+        done = sum(c["status"] == "ok" for c in points)
+        skipped = sum(c["status"] == "skipped" for c in points)
+        return f"{done} of {len(points)} points measured, {skipped} skipped"
+    if name == "kernels" and results:
+        return "; ".join(f"{part}: {sum('error' not in r for r in results[0].get(part, []))} of "
+                         f"{len(results[0].get(part, []))} rows timed" for part in ("decode", "prefill"))
+    commands = record.get("commands", [])
+    if record["status"] == "skipped":
+        return ""
+    return f"{sum(c['status'] == 'ok' for c in commands)} of {len(commands)} commands ok"
+
+
+def _details(record: dict) -> list[str]:
+    name, lines = record["step"], []
+    for c in record.get("commands", []):
+        result = c.get("result") if isinstance(c.get("result"), dict) else {}
+        if name == "pytest" and result.get("failed"):
+            lines += [f"- FAILED `{f['test']}`: {_first_line(f['message'])}" for f in result["failed"]]
+        if name == "kernels" and result:
+            lines += _kernel_tables(result)
+        if name == "distill" and "dry-run" in c["label"] and result:
+            lines += [f"8B recipe dry run ({result.get('platform', '?')}, mesh {result.get('mesh', '?')}), GiB per "
+                      "device: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_device_gib"].items())]
+        if name == "distill" and c["label"].startswith("benchmarks/distill_step.py") and result.get("results"):
+            lines += _table(["variant", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB"], [
+                [r["variant"], f"{r['step_s']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
+                 f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r["xla_peak_bytes"]),
+                 gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-"] for r in result["results"]])
+    if name == "bench":
+        lines += _bench_table(record)
+    problems = [c for c in record.get("commands", []) if c["status"] not in ("ok",) and
+                not (name == "bench" and "point" in c and c["status"] == "skipped")]
+    lines += [f"- {c['label']}: **{c['status']}** {c.get('reason') or _first_line(_last(c.get('log_tail', '')))}"
+              for c in problems]
+    return lines
+
+
+def _last(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _timed_cells(row: dict, cells, width: int) -> list:
+    """A kernel row's timing cells, or its error in the first of `width` cells."""
+    return cells(row) if "error" not in row else ["error: " + _first_line(row["error"])[:80]] + [""] * (width - 1)
+
+
+def _kernel_tables(result: dict) -> list[str]:
+    decode = lambda r: [_ms(r["time_s"]), f"{r['bandwidth'] / 1e9:.0f}", f"{r['of_copy_bandwidth']:.0%}"]
+    prefill = lambda r: [_ms(r["time_s"]), f"{r['tflops']:.1f}"]
+    lines = [f"copy bandwidth {result.get('copy', {}).get('bandwidth', 0) / 1e9:.0f} GB/s on "
+             f"{result.get('device')}{' (smoke)' if result.get('smoke') else ''}", ""]
+    lines += _table(["decode impl", "batch", "context", "ms", "GB/s", "of copy"],
+                    [[r["impl"], r["batch"], r["context"], *_timed_cells(r, decode, 3)]
+                     for r in result.get("decode", [])])
+    lines.append("")
+    lines += _table(["prefill impl", "batch", "seq", "ms", "TFLOP/s"],
+                    [[r["impl"], r["batch"], r["seq"], *_timed_cells(r, prefill, 2)]
+                     for r in result.get("prefill", [])])
+    return lines
+
+
+def _bench_table(record: dict) -> list[str]:
+    rows = []
+    for c in record["commands"]:
+        if "point" not in c:
+            continue
+        p = c["point"]
+        wirings = {r.get("wiring"): r for r in (c.get("result") or {}).get("results", [])}
+        fast, slow = wirings.get("swiftkv", {}), wirings.get("teacher", {})
+        if not fast:
+            rows.append([p["prompt_len"], p["batch"], p["prefill_chunk"], c["status"] + ": " +
+                         (c.get("reason") or _first_line(_last(c.get("log_tail", ""))))[:100]] + [""] * 6)
+            continue
+        ratio = fast.get("vs_teacher", {})
+        rows.append([p["prompt_len"], p["batch"], p["prefill_chunk"], c["status"],
+                     f"{_ms(fast['ttft_s'])} / {_ms(slow.get('ttft_s'))}", f"{ratio.get('ttft', 0):.2f}",
+                     f"{_ms(fast['tpot_s'])} / {_ms(slow.get('tpot_s'))}", f"{fast['decode_tokens_per_s']:,.0f}",
+                     f"{fast['roofline_fraction']:.0%}" if "roofline_fraction" in fast else "-",
+                     f"{_mib(fast['kv_cache_bytes'])} / {_mib(slow.get('kv_cache_bytes', 0))}"])
+    return _table(["prompt", "batch", "chunk", "status", "TTFT ms SwiftKV / teacher", "TTFT ratio",
+                   "TPOT ms SwiftKV / teacher", "decode tok/s SwiftKV", "roofline", "KV MiB SwiftKV / teacher"], rows)
+
+
+def summarize(folder) -> str:
+    """summary.md of a results folder: the commit and machine, a line a step, then each step's numbers."""
+    env, steps = read_results(folder)
+    env = env or {}
+    probe, smi = env.get("probe", {}), env.get("nvidia_smi", {})
+    commit = env.get("commit", {})
+    lines = ["# GPU pack results" + (" (SMOKE: tiny shapes on a CPU; nothing here is a measurement)"
+                                     if env.get("smoke") else ""), ""]
+    dirty = f" + uncommitted changes (diff {commit.get('diff', '?')})" if commit.get("dirty") else ""
+    lines.append(f"- commit: `{commit.get('commit', 'unknown')}`{dirty} (from {commit.get('source', '?')})")
+    for gpu in smi.get("gpus", []):
+        lines.append(f"- GPU: {gpu['name']}, {gib(gpu['memory_bytes'])} GiB, driver {gpu['driver']}, "
+                     f"CUDA {smi.get('cuda')}")
+    versions = probe.get("versions", {})
+    lines.append(f"- jax {probe.get('jax', versions.get('jax'))} (backend {probe.get('backend')}), jaxlib "
+                 f"{versions.get('jaxlib')}, plugin {versions.get('jax-cuda13-plugin')}, Python {env.get('python')}, "
+                 f"host {env.get('host')}, last call written {env.get('written')}")
+    install = env.get("install", {})
+    lines.append(f"- wheelhouse install: {install.get('status')} {install.get('reason') or ''}"
+                 f"{', '.join(install.get('wheels', []))}")
+    if probe.get("unmet"):
+        lines.append("- unmet requirements: " + "; ".join(probe["unmet"]))
+    bad_imports = {k: v for k, v in probe.get("imports", {}).items() if v != "ok"}
+    if bad_imports:
+        lines.append("- imports failing: " + "; ".join(f"{k}: {v}" for k, v in bad_imports.items()))
+    lines.append("")
+    by_name = {s["step"]: s for s in steps}
+    overview = []
+    for step in STEPS:
+        record = by_name.pop(step.name, None)
+        if record is None:
+            overview.append([step.index, step.name, "not run", "", ""])
+            continue
+        reason = f" ({record['reason']})" if record.get("reason") else ""
+        other = record.get("env", {})
+        elsewhere = (f"; on {other.get('device')}, commit {str(other.get('commit'))[:10]}"
+                     if other.get("commit") != commit.get("commit") else "")
+        overview.append([step.index, step.name, f"**{record['status']}**{reason}"[:200],
+                         f"{record.get('seconds', 0):.0f} s", _headline(record) + elsewhere])
+    lines += _table(["#", "step", "status", "time", "result"], overview)
+    for record in steps:
+        if record["step"] not in BY_NAME:
+            continue
+        details = _details(record)
+        if details:
+            lines += ["", f"## {record['index']}. {record['step']}: {record['title']}", ""] + details
+    return "\n".join(lines) + "\n"

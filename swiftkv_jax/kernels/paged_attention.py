@@ -1,0 +1,133 @@
+"""Few-query attention over a PAGED KV cache: the split-K decode kernel following a block table, and its reference.
+
+Shapes (one letter per dimension): q ``[B, T, N, H]``, k_pages / v_pages ``[P, page_size, K, H]`` (a pool of P
+pages of one layer), block_tables ``[B, M]`` int32, lengths ``[B]`` int32, q_positions ``[B, T]`` int32. Key s of
+sequence b lives in page ``block_tables[b, s // page_size]`` at offset ``s % page_size``; table entries past
+the sequence's ``ceil(lengths[b] / page_size)`` pages may hold anything (0, stale or out-of-range ids) and are
+never read. Masking, scale, GQA, empty rows and residuals are exactly those of ``decode_attention`` (see
+decode_attention.py): query t of sequence b sees key s iff ``s < lengths[b]`` and ``s <= q_positions[b, t]``.
+
+Kernel: the dense kernel's launch and program body (``_split_k_attention``, ``_attend_split``), with only the
+addressing of a block's keys changed. One program per (b, kv head k, split j) holds the T*G query rows of its KV
+head and the row of the block table of sequence b (an ordinary input block: Pallas' Triton backend has no
+scalar prefetch, and an input block is what both interpret mode and the Triton lowering index). For each block
+of ``block_k`` keys it loads the page id of every key from that row (``table[s // page_size]``) and then the
+keys themselves as one gather ``pool[page, s % page_size, :]`` from the pool of its KV head, read in place:
+the cache is never copied into a dense layout. So a block may span several small pages or part of a large one
+(any page size works with any ``block_k``), each K/V page is read once for the whole GQA group, and keys past
+the split's last needed key are masked out of the loads. Blocks past ``lengths[b]`` (and past every row's
+position) are not iterated at all, so their table entries and pages cost nothing and are not touched. The
+splits (``num_splits`` pieces of the table's key capacity ``M * page_size``, in whole blocks) are merged
+exactly with ``merge_partials``, so a long sequence still spreads over many programs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from swiftkv_jax.kernels.decode_attention import (DecodeBlockSizes, _attend_split, _check_queries, _kernel_settings,
+                                                  _no_keys, _split_k_attention, decode_attention_reference,
+                                                  normalize, pltriton)
+
+__all__ = ["paged_attention", "paged_attention_reference"]
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
+                              return_residuals: bool = False):
+    """Plain jnp: gathers the pages through the block table into a dense ``[B, M * page_size, K, H]`` view and
+    calls ``decode_attention_reference`` (one reference for both layouts). Unused table entries read page 0 and
+    keys past each length are zeroed, so nothing outside a sequence (not even a NaN) reaches the result."""
+    B, M = block_tables.shape
+    _, page_size, K, H = k_pages.shape
+    table = jnp.where(jnp.arange(M)[None, :] * page_size < lengths[:, None], block_tables, 0)  # entries in use
+    valid = (jnp.arange(M * page_size)[None, :] < lengths[:, None])[:, :, None, None]
+
+    def dense(pages):
+        return jnp.where(valid, pages[table].reshape(B, M * page_size, K, H), 0)
+
+    return decode_attention_reference(q, dense(k_pages), dense(v_pages), lengths, q_positions,
+                                      return_residuals=return_residuals)
+
+
+def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size: int, **kwargs):
+    """One (b, kv head, split) program. table_ref [M]: the block table of sequence b; k_ref, v_ref
+    [P, page_size, H]: the pool of this KV head (indexed in place)."""
+    last_entry = table_ref.shape[0] - 1
+    head = jnp.arange(k_ref.shape[-1])[None, :]
+
+    def key_index(i, idx, in_range):
+        del i
+        # Keys past the split's end are not loaded; their (clamped, in-bounds) entries are not read either.
+        page = pltriton.load(table_ref.at[jnp.minimum(idx // page_size, last_entry)], mask=in_range, other=0)
+        return page[:, None], (idx % page_size)[:, None], head
+
+    _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, key_index=key_index, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes: DecodeBlockSizes,
+                     interpret: bool):
+    P, page_size, K, H = k_pages.shape
+    M = block_tables.shape[1]
+    table_spec = pl.BlockSpec((None, M), lambda b, k, j: (b, 0))
+    pool_spec = pl.BlockSpec((P, page_size, None, H), lambda b, k, j: (0, 0, k, 0))
+    kernel = functools.partial(_paged_kernel, page_size=page_size)
+    return _split_k_attention(kernel, q, lengths, q_positions, (block_tables.astype(jnp.int32), k_pages, v_pages),
+                              lambda split_len: [table_spec, pool_spec, pool_spec], num_kv_heads=K,
+                              num_keys=M * page_size, block_sizes=block_sizes, interpret=interpret,
+                              name="swiftkv_paged_attention")
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_pages [P, page_size, K, H], got {q.shape} and "
+                         f"{k_pages.shape}")
+    B, _, _, H = q.shape
+    if v_pages.shape != k_pages.shape or k_pages.shape[3] != H:
+        raise ValueError(f"k_pages and v_pages must both be [P, page_size, K, H={H}], got {k_pages.shape} and "
+                         f"{v_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must have one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    if k_pages.shape[0] == 0 or k_pages.shape[1] == 0:
+        raise ValueError(f"the pool needs at least one page of at least one key, got k_pages {k_pages.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B={B}, M], got {block_tables.shape}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be integers, got {block_tables.dtype}")
+    _check_queries(q, k_pages.shape[2], lengths, q_positions)
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
+                    block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
+                    return_residuals: bool = False):
+    """Attention of a few query tokens over a paged KV cache, by the split-K Pallas kernel.
+
+    Args:
+      q: ``[B, T, N, H]`` queries (not pre-scaled: the kernel applies 1/sqrt(H)).
+      k_pages, v_pages: ``[P, page_size, K, H]``, one layer's pool of pages; N % K == 0, H a power of two >= 16,
+        any page_size >= 1.
+      block_tables: ``[B, M]`` int, the page ids of sequence b in order; entries past its
+        ``ceil(lengths[b] / page_size)`` pages are never read (any value).
+      lengths: ``[B]`` int, keys with index < lengths[b] are valid (at most ``M * page_size`` are used).
+      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t].
+      block_sizes: ``DecodeBlockSizes`` (block_k keys per block, whatever the page size; num_splits pieces of
+        the table's ``M * page_size`` keys); default ``DecodeBlockSizes()``.
+      interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
+      return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,
+        finish with ``normalize``) instead of the output.
+
+    Returns:
+      ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions)
+    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "paged_attention")
+    if block_tables.shape[1] == 0:  # a table of no pages: nothing to attend to
+        residuals = _no_keys(q)
+    else:
+        residuals = _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes,
+                                     interpret)
+    return residuals if return_residuals else normalize(residuals, q.dtype)
