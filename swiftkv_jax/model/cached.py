@@ -8,7 +8,8 @@ parameter dicts (`unstack_layers`, done once per jitted program) and per-layer c
 its weights in place and writes its new K/V with an in-place `dynamic_update_slice`.
 
 The layer code is the training model's (`DecoderLayer`, `Embedder`, `RMSNorm`, `Transformer.head`).
-Cache layout (`swiftkv_jax.serving.KVCache`): one (k, v) pair [B, S, K, H] per layer below l; above it one pair per
+Cache layout (`swiftkv_jax.serving.KVCache`, or a paged pool with `PagedBatch` as the `cache_write`): one (k, v)
+pair per layer below l; above it one pair per
 AcrossKV group in SwiftKV wiring (written by `swiftkv_cache_kv`, read by the group's layers), one per layer in
 teacher wiring.
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm, cache_view, write_cache
+from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm
 from swiftkv_jax.model.rope import apply_rope, rope_angles
 from swiftkv_jax.model.transformer import Embedder, Transformer
 
@@ -68,15 +69,16 @@ def swiftkv_cache_kv(params, config: ModelConfig, h, positions, cache_write: Cac
     x = RMSNorm(config).apply({"params": params["norm_swiftkv"]}, h)
     owners = params["swiftkv_groups"]
 
-    def project(name):
+    def project(name):  # [B, T, G, K, H]: one product [B*T, D] x [D, G*K*H] for all owners
         p = owners[name]
-        y = jnp.einsum("BTD,GDKH->GBTKH", x, p["kernel"].astype(x.dtype))
-        return y + p["bias"].astype(x.dtype)[:, None, None] if "bias" in p else y
+        y = jnp.einsum("BTD,GDKH->BTGKH", x, p["kernel"].astype(x.dtype))
+        return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
-    k = apply_rope(project("k_proj_swiftkv"), *rope_angles(config.rope, config.head_dim, positions))
-    v = project("v_proj_swiftkv")
-    return tuple((write_cache(ck, k[i], cache_write.write_at), write_cache(cv, v[i], cache_write.write_at))
-                 for i, (ck, cv) in enumerate(cache))
+    k = project("k_proj_swiftkv")
+    b, t, groups, kv_heads, h = k.shape
+    k = apply_rope(k.reshape(b, t, groups * kv_heads, h), *rope_angles(config.rope, config.head_dim, positions))
+    k, v = k.reshape(b, t, groups, kv_heads, h), project("v_proj_swiftkv")
+    return tuple(cache_write.write(pair, k[:, :, i], v[:, :, i]) for i, pair in enumerate(cache))
 
 
 def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWrite, cache: tuple, swiftkv: bool):
@@ -91,7 +93,7 @@ def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWr
     segments = jnp.zeros_like(positions)
     updated = []
     for group, group_layers in enumerate(params["swiftkv_groups"]["layers"]):
-        shared_kv = cache_view(*cache[group], cache_write.kv_lengths) if swiftkv else None
+        shared_kv = cache_write.view(cache[group]) if swiftkv else None
         for j, layer_params in enumerate(group_layers):
             layer_cache = None if swiftkv else cache[group * config.key_value_group_size + j]
             h, layer_cache = _run_layer(config, True, layer_params, h, rope, positions, segments, shared_kv,

@@ -98,10 +98,21 @@ class MLP(nn.Module):
 
 @struct.dataclass
 class CacheWrite:
-    """Serving: where this call's tokens go in the KV cache, and how much of it is valid afterwards."""
+    """Serving over a dense cache (one row [K, S, H] per sequence): where this call's tokens go, and how much of
+    it is valid afterwards. A paged pool has its own kind (`swiftkv_jax.model.paged.PagedBatch`) with the same two
+    methods; the layers only call `write` and `view`, so one layer code serves both."""
 
     write_at: Optional[jax.Array]  # [B] cache index of the first new token; None: read the cache only
     kv_lengths: jax.Array          # [B] valid entries after the write
+
+    def write(self, pair, k, v):
+        """The layer's (k, v) cache with new k, v [B, T, K, H] written at `write_at`."""
+        return tuple(write_cache(c, new, self.write_at) for c, new in zip(pair, (k, v)))
+
+    def view(self, pair, k=None, v=None):
+        """What attention reads: the whole cache, of which the first kv_lengths are valid (k, v: unused here,
+        the new tokens are in the cache already)."""
+        return cache_view(*pair, self.kv_lengths)
 
 
 def write_cache(cache, new, write_at):
@@ -123,9 +134,11 @@ class Attention(nn.Module):
 
     Teacher wiring (`shared_kv is None`): q/k/v from this layer's own input. SwiftKV wiring: the query
     from `q_proj_swiftkv` of this layer's input, K/V given as a view (k, v, positions, segment_ids,
-    lengths): the group owner's, already rotated (lengths None), or a cache. Few queries over a cache take
-    `decode_attention_impl`; everything else `attention_impl`. Serving: with `cache` (k, v) [B, K, S, H] this layer's own
-    K/V are written into it at `cache_write` and attention reads the whole cache.
+    lengths): the group owner's, already rotated (lengths None), or a cache; or a paged pool's view, which
+    attends by itself. Few queries over a cache take
+    `decode_attention_impl`; everything else `attention_impl`. Serving: with `cache` (this layer's (k, v)) its own K/V
+    are written into it by `cache_write` (a `CacheWrite`, or a paged pool's `PagedBatch`) and attention reads
+    `cache_write.view` of it.
     """
 
     config: ModelConfig
@@ -155,14 +168,16 @@ class Attention(nn.Module):
             v = self.v_proj(x)
             view = (k, v, positions, segment_ids, None)
             if cache is not None:
-                new_cache = tuple(write_cache(c, new, cache_write.write_at) for c, new in zip(cache, (k, v)))
-                view = cache_view(*new_cache, cache_write.kv_lengths)
+                new_cache = cache_write.write(cache, k, v)
+                view = cache_write.view(new_cache, k, v)
         if shared_kv is not None:
             q = self.q_proj_swiftkv(x)
             view = shared_kv
+        q = apply_rope(q, cos, sin)
+        if not isinstance(view, tuple):  # a paged pool's view attends by itself (swiftkv_jax.model.paged)
+            return self.o_proj(view.attend(self.config, q, positions)), new_cache
         k, v, kv_positions, kv_segment_ids, kv_lengths = view
         self.sow("intermediates", "keys", k)  # what this layer reads: its own K, or its group owner's
-        q = apply_rope(q, cos, sin)
         if kv_lengths is not None and q.shape[1] <= FEW_QUERIES:
             out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths)
         else:

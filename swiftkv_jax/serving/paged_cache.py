@@ -1,0 +1,110 @@
+"""The paged KV cache: a pool of fixed-size pages per cached layer, and the host-side allocator of page ids.
+
+Layers held are those of the static cache (`cache_layers`): l + (L - l) / g in SwiftKV wiring, where the layers of
+an AcrossKV group share one set of pages, L in teacher wiring. Every cached layer has its own pool arrays (so a
+step updates each in place), and all pools share one numbering: a sequence owns page ids, the same id in every
+layer. Page 0 is reserved for the padding tokens' writes (`swiftkv_jax.model.paged.NULL_PAGE`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from swiftkv_jax.dtypes import as_dtype
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.paged import NULL_PAGE
+from swiftkv_jax.serving.cache import cache_layers
+
+log = logging.getLogger(__name__)
+
+
+@struct.dataclass
+class PagePool:
+    """lower: l pairs of (k, v) pools [P, page_size, K, H] (layers < l; all L of a plain model); upper: G pairs
+    (one per AcrossKV group) in SwiftKV wiring, L - l in teacher wiring, or None."""
+
+    lower: tuple
+    upper: Optional[tuple]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.lower, self.upper)))
+
+
+def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype) -> int:
+    """Bytes of one page id across every cached layer, K and V."""
+    return 2 * cache_layers(config, swiftkv) * page_size * config.num_key_value_heads * config.head_dim * \
+        as_dtype(dtype).itemsize
+
+
+def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, *, num_pages: Optional[int] = None,
+                     kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None) -> int:
+    """The pool's page count (the null page included) from exactly one of: a page count, a byte budget, or a fraction
+    of the device memory that is free now."""
+    given = [name for name, value in (("num_pages", num_pages), ("kv_cache_bytes", kv_cache_bytes),
+                                      ("kv_cache_fraction", kv_cache_fraction)) if value is not None]
+    if len(given) != 1:
+        raise ValueError(f"size the paged KV cache with exactly one of num_pages, kv_cache_bytes, kv_cache_fraction "
+                         f"(got {', '.join(given) or 'none'})")
+    per_page = page_bytes(config, swiftkv, page_size, dtype)
+    if kv_cache_fraction is not None:
+        if not 0 < kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {kv_cache_fraction}")
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise ValueError(f"kv_cache_fraction needs the device's memory figures, which {jax.devices()[0].platform} "
+                             f"does not report: pass kv_cache_bytes or num_pages instead")
+        kv_cache_bytes = int(kv_cache_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    if kv_cache_bytes is not None:
+        num_pages = kv_cache_bytes // per_page
+    if num_pages < 2:
+        raise ValueError(f"the paged KV cache needs at least 2 pages (one is reserved), got {num_pages} "
+                         f"({per_page} bytes a page of {page_size} tokens): raise the budget or lower page_size")
+    return int(num_pages)
+
+
+def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16") -> PagePool:
+    if swiftkv and not config.is_swiftkv:
+        raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
+    shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    pairs = lambda n: tuple((jnp.zeros(shape, as_dtype(dtype)), jnp.zeros(shape, as_dtype(dtype))) for _ in range(n))
+    upper = None
+    if config.num_kv_groups:
+        upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)
+    return PagePool(pairs(config.num_lower_layers), upper)
+
+
+class PageAllocator:
+    """Page ids 1..P-1, handed out and taken back by the scheduler (host side; the device never sees the free list).
+    Freed pages are reused first (last in, first out), which keeps the pages in use few and recently touched."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+
+    @property
+    def capacity(self) -> int:
+        """Pages that sequences can hold (the null page excluded)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.capacity
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"{n} pages asked, {len(self._free)} free")
+        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
+        return taken[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))

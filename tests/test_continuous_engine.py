@@ -1,0 +1,313 @@
+"""The continuous-batching engine (`sk.Engine`) against the static engine (`sk.generate`) run on each request alone.
+
+Whatever the arrival order, token budget, page size, chunking and preemptions, every request's greedy tokens equal
+what `sk.generate` gives for it alone, and its logprobs agree within 1e-4 (fp32, CPU). Random schedules come from
+hypothesis: a fast subset in the default run, the long run under `-m slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import swiftkv_jax as sk
+from swiftkv_jax.serving.continuous import Engine
+from swiftkv_jax.serving.ragged_step import Sampled, ragged_step, sample_rows
+from swiftkv_jax.serving.scheduler import prompt_token_cost
+
+from test_serving import MODELS  # name -> (model, swiftkv wiring): plain, SwiftKV g=1 and g=2, g=2 as teacher
+
+PROMPTS = [np.random.default_rng(i).integers(6, 96, n).tolist() for i, n in enumerate((13, 1, 40, 7, 25, 3, 17, 2))]
+MAX_TOKENS = 10
+
+
+@functools.lru_cache(maxsize=None)
+def alone(name: str, prompt: tuple, max_tokens: int = MAX_TOKENS):
+    """sk.generate on this prompt alone: (tokens, logprobs)."""
+    model, swiftkv = MODELS[name]
+    out = sk.generate(model, [list(prompt)], max_tokens, swiftkv=swiftkv, cache_dtype="float32", logprobs=True,
+                      stop_token_ids=[], max_len=80)  # one max_len: compiles per padded prompt length only
+    return out.tokens[0], out.logprobs[0]
+
+
+def engine(name: str, **kwargs) -> Engine:
+    model, swiftkv = MODELS[name]
+    # one bucket each (any budget below fits): few compiles, and the jit cache serves every engine of one pool shape
+    settings_ = dict(swiftkv=swiftkv, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
+                     cache_dtype="float32", max_prompt_seqs=3, single_buckets=(4,), prompt_buckets=(64,),
+                     max_model_len=96)
+    return Engine(model, **{**settings_, **kwargs})
+
+
+def run(eng: Engine, prompts, arrivals=None, aborts=(), **request):
+    """Add prompt i just before step arrivals[i]; abort ids in `aborts` (request id, step); run to the end.
+    Returns {request id: finished RequestOutput}."""
+    arrivals = arrivals or [0] * len(prompts)
+    request = {"max_tokens": MAX_TOKENS, "logprobs": True, "stop_token_ids": [], **request}
+    done, step = {}, 0
+    while len(done) < len(prompts) or step <= max(arrivals):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                eng.add_request(prompts[i], request_id=str(i), **request)
+        for rid, at in aborts:
+            if at == step:
+                eng.abort(rid)
+        for out in eng.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+        step += 1
+        assert step < 2000, "the engine made no progress"
+    return done
+
+
+def assert_matches_alone(name, prompts, done, skip=()):
+    for i, prompt in enumerate(prompts):
+        if str(i) in skip:
+            continue
+        tokens, logprobs = alone(name, tuple(prompt))
+        out = done[str(i)]
+        assert out.token_ids == tokens, f"request {i} (prompt of {len(prompt)})"
+        np.testing.assert_allclose(out.logprobs, logprobs, atol=1e-4)
+
+
+def assert_pool_full(eng: Engine):
+    stats = eng.stats()
+    assert stats["pages_free"] == stats["pages_total"] and stats["page_usage"] == 0.0
+    assert stats["running"] == 0 and stats["waiting"] == 0 and not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_request_equals_generate_alone(name):
+    """Staggered arrivals, a small pool (preemptions), chunked prompts packed with decodes in one step."""
+    eng = engine(name, num_pages=14)
+    done = run(eng, PROMPTS[:6], arrivals=[0, 0, 1, 3, 3, 9])
+    assert_matches_alone(name, PROMPTS[:6], done)
+    assert eng.stats()["preemptions"] > 0, "the pool was meant to run out"
+    assert any(out.metrics["preemptions"] for out in done.values())
+    assert_pool_full(eng)
+
+
+schedules = st.fixed_dictionaries(dict(
+    prompts=st.lists(st.sampled_from(range(len(PROMPTS))), min_size=1, max_size=6),
+    arrivals=st.lists(st.integers(0, 12), min_size=6, max_size=6),
+    page_size=st.sampled_from([1, 4, 8]),
+    budget=st.sampled_from([4, 8, 16, 32]),
+    num_pages=st.sampled_from([14, 30]),
+    max_prompt_seqs=st.sampled_from([1, 3]),
+    budget_unit=st.sampled_from(["tokens", "cost"]),
+))
+
+
+def check_schedule(name, s):
+    prompts = [PROMPTS[i] for i in s["prompts"]]
+    num_pages = s["num_pages"] * 4 // s["page_size"] + 1  # about the same tokens whatever the page size
+    eng = engine(name, page_size=s["page_size"], num_pages=num_pages, max_num_batched_tokens=s["budget"],
+                 max_prompt_seqs=s["max_prompt_seqs"], budget_unit=s["budget_unit"])
+    done = run(eng, prompts, arrivals=s["arrivals"][:len(prompts)])
+    assert_matches_alone(name, prompts, done)
+    assert_pool_full(eng)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(schedules)
+def test_random_schedules_fast_subset(s):
+    check_schedule("swiftkv-g2", s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schedules)
+def test_random_schedules(name, s):
+    check_schedule(name, s)
+
+
+def test_seeded_sampling_is_per_request():
+    """A seeded request draws the same tokens alone and in a busy batch (and after preemption); another seed
+    draws others."""
+    request = dict(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, logprobs=True, stop_token_ids=[])
+    lone = engine("swiftkv-g1").generate([PROMPTS[0]], seed=7, **request)[0]
+    eng = engine("swiftkv-g1", num_pages=14)
+    ids = [eng.add_request(p, seed=7 if i == 2 else i, **request) for i, p in enumerate([PROMPTS[2], PROMPTS[4],
+                                                                                       PROMPTS[0], PROMPTS[3]])]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[ids[2]].token_ids == lone.token_ids
+    np.testing.assert_allclose(done[ids[2]].logprobs, lone.logprobs, atol=1e-4)
+    other = engine("swiftkv-g1").generate([PROMPTS[0]], seed=8, **request)[0]
+    assert other.token_ids != lone.token_ids
+
+
+def test_sample_rows_follows_each_rows_settings():
+    logits = jax.random.normal(jax.random.key(0), (5, 50)) * 3
+    greedy = np.asarray(logits.argmax(-1))
+    s = Sampled(temperature=np.array([0.0, 1.0, 1.0, 2.0, 1.0], np.float32), top_k=np.array([0, 1, 0, 0, 3], np.int32),
+                top_p=np.array([1.0, 1.0, 1e-6, 1.0, 1.0], np.float32), seed=np.arange(5, dtype=np.int32),
+                count=np.zeros(5, np.int32))
+    sample = jax.jit(sample_rows)
+    tokens = np.asarray(sample(logits, s))
+    assert tokens[:3].tolist() == greedy[:3].tolist()  # greedy, top_k=1, top_p -> the first token only
+    top3 = np.argsort(-np.asarray(logits[4]))[:3]
+    draws = {int(sample(logits, s.replace(count=np.full(5, n, np.int32)))[4]) for n in range(40)}
+    assert draws <= set(top3.tolist()) and len(draws) > 1
+
+
+def test_aborts_finishes_and_preemptions_give_every_page_back():
+    eng = engine("swiftkv-g2", num_pages=14)
+    done = run(eng, PROMPTS[:6], arrivals=[0, 0, 1, 2, 2, 4], aborts=[("2", 3), ("4", 6), ("0", 0)])
+    assert {done[r].finish_reason for r in ("0", "2", "4")} == {"abort"}
+    assert_matches_alone("swiftkv-g2", PROMPTS[:6], done, skip=("0", "2", "4"))
+    assert eng.stats()["aborted"] == 3
+    assert_pool_full(eng)
+
+
+def test_admission_waits_for_pages():
+    """A pool that holds one whole request: the others wait for pages (no error), and all complete unchanged."""
+    eng = engine("swiftkv-g1", num_pages=1 + -(-(40 + MAX_TOKENS) // 4))
+    ids = [eng.add_request(PROMPTS[2], max_tokens=MAX_TOKENS, stop_token_ids=[]) for _ in range(3)]
+    waited = 0
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+        waited = max(waited, eng.stats()["waiting"])
+    assert waited >= 1 and sorted(done) == sorted(ids)
+    assert all(done[i].token_ids == alone("swiftkv-g1", tuple(PROMPTS[2]))[0] for i in ids)
+
+
+@pytest.mark.parametrize("request_, message", [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[1, 96]), r"\[0, 96\)"),
+    (dict(prompt=[1, -1]), r"\[0, 96\)"),
+    (dict(prompt=[1] * 90, max_tokens=10), "max_model_len is 96"),
+    (dict(prompt=[1], temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompt=[1], temperature=float("nan")), "temperature must be a finite number"),
+    (dict(prompt=[1], top_p=0.0), "top_p must lie in"),
+    (dict(prompt=[1], top_k=-2), "top_k must be >= 0"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens must be >= 1"),
+    (dict(prompt=[1], max_tokens="5"), "max_tokens must be a finite number"),
+    (dict(prompt=[1], stop_token_ids=[500]), "stop_token_ids must lie in"),
+    (dict(prompt=["a"]), "token ids"),
+    (dict(prompt=[1], prompt_logprobs=True), "SwiftKV prefill never runs the prompt tokens"),
+])
+def test_bad_requests_are_refused_alone(request_, message):
+    eng = engine("swiftkv-g1")
+    request_ = dict(request_)
+    with pytest.raises(ValueError, match=message):
+        eng.add_request(request_.pop("prompt"), **request_)
+    assert eng.generate([PROMPTS[3]], max_tokens=MAX_TOKENS, logprobs=True, stop_token_ids=[])[0].token_ids == \
+        alone("swiftkv-g1", tuple(PROMPTS[3]))[0]
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused():
+    eng = engine("plain", num_pages=5)
+    with pytest.raises(ValueError, match="the whole KV cache has 4"):
+        eng.add_request(PROMPTS[2], max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget_unit="flops"), "budget_unit must be one of"),
+    (dict(num_pages=None), "exactly one of num_pages, kv_cache_bytes, kv_cache_fraction"),
+    (dict(kv_cache_bytes=1 << 20), "exactly one of"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=4), "must be at least max_num_seqs"),
+    (dict(page_size=0), "page_size must be a positive integer"),
+    (dict(num_pages=1), "at least 2 pages"),
+    (dict(kv_cache_fraction=0.5, num_pages=None), "does not report"),
+    (dict(swiftkv=True, model="plain"), "needs a SwiftKV model"),
+])
+def test_bad_engine_settings(kwargs, message):
+    kwargs = dict(kwargs)
+    name = kwargs.pop("model", "swiftkv-g1")
+    with pytest.raises(ValueError, match=message):
+        engine(name, **kwargs)
+
+
+def test_pool_sized_from_bytes_holds_what_it_says():
+    eng = engine("swiftkv-g2", num_pages=None, kv_cache_bytes=64 * 1024)
+    cfg = MODELS["swiftkv-g2"][0].config
+    per_page = 2 * cfg.num_kv_cache_layers * 4 * cfg.num_key_value_heads * cfg.head_dim * 4  # 3 cached layers, fp32
+    assert eng.allocator.num_pages == 64 * 1024 // per_page and eng.pool.nbytes == eng.allocator.num_pages * per_page
+
+
+def test_cost_budget_counts_what_a_swiftkv_prompt_token_costs():
+    cfg = MODELS["swiftkv-g2"][0].config
+    d, f, n, k, h = 32, 64, 4, 2, 8
+    layer = d * (2 * n * h + 2 * k * h) + 3 * d * f
+    assert prompt_token_cost(cfg, True) == pytest.approx((2 * layer + 1 * 2 * d * k * h) / (4 * layer))
+    assert prompt_token_cost(cfg, False) == 1.0
+    firsts = {}
+    for unit in ("tokens", "cost"):
+        eng = engine("swiftkv-g2", budget_unit=unit, max_prompt_seqs=1)
+        eng.add_request(PROMPTS[2], max_tokens=2)
+        eng._drain_inbox([])
+        firsts[unit] = eng.scheduler.schedule().prompts[0].length
+    assert firsts["tokens"] == 16 and firsts["cost"] == int(16 / prompt_token_cost(cfg, True)) > 16
+
+
+def test_warmup_compiles_every_bucket_and_serving_compiles_nothing():
+    eng = engine("swiftkv-g1", single_buckets=(2, 4), prompt_buckets=(16, 64))
+    eng.warmup()
+    assert len(eng._compiled) == 3 * 3 - 1
+    before = ragged_step._cache_size()
+    done = run(eng, PROMPTS[:5], arrivals=[0, 0, 2, 2, 5])
+    assert ragged_step._cache_size() == before
+    assert_matches_alone("swiftkv-g1", PROMPTS[:5], done)
+
+
+def test_requests_from_other_threads():
+    """add_request and abort from several threads while one thread steps: nothing is lost or duplicated."""
+    eng = engine("swiftkv-g2", num_pages=30)
+    ids, errors = [], []
+
+    def client(i):
+        try:
+            ids.append(eng.add_request(PROMPTS[i], request_id=f"t{i}", max_tokens=MAX_TOKENS, logprobs=True,
+                                       stop_token_ids=[]))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    done = {}
+    while any(t.is_alive() for t in threads) or eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert not errors and sorted(done) == sorted(ids) == sorted(f"t{i}" for i in range(6))
+    for i in range(6):
+        assert done[f"t{i}"].token_ids == alone("swiftkv-g2", tuple(PROMPTS[i]))[0]
+    assert_pool_full(eng)
+
+
+def test_stop_ids_and_metrics():
+    tokens, _ = alone("swiftkv-g1", tuple(PROMPTS[0]))
+    eng = engine("swiftkv-g1")
+    out = eng.generate([PROMPTS[0]], max_tokens=MAX_TOKENS, stop_token_ids=[tokens[3]])[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(tokens[3]) + 1]
+    m = out.metrics
+    assert m["prompt_tokens"] == len(PROMPTS[0]) and m["generated_tokens"] == len(out.token_ids)
+    assert 0 <= m["queue_s"] <= m["ttft_s"] <= m["e2e_s"]
+    full = eng.generate([PROMPTS[0]], max_tokens=MAX_TOKENS, stop_token_ids=[])[0]
+    assert full.finish_reason == "length" and full.token_ids == tokens
+
+
+def test_paged_pallas_kernel_in_the_engine():
+    """decode_attention_impl="pallas": the single tokens go through the paged kernel (interpret mode on CPU) and
+    the engine serves what it serves with the XLA gather."""
+    model = sk.to_swiftkv(sk.init(MODELS["plain"][0].config.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
+    kwargs = dict(swiftkv=True, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
+                  cache_dtype="float32", single_buckets=(4,), prompt_buckets=(32,), max_model_len=64)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        eng = Engine(model, decode_attention_impl=impl, **kwargs)
+        done = run(eng, PROMPTS[:3], arrivals=[0, 0, 2], max_tokens=6)
+        outs[impl] = [done[str(i)] for i in range(3)]
+    for xla, pallas in zip(outs["xla"], outs["pallas"]):
+        assert pallas.token_ids == xla.token_ids
+        np.testing.assert_allclose(pallas.logprobs, xla.logprobs, atol=2e-5)
