@@ -10,7 +10,8 @@
  4 distill  benchmarks/distill_step.py --preset 1b, and the 8B recipe's `train.py --dry-run` compiled for the
             device, its teacher a folder holding Llama-3.1-8B's config.json alone
             (smoke: distill_step's arguments checked; the dry run on the tiny config with a few overrides)
- 5 serving  benchmarks/serving.py (skipped while it is not built)
+ 5 serving  benchmarks/serving.py: the continuous-batching engine under Poisson load, SwiftKV against teacher
+            wiring, on Llama-3.1-8B's shape in bf16 (smoke: its --smoke, a tiny model)
  6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
 Standard library only, like the runner.
 """

@@ -305,7 +305,7 @@ class Engine:
                            np.int32(context_length))
         upper = PagedBatch(None, None, upper_tables, upper_lengths, np.zeros(0, np.int32), context_table, np.int32(0))
         arrays = (tokens, positions, batch, upper_index, upper, Sampled(**sampled))
-        return (d, r), jax.tree.map(jnp.asarray, arrays), rows
+        return (d, r), jax.device_put(arrays), rows  # a transfer (jnp.asarray would compile a conversion per shape)
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def warmup(self) -> float:
