@@ -311,3 +311,23 @@ def test_paged_pallas_kernel_in_the_engine():
     for xla, pallas in zip(outs["xla"], outs["pallas"]):
         assert pallas.token_ids == xla.token_ids
         np.testing.assert_allclose(pallas.logprobs, xla.logprobs, atol=2e-5)
+
+
+def test_top_logprobs_are_the_full_forwards():
+    """top_logprobs: the k most likely next tokens of each step, as the model's full forward (sk.logits) in the same
+    wiring ranks them at those positions; the sampled (greedy) token is the first."""
+    model, swiftkv = MODELS["swiftkv-g2"]
+    out = engine("swiftkv-g2").generate([PROMPTS[0]], max_tokens=6, logprobs=True, top_logprobs=5,
+                                        stop_token_ids=[])[0]
+    sequence = np.asarray([PROMPTS[0] + out.token_ids[:-1]])
+    log_probs = np.asarray(jax.nn.log_softmax(sk.logits(model, sequence, swiftkv=swiftkv), axis=-1))[0]
+    assert len(out.top_logprobs) == 6
+    for step, (token, logprob, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs)):
+        want = log_probs[len(PROMPTS[0]) - 1 + step]
+        assert list(top) == np.argsort(-want)[:5].tolist() and list(top)[0] == token
+        np.testing.assert_allclose(list(top.values()), np.sort(want)[::-1][:5], atol=1e-4)
+        assert top[token] == pytest.approx(logprob, abs=1e-6)
+    with pytest.raises(ValueError, match="top_logprobs must lie in"):
+        engine("swiftkv-g2").add_request([1], logprobs=True, top_logprobs=21)
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs=True"):
+        engine("swiftkv-g2").add_request([1], top_logprobs=2)

@@ -98,9 +98,9 @@ def make_inputs(case: Case, seed: int = 0):
         needed[table[b, s // ps], s % ps] = True
     cache_dtype = case.cache_dtype or case.dtype
 
-    def pool():
-        x = rng.standard_normal((P, ps, case.kv_heads, case.head_dim))
-        return jnp.asarray(np.where(needed[:, :, None, None], x, np.nan), cache_dtype)
+    def pool():  # [K, P, page_size, H]
+        x = rng.standard_normal((case.kv_heads, P, ps, case.head_dim))
+        return jnp.asarray(np.where(needed[None, :, :, None], x, np.nan), cache_dtype)
 
     q = jnp.asarray(rng.standard_normal((B, T, case.heads, case.head_dim)), case.dtype)
     if case.positions == "last":
@@ -111,9 +111,10 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def walk_tables(pages, block_tables, lengths) -> np.ndarray:
-    """float64 ``[B, max(lengths), K, H]``: key s of sequence b read from its page
-    ``pages[block_tables[b, s // page_size], s % page_size]``, one key at a time; zeros past each length."""
+    """float64 ``[B, max(lengths), K, H]``: key s of sequence b read from its page of the pool [K, P, page_size, H],
+    ``pages[:, block_tables[b, s // page_size], s % page_size]``, one key at a time; zeros past each length."""
     pages, block_tables, lengths = np.asarray(pages, np.float64), np.asarray(block_tables), np.asarray(lengths)
+    pages = np.moveaxis(pages, 0, 2)  # [P, page_size, K, H]: the key of one (page, offset) a row
     page_size = pages.shape[1]
     dense = np.zeros((len(lengths), max(lengths, default=0), *pages.shape[2:]))
     for b, length in enumerate(lengths):
@@ -219,16 +220,16 @@ class TestPagedAttentionCompiled(PagedAttentionChecks):
 
 
 @pytest.mark.parametrize("q_shape, pool_shape, v_pool_shape, table_shape, positions_shape, message", [
-    ((1, 1, 6, 64), (4, 8, 4, 64), None, (1, 2), (1, 1), "multiple of KV heads"),
-    ((1, 1, 4, 80), (4, 8, 4, 80), None, (1, 2), (1, 1), "power of two"),
-    ((1, 1, 4, 64), (4, 8, 4, 64), (4, 16, 4, 64), (1, 2), (1, 1), "k_pages and v_pages"),
-    ((1, 1, 4, 64), (4, 8, 4, 32), None, (1, 2), (1, 1), "k_pages and v_pages"),
-    ((1, 1, 4, 64), (0, 8, 4, 64), None, (1, 2), (1, 1), "at least one page"),
-    ((1, 1, 4, 64), (4, 8, 4, 64), None, (2, 2), (1, 1), "block_tables"),
-    ((1, 1, 4, 64), (4, 8, 4, 64), None, (2,), (1, 1), "block_tables"),
-    ((1, 2, 4, 64), (4, 8, 4, 64), None, (1, 2), (1, 1), "q_positions"),
+    ((1, 1, 6, 64), (4, 4, 8, 64), None, (1, 2), (1, 1), "multiple of KV heads"),
+    ((1, 1, 4, 80), (4, 4, 8, 80), None, (1, 2), (1, 1), "power of two"),
+    ((1, 1, 4, 64), (4, 4, 8, 64), (4, 4, 16, 64), (1, 2), (1, 1), "k_pages and v_pages"),
+    ((1, 1, 4, 64), (4, 4, 8, 32), None, (1, 2), (1, 1), "k_pages and v_pages"),
+    ((1, 1, 4, 64), (4, 0, 8, 64), None, (1, 2), (1, 1), "at least one page"),
+    ((1, 1, 4, 64), (4, 4, 8, 64), None, (2, 2), (1, 1), "block_tables"),
+    ((1, 1, 4, 64), (4, 4, 8, 64), None, (2,), (1, 1), "block_tables"),
+    ((1, 2, 4, 64), (4, 4, 8, 64), None, (1, 2), (1, 1), "q_positions"),
     ((1, 4, 64), (4, 8, 4, 64), None, (1, 2), (1, 1), r"\[B, T, N, H\]"),
-    ((1, 1, 4, 64), (8, 4, 64), None, (1, 2), (1, 1), r"\[P, page_size, K, H\]"),
+    ((1, 1, 4, 64), (8, 4, 64), None, (1, 2), (1, 1), r"\[K, P, page_size, H\]"),
 ])
 def test_rejects_bad_shapes(q_shape, pool_shape, v_pool_shape, table_shape, positions_shape, message):
     with pytest.raises(ValueError, match=message):
@@ -243,14 +244,14 @@ def test_rejects_bad_shapes(q_shape, pool_shape, v_pool_shape, table_shape, posi
     (jnp.int32, jnp.int32, jnp.bfloat16, "one dtype"),
 ])
 def test_rejects_bad_dtypes(table_dtype, lengths_dtype, v_dtype, message):
-    pool = jnp.zeros((4, 8, 2, 64))
+    pool = jnp.zeros((2, 4, 8, 64))
     with pytest.raises(ValueError, match=message):
         paged_attention(jnp.zeros((1, 1, 4, 64)), pool, pool.astype(v_dtype), jnp.zeros((1, 2), table_dtype),
                         jnp.zeros((1,), lengths_dtype), jnp.zeros((1, 1), jnp.int32), interpret=True)
 
 
 def test_rejects_other_block_sizes():
-    pool = jnp.zeros((4, 8, 2, 64))
+    pool = jnp.zeros((2, 4, 8, 64))
     with pytest.raises(TypeError, match="DecodeBlockSizes"):
         paged_attention(jnp.zeros((1, 1, 4, 64)), pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32),
                         jnp.zeros((1, 1), jnp.int32), block_sizes={"block_k": 16}, interpret=True)
@@ -258,7 +259,7 @@ def test_rejects_other_block_sizes():
 
 def test_empty_table_gives_zeros():
     q = jnp.ones((2, 1, 4, 64))
-    pool = jnp.ones((3, 8, 2, 64))
+    pool = jnp.ones((2, 3, 8, 64))
     out = paged_attention(q, pool, pool, jnp.zeros((2, 0), jnp.int32), jnp.zeros(2, jnp.int32),
                           jnp.zeros((2, 1), jnp.int32), interpret=True)
     np.testing.assert_array_equal(out, jnp.zeros_like(q))
@@ -271,7 +272,7 @@ def test_compiled_lowers_to_a_triton_kernel(q_dtype):
     from swiftkv_jax.kernels.paged_attention import _paged_attention
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
-        ((2, 3, 8, 128), q_dtype), ((40, 16, 2, 128), jnp.bfloat16), ((40, 16, 2, 128), jnp.bfloat16),
+        ((2, 3, 8, 128), q_dtype), ((2, 40, 16, 128), jnp.bfloat16), ((2, 40, 16, 128), jnp.bfloat16),
         ((2, 7), jnp.int32), ((2,), jnp.int32), ((2, 3), jnp.int32)]]
     lowered = _paged_attention.trace(*args, DecodeBlockSizes(block_k=32, num_splits=4), False)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()

@@ -1,8 +1,9 @@
 """Few-query attention over a PAGED KV cache: the split-K decode kernel following a block table, and its reference.
 
-Shapes (one letter per dimension): q ``[B, T, N, H]``, k_pages / v_pages ``[P, page_size, K, H]`` (a pool of P
-pages of one layer), block_tables ``[B, M]`` int32, lengths ``[B]`` int32, q_positions ``[B, T]`` int32. Key s of
-sequence b lives in page ``block_tables[b, s // page_size]`` at offset ``s % page_size``; table entries past
+Shapes (one letter per dimension): q ``[B, T, N, H]``, k_pages / v_pages ``[K, P, page_size, H]`` (a pool of P
+pages of one layer, KV heads first as in jax's TPU paged attention: a gather of one sequence's pages is then
+already in the ``[K, S, H]`` order that a batched product over KV heads reads, with no transpose), block_tables ``[B, M]`` int32, lengths ``[B]`` int32, q_positions ``[B, T]`` int32. Key s of
+sequence b lives in page ``block_tables[b, s // page_size]`` at offset ``s % page_size`` (``k_pages[k, page, offset]``); table entries past
 the sequence's ``ceil(lengths[b] / page_size)`` pages may hold anything (0, stale or out-of-range ids) and are
 never read. Masking, scale, GQA, empty rows and residuals are exactly those of ``decode_attention`` (see
 decode_attention.py): query t of sequence b sees key s iff ``s < lengths[b]`` and ``s <= q_positions[b, t]``.
@@ -42,12 +43,12 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
     calls ``decode_attention_reference`` (one reference for both layouts). Unused table entries read page 0 and
     keys past each length are zeroed, so nothing outside a sequence (not even a NaN) reaches the result."""
     B, M = block_tables.shape
-    _, page_size, K, H = k_pages.shape
+    K, _, page_size, H = k_pages.shape
     table = jnp.where(jnp.arange(M)[None, :] * page_size < lengths[:, None], block_tables, 0)  # entries in use
     valid = (jnp.arange(M * page_size)[None, :] < lengths[:, None])[:, :, None, None]
 
-    def dense(pages):
-        return jnp.where(valid, pages[table].reshape(B, M * page_size, K, H), 0)
+    def dense(pages):  # [K, B, M, page_size, H] -> [B, M * page_size, K, H]
+        return jnp.where(valid, jnp.moveaxis(pages[:, table].reshape(K, B, M * page_size, H), 0, 2), 0)
 
     return decode_attention_reference(q, dense(k_pages), dense(v_pages), lengths, q_positions,
                                       return_residuals=return_residuals)
@@ -71,10 +72,10 @@ def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes: DecodeBlockSizes,
                      interpret: bool):
-    P, page_size, K, H = k_pages.shape
+    K, P, page_size, H = k_pages.shape
     M = block_tables.shape[1]
     table_spec = pl.BlockSpec((None, M), lambda b, k, j: (b, 0))
-    pool_spec = pl.BlockSpec((P, page_size, None, H), lambda b, k, j: (0, 0, k, 0))
+    pool_spec = pl.BlockSpec((None, P, page_size, H), lambda b, k, j: (k, 0, 0, 0))
     kernel = functools.partial(_paged_kernel, page_size=page_size)
     return _split_k_attention(kernel, q, lengths, q_positions, (block_tables.astype(jnp.int32), k_pages, v_pages),
                               lambda split_len: [table_spec, pool_spec, pool_spec], num_kv_heads=K,
@@ -84,21 +85,21 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, bl
 
 def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
     if q.ndim != 4 or k_pages.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k_pages [P, page_size, K, H], got {q.shape} and "
+        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, page_size, H], got {q.shape} and "
                          f"{k_pages.shape}")
     B, _, _, H = q.shape
     if v_pages.shape != k_pages.shape or k_pages.shape[3] != H:
-        raise ValueError(f"k_pages and v_pages must both be [P, page_size, K, H={H}], got {k_pages.shape} and "
+        raise ValueError(f"k_pages and v_pages must both be [K, P, page_size, H={H}], got {k_pages.shape} and "
                          f"{v_pages.shape}")
     if v_pages.dtype != k_pages.dtype:
         raise ValueError(f"k_pages and v_pages must have one dtype, got {k_pages.dtype} and {v_pages.dtype}")
-    if k_pages.shape[0] == 0 or k_pages.shape[1] == 0:
+    if k_pages.shape[1] == 0 or k_pages.shape[2] == 0:
         raise ValueError(f"the pool needs at least one page of at least one key, got k_pages {k_pages.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != B:
         raise ValueError(f"block_tables must be [B={B}, M], got {block_tables.shape}")
     if not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be integers, got {block_tables.dtype}")
-    _check_queries(q, k_pages.shape[2], lengths, q_positions)
+    _check_queries(q, k_pages.shape[0], lengths, q_positions)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
@@ -108,7 +109,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
 
     Args:
       q: ``[B, T, N, H]`` queries (not pre-scaled: the kernel applies 1/sqrt(H)).
-      k_pages, v_pages: ``[P, page_size, K, H]``, one layer's pool of pages; N % K == 0, H a power of two >= 16,
+      k_pages, v_pages: ``[K, P, page_size, H]``, one layer's pool of pages; N % K == 0, H a power of two >= 16,
         any page_size >= 1.
       block_tables: ``[B, M]`` int, the page ids of sequence b in order; entries past its
         ``ceil(lengths[b] / page_size)`` pages are never read (any value).

@@ -15,8 +15,10 @@ K/V goes in a pool of pages and what each token attends to. The row has two part
   `attention_impl` over [cached context of segment 0 | the chunk's own new K/V], so the chunk never gathers any
   other sequence's pages.
 
-Pools: one (k, v) pair of [P, page_size, K, H] arrays per cached layer; page 0 is never handed out, padding
-tokens write there. A token at position p of a sequence lives in page `table[p // page_size]` at `p % page_size`.
+Pools: one (k, v) pair of [K, P, page_size, H] arrays per cached layer (KV heads first, as the dense cache keeps
+them before positions: gathered pages are then [K, S, H] per sequence, what a batched product over KV heads reads,
+with no transpose); page 0 is never handed out, padding tokens write there. A token at position p of a sequence
+lives in page `table[p // page_size]` at `p % page_size`.
 """
 
 from __future__ import annotations
@@ -27,28 +29,56 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from swiftkv_jax.model.attention import _DECODE_IMPLS, _xla_cache_attention, attend
+from swiftkv_jax.model.attention import _DECODE_IMPLS, _MASKED, attend
 
 NULL_PAGE = 0  # written by padding tokens, read by nothing
 
 
 def gather_pages(pages, table):
-    """pages [P, page_size, K, H] through table [..., M] -> the dense keys [..., M * page_size, K, H]."""
-    gathered = pages[table]
-    return gathered.reshape(table.shape[:-1] + (-1,) + pages.shape[2:])
+    """pages [K, P, page_size, H] through table [..., M] -> the dense keys [K, ..., M * page_size, H]."""
+    gathered = pages[:, table]
+    return gathered.reshape(gathered.shape[:-3] + (-1, pages.shape[-1]))
+
+
+PAGES_PER_BLOCK = 4  # pages a loop step of the XLA path reads per sequence (64 keys at 16-token pages)
 
 
 def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions):
-    """Few queries q [D, T, N, H] over their sequences' pages, by a dense gather (the reference path).
+    """Few queries q [D, T, N, H] over their sequences' pages, in XLA: a loop over blocks of PAGES_PER_BLOCK pages
+    with an online softmax (flash-decoding's merge), fp32. It reads each needed page once, in place, and stops
+    after the longest sequence's last page, so a step costs the keys in use, not the table's capacity: a gather of
+    every table into a dense [D, M * page_size] copy first was 3-4x slower on CPU (XLA's gather writes the whole
+    copy, then the products read it again). `kernels.paged_attention_reference` is that plain gather."""
+    d, t, n, h = q.shape
+    kv_heads, _, page_size, _ = k_pages.shape
+    g, rows, block = n // kv_heads, t * (n // kv_heads), PAGES_PER_BLOCK * page_size
+    blocks = -(-tables.shape[1] // PAGES_PER_BLOCK)
+    tables = jnp.pad(tables, ((0, 0), (0, blocks * PAGES_PER_BLOCK - tables.shape[1]))).reshape(d, blocks, -1)
+    scaled = q.astype(jnp.float32) * (h ** -0.5)
+    query = jnp.einsum("DTKGH->KDTGH", scaled.reshape(d, t, kv_heads, g, h)).reshape(kv_heads, d, rows, h)
+    row_positions = jnp.repeat(q_positions, g, axis=1)  # [D, R], row r = t * G + g
+    limit = jnp.minimum(lengths[:, None], row_positions + 1)  # row r sees keys < limit
 
-    The gather is made to depend on this layer's queries (a zero that XLA cannot fold: a NaN test of one query).
-    In SwiftKV's later layers the group pages are all written before the first of them runs, and XLA would
-    otherwise hoist every layer's gathered copy to the start and hold them all at once (measured on CPU: 4.5x the
-    temporaries and a 30% slower decode step; `lax.optimization_barrier` does not survive XLA:CPU's scheduling)."""
-    probe = q.reshape(-1)[0]
-    tables = tables + (probe != probe).astype(tables.dtype)
-    k, v = (jnp.swapaxes(gather_pages(p, tables), 1, 2) for p in (k_pages, v_pages))  # [D, K, S, H]
-    return _xla_cache_attention(q, k, v, q_positions, lengths)
+    def step(i, carry):
+        out, row_max, row_sum = carry
+        pages = tables[:, i]  # [D, PAGES_PER_BLOCK]
+        k, v = (p[:, pages].reshape(kv_heads, d, block, h) for p in (k_pages, v_pages))
+        scores = jax.lax.dot_general(k.astype(jnp.float32), query, (((3,), (3,)), ((0, 1), (0, 1))))  # [K, D, S, R]
+        visible = (i * block + jnp.arange(block))[None, :, None] < limit[:, None, :]  # [D, S, R]
+        scores = jnp.where(visible[None], scores, _MASKED)
+        new_max = jnp.maximum(row_max, scores.max(axis=2))
+        probs = jnp.where(visible[None], jnp.exp(scores - new_max[:, :, None]), 0.0)
+        rescale = jnp.exp(row_max - new_max)
+        out = out * rescale[..., None] + jax.lax.dot_general(probs, v.astype(jnp.float32),
+                                                             (((2,), (2,)), ((0, 1), (0, 1))))  # [K, D, R, H]
+        return out, new_max, row_sum * rescale + probs.sum(axis=2)
+
+    shape = (kv_heads, d, rows)
+    carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32))
+    steps = jnp.minimum(-(-jnp.max(lengths, initial=0) // block), blocks)
+    out, _, row_sum = jax.lax.fori_loop(0, steps, step, carry)
+    out = out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]  # a row that sees no key: zeros
+    return jnp.einsum("KDTGH->DTKGH", out.reshape(kv_heads, d, t, g, h)).reshape(d, t, n, h).astype(q.dtype)
 
 
 def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions):
@@ -88,7 +118,7 @@ class PagedBatch:
     def write(self, pair, k, v):
         """The layer's pools with new k, v [1, D + R, K, H] written at each token's page and offset (in place
         under jit when the pools are donated)."""
-        return tuple(pool.at[self.write_pages, self.write_offsets].set(new[0].astype(pool.dtype))
+        return tuple(pool.at[:, self.write_pages, self.write_offsets].set(jnp.swapaxes(new[0], 0, 1).astype(pool.dtype))
                      for pool, new in zip(pair, (k, v)))
 
     def view(self, pair, k=None, v=None):
@@ -121,7 +151,8 @@ class PagedView:
     def _attend_prompts(self, config, q, positions):
         """The packed prompt chunks: keys = segment 0's cached context, then the chunk's own new K/V."""
         batch, d = self.batch, self.batch.num_single
-        context_k, context_v = (gather_pages(p, batch.context_table)[None] for p in (self.k_pages, self.v_pages))
+        context_k, context_v = (jnp.swapaxes(gather_pages(p, batch.context_table), 0, 1)[None]  # [1, S, K, H]
+                                for p in (self.k_pages, self.v_pages))
         capacity = context_k.shape[1]
         context_positions = jnp.arange(capacity, dtype=jnp.int32)
         context_segments = jnp.where(context_positions < batch.context_length, 0, -2)

@@ -51,6 +51,8 @@ class RequestOutput:
     token_ids: Optional[list[int]] = None      # all generated tokens, when finished
     logprobs: Optional[list[float]] = None
     metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
+    new_top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token id: logprob}, when asked
+    top_logprobs: Optional[list[dict]] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
 
 
 def _doubling(low: int, high: int) -> tuple[int, ...]:
@@ -95,7 +97,8 @@ class Engine:
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, cache_dtype, num_pages=num_pages,
                                      kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction)
         self.page_size = page_size
-        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
         self.pages_per_seq = -(-self.max_model_len // page_size)
         self.allocator = PageAllocator(num_pages)
         self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, cache_dtype)
@@ -129,7 +132,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: Seq[int], *, request_id: Optional[str] = None, max_tokens: int = 16,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-                    stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False,
+                    stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
                     prompt_logprobs: bool = False) -> str:
         """Queue a request (thread-safe); bad input raises ValueError here, for this request only."""
         if prompt_logprobs:
@@ -151,7 +154,8 @@ class Engine:
             number = next(self._ids)
         if seed is None:
             seed = number % 2**31
-        params = RequestParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()), logprobs)
+        params = RequestParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()), logprobs,
+                               top_logprobs)
         params.validate(vocab)
         needed = len(prompt) + max_tokens
         if needed > self.max_model_len:
@@ -205,9 +209,10 @@ class Engine:
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens (not warmed up)", *key)
             self._compiled.add(key)
-        token, logprob, self.pool = ragged_step(self.params, self.pool, *arrays, config=self.config,
-                                                swiftkv=self.swiftkv)
-        token, logprob = jax.device_get((token, logprob))
+        want_top = np.bool_(any(seq.params.top_logprobs for _, seq in rows))  # one dtype: no recompile
+        token, logprob, top, self.pool = ragged_step(self.params, self.pool, *arrays, want_top, config=self.config,
+                                                     swiftkv=self.swiftkv)
+        token, logprob, (top_values, top_ids) = jax.device_get((token, logprob, top))
         now = time.perf_counter()
         self.counters["steps"] += 1
         self.counters["busy_s"] += now - start
@@ -217,6 +222,9 @@ class Engine:
         for row, seq in rows:
             seq.output.append(int(token[row]))
             seq.logprobs.append(float(logprob[row]))
+            k = seq.params.top_logprobs
+            if k:
+                seq.top_logprobs.append({int(i): float(v) for i, v in zip(top_ids[row, :k], top_values[row, :k])})
             seq.token_times.append(now)
             self.counters["generated_tokens"] += 1
             reason = None
@@ -225,12 +233,13 @@ class Engine:
             elif len(seq.output) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
             lp = [seq.logprobs[-1]] if seq.params.logprobs else []
+            top_lp = seq.top_logprobs[-1:]
             if reason:
                 done = self._finish(seq, reason)
-                done.new_token_ids, done.new_logprobs = [seq.output[-1]], lp
+                done.new_token_ids, done.new_logprobs, done.new_top_logprobs = [seq.output[-1]], lp, top_lp
                 outputs.append(done)
             else:
-                outputs.append(RequestOutput(seq.request_id, [seq.output[-1]], lp))
+                outputs.append(RequestOutput(seq.request_id, [seq.output[-1]], lp, new_top_logprobs=top_lp))
         return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
@@ -245,7 +254,8 @@ class Engine:
                        e2e_s=time.perf_counter() - seq.arrival_time, preemptions=seq.num_preemptions,
                        prompt_tokens=len(seq.prompt), generated_tokens=len(seq.output))
         return RequestOutput(seq.request_id, [], [], True, reason, list(seq.output),
-                             list(seq.logprobs) if seq.params.logprobs else None, metrics)
+                             list(seq.logprobs) if seq.params.logprobs else None, metrics,
+                             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None)
 
     def _bucket(self, n: int, buckets: tuple) -> int:
         return 0 if n == 0 else buckets[bisect.bisect_left(buckets, n)]
@@ -330,8 +340,8 @@ class Engine:
         batch = PagedBatch(z(d + r), z(d + r), z(d, m), z(d), jnp.full((r,), -1, jnp.int32), z(m), jnp.int32(0))
         upper = PagedBatch(None, None, z(u, m), z(u), z(0), z(m), jnp.int32(0))
         sampled = Sampled(jnp.zeros(u), z(u), jnp.ones(u), z(u), z(u))
-        token, _, self.pool = ragged_step(self.params, self.pool, z(d + r), z(d + r), batch, z(u), upper, sampled,
-                                          config=self.config, swiftkv=self.swiftkv)
+        token, _, _, self.pool = ragged_step(self.params, self.pool, z(d + r), z(d + r), batch, z(u), upper, sampled,
+                                             np.bool_(False), config=self.config, swiftkv=self.swiftkv)
         token.block_until_ready()
 
     def generate(self, prompts: Seq[Seq[int]], **request) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @struct.dataclass
 class PagePool:
-    """lower: l pairs of (k, v) pools [P, page_size, K, H] (layers < l; all L of a plain model); upper: G pairs
+    """lower: l pairs of (k, v) pools [K, P, page_size, H] (layers < l; all L of a plain model); upper: G pairs
     (one per AcrossKV group) in SwiftKV wiring, L - l in teacher wiring, or None."""
 
     lower: tuple
@@ -71,7 +71,7 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
 def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16") -> PagePool:
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
-    shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(shape, as_dtype(dtype)), jnp.zeros(shape, as_dtype(dtype))) for _ in range(n))
     upper = None
     if config.num_kv_groups:

@@ -55,13 +55,18 @@ def sample_rows(logits, s: Sampled):
     return jnp.where(s.temperature > 0, sampled, greedy)
 
 
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
+
+
 @functools.partial(jax.jit, static_argnames=("config", "swiftkv"), donate_argnames=("pool",))
 def ragged_step(params, pool: PagePool, tokens, positions, batch: PagedBatch, upper_index, upper: PagedBatch,
-                sampling: Sampled, *, config: ModelConfig, swiftkv: bool):
-    """(tokens [U], logprobs [U] fp32, pool). params in serving layout (`unstack_layers`, done once by the engine).
+                sampling: Sampled, want_top, *, config: ModelConfig, swiftkv: bool):
+    """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool). params in serving
+    layout (`unstack_layers`, done once by the engine).
 
     tokens, positions [D + R]; upper_index [U] the rows to run to the head (into the D + R tokens); `upper` the
-    PagedBatch of those U rows as single tokens (read only), used by SwiftKV's later layers."""
+    PagedBatch of those U rows as single tokens (read only), used by SwiftKV's later layers. want_top []: whether
+    any row asked for its top logprobs (else zeros, and no top-k over the vocabulary)."""
     tokens, positions = tokens[None], positions[None]
     h, lower = cached_lower(params, config, tokens, positions, batch, pool.lower)
     upper_positions = positions[:, upper_index]
@@ -73,5 +78,10 @@ def ragged_step(params, pool: PagePool, tokens, positions, batch: PagedBatch, up
         h = h[:, upper_index]
     logits = head(params, config, h)[0]
     token = sample_rows(logits, sampling)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token[:, None], axis=-1)[:, 0]
-    return token, logprob, PagePool(lower, upper_pool)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    logprob = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    top = jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(log_probs, k)),
+                       lambda: (jnp.zeros((logits.shape[0], k), log_probs.dtype), jnp.zeros((logits.shape[0], k),
+                                                                                            jnp.int32)))
+    return token, logprob, top, PagePool(lower, upper_pool)

@@ -23,6 +23,7 @@ from typing import Optional
 
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.paged_cache import PageAllocator
+from swiftkv_jax.serving.ragged_step import MAX_TOP_LOGPROBS
 from swiftkv_jax.serving.sampling import SamplingParams
 
 
@@ -43,6 +44,7 @@ class RequestParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False      # the sampled token's log-probability under the model (before temperature etc.)
+    top_logprobs: int = 0       # and the k most likely tokens' (k <= MAX_TOP_LOGPROBS), with logprobs
 
     def validate(self, vocab_size: int) -> None:
         def number(name, value, kind=(int, float)):
@@ -53,10 +55,15 @@ class RequestParams:
         number("top_p", self.top_p)
         number("max_tokens", self.max_tokens, int)
         number("top_k", self.top_k, int)
+        number("top_logprobs", self.top_logprobs, int)
         number("seed", self.seed, int)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # its own range checks
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
         if not 0 <= self.seed < 2**31:
             raise ValueError(f"seed must lie in [0, 2**31), got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -75,6 +82,7 @@ class Sequence:
     stop_ids: frozenset
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # per token {id: logprob}, when asked
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING
