@@ -331,3 +331,27 @@ def test_top_logprobs_are_the_full_forwards():
         engine("swiftkv-g2").add_request([1], logprobs=True, top_logprobs=21)
     with pytest.raises(ValueError, match="top_logprobs needs logprobs=True"):
         engine("swiftkv-g2").add_request([1], top_logprobs=2)
+
+
+@pytest.mark.parametrize("swiftkv", [False, True])
+def test_engine_step_updates_the_pages_in_place(swiftkv):
+    """The compiled step (decodes and a prompt chunk) aliases the donated pools to its output and allocates less
+    scratch than one layer's pool: a copy of any pool array would need at least one."""
+    import re
+
+    from swiftkv_jax.model.paged import PagedBatch
+
+    eng = engine("swiftkv-g2", swiftkv=swiftkv, num_pages=4000)
+    d, r, u, m = 4, 64, 7, eng.pages_per_seq
+    z = lambda *shape: np.zeros(shape, np.int32)
+    batch = PagedBatch(z(d + r), z(d + r), z(d, m), z(d), np.full(r, -1, np.int32), z(m), np.int32(0))
+    upper = PagedBatch(None, None, z(u, m), z(u), z(0), z(m), np.int32(0))
+    sampled = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
+    compiled = ragged_step.lower(eng.params, eng.pool, z(d + r), z(d + r), batch, z(u), upper, sampled, np.bool_(False),
+                                 config=eng.config, swiftkv=swiftkv).compile()
+    memory = compiled.memory_analysis()
+    layer_bytes = eng.pool.lower[0][0].nbytes
+    assert memory.alias_size_in_bytes >= eng.pool.nbytes
+    assert memory.temp_size_in_bytes < layer_bytes, (memory.temp_size_in_bytes, layer_bytes)
+    shape = "f32[" + ",".join(map(str, eng.pool.lower[0][0].shape)) + "]"
+    assert not re.findall(re.escape(shape) + r"\{[^}]*\} (copy|transpose)\(", compiled.as_text())

@@ -54,6 +54,26 @@ def test_xla_flash_equals_xla_and_float64(name):
     np.testing.assert_allclose(flash, numpy_reference.attention_float64(*args), atol=2e-5)
 
 
+def test_xla_flash_packed_prompts_over_a_context():
+    """The continuous-batching engine's prompt row: five packed prompts (positions restart, segments in order, one
+    of them empty of keys beyond its own), segment 0 also seeing 50 cached keys of its own (and 30 unused ones)
+    ahead of the row; blocks whose segments cannot meet are skipped, the result is unchanged."""
+    b, h, t, context, unused = 1, 16, 150, 50, 30
+    q, k, v = _inputs(b, t, context + unused + t, 8, 2, h, seed=4)
+    bounds = [0, 40, 41, 90, 140, 150]
+    seg = np.zeros(t, np.int32)
+    pos = np.zeros(t, np.int32)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        seg[lo:hi], pos[lo:hi] = i, np.arange(hi - lo) + (context if i == 0 else 0)
+    kv_seg = np.concatenate([np.zeros(context), np.full(unused, -2), seg]).astype(np.int32)
+    kv_pos = np.concatenate([np.arange(context + unused), pos]).astype(np.int32)
+    args = (q, k, v, jnp.asarray(pos)[None], jnp.asarray(kv_pos)[None], jnp.asarray(seg)[None],
+            jnp.asarray(kv_seg)[None])
+    flash = jax.jit(functools.partial(xla_flash_attention, block_q=32, block_k=32))(*args)
+    np.testing.assert_allclose(flash, xla_attention(*args), atol=2e-6)
+    np.testing.assert_allclose(flash, numpy_reference.attention_float64(*args), atol=2e-5)
+
+
 def test_xla_flash_skips_nothing_it_needs_and_zeros_unseen_queries():
     """Queries whose keys all lie in a skipped block still get them; a query that sees no key gets zeros."""
     b, t, h = 1, 64, 16
