@@ -5,6 +5,7 @@ weights, side by side in one run (in-process, like vLLM's benchmark_serving.py w
                                  [--prompt-len 384 --output-len 38] [--layers 12 --hidden 768 --vocab 8192]
                                  [--out benchmarks/results/serving_<platform>.json] [--plot PATH.png]
     python benchmarks/serving.py --quick --out /tmp/serving_quick.json     # tiny model, seconds: the script runs
+    python benchmarks/serving.py --http [--smoke]   # also through `infer.py serve`: the HTTP overhead
 
 Model: one random Llama made SwiftKV with l = L/2, g = 1 (`sk.to_swiftkv`), fp32 on a CPU (`--preset cpu`, the
 default there: 12 layers, hidden 768, 12 heads of 64, 4 KV heads, MLP 2048, vocab 8192, ~94M parameters), or
@@ -40,6 +41,15 @@ each SwiftKV configuration (targets for the CPU preset; a miss is printed as FAI
 - sustainable throughput: the highest requests/s achieved at any rate (rate inf, in practice), swiftkv /
   teacher (>= 1.5).
 Also a PNG (`--plot`, default beside the JSON) of TTFT p50 and TPOT p50 against the rate, a line a configuration.
+`--http`: after the in-process runs, the same weights (saved once to a temporary HF directory with a word-level
+tokenizer of one word per token id) are served by `python infer.py serve` in a subprocess per configuration
+(SwiftKV wiring with either budget unit, then `--teacher-mode`), with the same engine settings, warmed up before
+anything is timed; one streaming client per request sends its token ids as the prompt (`ignore_eos`, greedy) at its
+arrival time and stamps each streamed chunk (one token) as it arrives. The same figures are reported for these
+runs, and the HTTP overhead against the in-process run of the same rate and configuration (throughput ratios,
+added TTFT/TPOT/ITL milliseconds); the JSON gets an "http" entry. On a GPU, run it with
+XLA_PYTHON_CLIENT_PREALLOCATE=false so the server process finds memory beside this one.
+
 The JSON is rewritten after every run, so a run cut short (`--deadline`, 480 s for the 8b preset, or a kill)
 keeps what it measured; runs after the deadline are recorded as not run.
 """
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import sys
 import time
@@ -334,6 +345,201 @@ def plot(path: Path, runs: dict, configs, rates, title: str) -> bool:
     return True
 
 
+# ---- --http: the same workload through `infer.py serve` ------------------------------------------------------------
+HTTP_CONFIG_FLAGS = {"swiftkv-tokens": [], "swiftkv-cost": [], "teacher": ["--teacher-mode"]}
+
+
+def save_for_http(model, directory: Path) -> Path:
+    """The benchmark's weights as an HF checkpoint that `infer.py serve` reads, with a word-level tokenizer that has
+    one word per token id (so every generated id decodes to text: one streamed chunk per token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import swiftkv_jax as sk
+    from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    staging = directory / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(staging)
+    sk.save(model, directory / "model", "hf", extra_files=read_sidecar_files(staging))
+    return directory / "model"
+
+
+def _server_argv(model_dir: Path, port: int, name: str, settings: dict, max_waiting: int, args) -> list:
+    s = settings
+    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "infer.py"), "serve", "--model", str(model_dir),
+            "--port", str(port), "--served-model-name", "bench", "--cache-dtype", str(s["cache_dtype"]),
+            "--page-size", str(s["page_size"]), "--num-pages", str(s["num_pages"]),
+            "--max-num-seqs", str(s["max_num_seqs"]), "--max-num-batched-tokens", str(s["max_num_batched_tokens"]),
+            "--budget-unit", s["budget_unit"], "--max-model-len", str(s["max_model_len"]),
+            "--max-prompt-seqs", str(s["max_prompt_seqs"]), "--single-buckets", ",".join(map(str, s["single_buckets"])),
+            "--prompt-buckets", ",".join(map(str, s["prompt_buckets"])), "--max-waiting", str(max_waiting)]
+    for flag, value in (("--attention-impl", args.attention_impl), ("--decode-attention-impl",
+                                                                     args.decode_attention_impl)):
+        if value:
+            argv += [flag, value]
+    return argv + HTTP_CONFIG_FLAGS[name]
+
+
+def start_server(argv: list, url: str, log_path: Path, timeout: float):
+    """`infer.py serve` in a subprocess; returns it once /health answers 200 (after its warm-up)."""
+    import os
+    import subprocess
+
+    import httpx
+
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # on a GPU the server takes only what it uses
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.perf_counter() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"infer.py serve exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
+        if time.perf_counter() > deadline:
+            proc.kill()
+            raise RuntimeError(f"infer.py serve was not ready in {timeout:.0f} s:\n{log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def _server_metrics(url: str) -> dict:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+async def _http_workload(url: str, prompts, output_lens, arrivals) -> dict:
+    """Streaming clients, one per request, each sent at its arrival time: per-request token times (one chunk per
+    token, stamped as it arrives), like `serve` does in-process."""
+    import asyncio
+
+    import httpx
+
+    n = len(arrivals)
+    times, added, reasons, usage = [[] for _ in range(n)], [None] * n, [None] * n, [None] * n
+    peak = {"pages": 0}
+    start = time.perf_counter()
+
+    async def one(i, http):
+        await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+        body = dict(model="bench", prompt=list(prompts[i]), max_tokens=int(output_lens[i]), temperature=0,
+                    ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        added[i] = time.perf_counter() - start
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"request {i}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage[i] = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    if choice["text"]:
+                        times[i].append(time.perf_counter() - start)
+                    reasons[i] = choice["finish_reason"] or reasons[i]
+
+    async def watch_pages(done):
+        while not done.is_set():
+            m = await asyncio.to_thread(_server_metrics, url)
+            peak["pages"] = max(peak["pages"], int(m["swiftkv_kv_pages_total"] - m["swiftkv_kv_pages_free"]))
+            await asyncio.sleep(0.25)
+
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch_pages(done))
+        try:
+            await asyncio.gather(*[one(i, http) for i in range(n)])
+        finally:
+            done.set()
+            await watcher
+    return dict(times=times, added=added, finish_reasons=reasons, usage=usage, peak_pages=peak["pages"])
+
+
+def http_runs(model_dir: Path, configs, settings: dict, rates, arrivals_at, prompts, prompt_lens, output_lens, args,
+              log_dir: Path) -> dict:
+    """Each configuration's server started once (warm-up included, not timed), then every rate through it."""
+    import asyncio
+    import socket
+
+    runs, startup = {}, {}
+    for name in configs:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        argv = _server_argv(model_dir, port, name, settings[name], len(prompts), args)
+        t0 = time.perf_counter()
+        proc = start_server(argv, url, log_dir / f"serve_{name}.log", timeout=900.0)
+        startup[name] = time.perf_counter() - t0
+        print(f"http {name}: infer.py serve ready in {startup[name]:.1f} s (warm-up included)", flush=True)
+        try:
+            for rate in rates:
+                before = _server_metrics(url)
+                arrivals = arrivals_at(rate).tolist()
+                workload = asyncio.run(_http_workload(url, prompts, output_lens, arrivals))
+                after = _server_metrics(url)
+                delta = lambda key: after.get(key, 0) - before.get(key, 0)
+                served = dict(times=workload["times"], added=workload["added"],
+                              engine_metrics=[None] * len(prompts), finish_reasons=workload["finish_reasons"],
+                              peak_pages=workload["peak_pages"], compilations=int(delta("swiftkv_compiled_buckets")),
+                              compile_s=None, compiled=[],
+                              stats=dict(preemptions=int(delta("swiftkv_num_preemptions_total")),
+                                         pages_total=int(after["swiftkv_kv_pages_total"]),
+                                         steps=int(delta("swiftkv_engine_steps_total")), busy_s=None))
+                run = dict(status="ok", **summarise(rate, arrivals, prompt_lens, output_lens, served))
+                run["usage_completion_tokens"] = sum((u or {}).get("completion_tokens", 0) for u in workload["usage"])
+                runs[(rate, name)] = run
+                print(f"http rate {_rate_label(rate):>5} {name:<15} {run['duration_s']:7.1f} s  "
+                      f"{run['request_throughput']:.3f} req/s  TTFT p50 {run['ttft_s']['p50'] * 1e3:.0f} ms  "
+                      f"TPOT p50 {_ms(run['tpot_s']['p50'])} ms"
+                      + ("" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"), flush=True)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+    return dict(runs=runs, startup_s=startup)
+
+
+def http_overhead(runs: dict, http: dict, configs, rates) -> list:
+    """Per (rate, config): the HTTP run against the in-process run of the same workload."""
+    rows = []
+    for rate in rates:
+        for name in configs:
+            a, b = runs.get((rate, name), {}), http.get((rate, name), {})
+            if a.get("status") != "ok" or b.get("status") != "ok":
+                continue
+            diff = lambda key, q: (None if a[key][q] is None or b[key][q] is None else b[key][q] - a[key][q])
+            rows.append(dict(rate=_rate_label(rate), config=name,
+                             request_throughput=b["request_throughput"] / a["request_throughput"],
+                             output_token_throughput=b["output_token_throughput"] / a["output_token_throughput"],
+                             ttft_p50_s=diff("ttft_s", "p50"), ttft_p99_s=diff("ttft_s", "p99"),
+                             tpot_p50_s=diff("tpot_s", "p50"), itl_p50_s=diff("itl_s", "p50"),
+                             itl_p99_s=diff("itl_s", "p99")))
+    return rows
+
+
+def overhead_table(rows: list) -> str:
+    lines = ["| rate | config | req/s http / in-process | out tok/s http / in-process | TTFT p50 +ms | TTFT p99 +ms | "
+             "TPOT p50 +ms | ITL p50 +ms | ITL p99 +ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['rate']} | {r['config']} | {r['request_throughput']:.3f} | "
+                     f"{r['output_token_throughput']:.3f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
+                     f"{_ms(r['tpot_p50_s'])} | {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("auto",) + tuple(PRESETS), default="auto",
@@ -365,6 +571,9 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds from the start after which no new run starts")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_<platform>.json)")
     parser.add_argument("--plot", help="PNG path (default: the JSON's, .png); 'none' for no plot")
+    parser.add_argument("--http", action="store_true",
+                        help="also run the workload through `infer.py serve` (a subprocess per configuration, "
+                             "streaming clients over 127.0.0.1) and report the HTTP overhead")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -412,6 +621,12 @@ def main(argv=None) -> int:
                                 num_key_value_heads=_kv_heads(heads), head_dim=args.head_dim,
                                 param_dtype=args.dtype, dtype=args.dtype)
         model = sk.to_swiftkv(sk.init(config, args.seed), args.layers // 2, 1)
+    http_dir = None
+    if args.http:  # the same weights, saved once for `infer.py serve`
+        import tempfile
+
+        http_dir = tempfile.TemporaryDirectory(prefix="serving_http_")
+        http_model = save_for_http(model, Path(http_dir.name))
     cfg = model.config
     model = sk.Model(cfg, jax.block_until_ready(jax.jit(unstack_layers, static_argnums=1)(model.params, cfg)))
     gc.collect()
@@ -520,6 +735,24 @@ def main(argv=None) -> int:
             record()
 
     mark_sustained(runs, configs, rates, args.ttft_factor)
+    http = {}
+    if args.http:
+        try:
+            done = http_runs(http_model, configs, settings, rates, arrivals_at, prompts, prompt_lens, output_lens,
+                             args, Path(http_dir.name))
+        finally:
+            http_dir.cleanup()
+        mark_sustained(done["runs"], configs, rates, args.ttft_factor)
+        overhead = http_overhead(runs, done["runs"], configs, rates)
+        http = {"http": {"startup_s": done["startup_s"], "overhead": overhead,
+                         "runs": [{**run, "config": name, "rate": _rate_label(rate)}
+                                  for (rate, name), run in done["runs"].items()]}}
+        print()
+        print("HTTP (infer.py serve, streaming clients on 127.0.0.1):")
+        print(table(done["runs"], configs, rates))
+        print()
+        print("HTTP overhead against the in-process runs above (ratios, and added milliseconds):")
+        print(overhead_table(overhead))
     ratios = compare(runs, configs, rates)
     print()
     print(table(runs, configs, rates))
@@ -554,7 +787,7 @@ def main(argv=None) -> int:
             print("(quick: a tiny model, overheads dominate: the targets are not meaningful here)")
     plotted = plot_path is not None and plot(plot_path, runs, configs, rates, title)
     record({"complete": all(run.get("status") == "ok" for run in runs.values()), "ratios": ratios,
-            "plot": str(plot_path) if plotted else None, "wall_s": time.perf_counter() - t_start})
+            "plot": str(plot_path) if plotted else None, "wall_s": time.perf_counter() - t_start, **http})
     return 0
 
 

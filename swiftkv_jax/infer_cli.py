@@ -1,4 +1,4 @@
-"""`python infer.py generate | eval | bench | analyze`: serve, evaluate, time and inspect a checkpoint.
+"""`python infer.py generate | eval | bench | analyze | serve`: serve, evaluate, time and inspect a checkpoint.
 
 The logic lives in swiftkv_jax.serving and swiftkv_jax.evaluation; this file parses and prints.
 """
@@ -89,6 +89,36 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
     a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     a.add_argument("--dtype", default=None, help="parameter and compute dtype (default: as stored)")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) on "
+                                     "the continuous-batching engine")
+    s.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
+    s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the `model` clients name (default: the directory's name)")
+    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="a step's budget (see --budget-unit)")
+    s.add_argument("--budget-unit", choices=("tokens", "cost"), default="tokens",
+                   help="cost: a SwiftKV prompt token counts about l/L of a full-depth token")
+    s.add_argument("--max-prompt-seqs", type=int, default=8, help="prompts packed into one step, at most")
+    pool = s.add_mutually_exclusive_group()
+    pool.add_argument("--kv-cache-bytes", type=float, default=None,
+                      help="KV-cache pool size in bytes (default: 90%% of the free device memory on a GPU, 1 GiB on a "
+                           "CPU)")
+    pool.add_argument("--kv-cache-fraction", type=float, default=None, help="pool size as a fraction of free memory")
+    pool.add_argument("--num-pages", type=int, default=None, help="pool size in pages")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion (default: what the model and the pool hold)")
+    s.add_argument("--single-buckets", default=None, help="comma-separated single-token step sizes to compile "
+                                                         "(default: powers of 2 up to --max-num-seqs)")
+    s.add_argument("--prompt-buckets", default=None, help="comma-separated prompt-token step sizes to compile")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests admitted beyond --max-num-seqs (queued); more get 503 with Retry-After")
+    s.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    _model_options(s)
     return p
 
 
@@ -97,7 +127,8 @@ def main(argv=None) -> int:
     from swiftkv_jax.checkpoints import CheckpointError
 
     try:
-        return {"generate": _generate, "eval": _eval, "bench": _bench, "analyze": _analyze}[args.command](args)
+        return {"generate": _generate, "eval": _eval, "bench": _bench, "analyze": _analyze,
+                "serve": _serve}[args.command](args)
     except (ValueError, CheckpointError, FileNotFoundError) as e:  # DataError and TaskError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -242,6 +273,54 @@ def _analyze(args) -> int:
     print(format_summary(result))
     print(f"wrote {result['out_dir']}/similarity.json and similarity.png", file=sys.stderr)
     return 0
+
+
+def _buckets(text: Optional[str], flag: str):
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {text!r}")
+    return sizes
+
+
+def _serve(args) -> int:
+    import logging
+
+    import jax
+
+    from swiftkv_jax.serving.server import serve
+
+    # our own handler: an import may already have configured the root logger (then basicConfig does nothing)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package = logging.getLogger("swiftkv_jax")
+    package.setLevel(logging.INFO)
+    package.addHandler(handler)
+    package.propagate = False
+    for name, value in (("--port", args.port), ("--max-waiting", args.max_waiting)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    buckets = dict(single_buckets=_buckets(args.single_buckets, "--single-buckets"),
+                   prompt_buckets=_buckets(args.prompt_buckets, "--prompt-buckets"))
+    tokenizer = _tokenizer(args)
+    model = _load_model(args.model, args)
+    pool = dict(num_pages=args.num_pages, kv_cache_fraction=args.kv_cache_fraction,
+                kv_cache_bytes=None if args.kv_cache_bytes is None else int(args.kv_cache_bytes))
+    if all(v is None for v in pool.values()):
+        has_memory_figures = "bytes_limit" in (jax.devices()[0].memory_stats() or {})
+        pool["kv_cache_fraction" if has_memory_figures else "kv_cache_bytes"] = 0.9 if has_memory_figures else 1 << 30
+    options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   budget_unit=args.budget_unit, max_model_len=args.max_model_len,
+                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=args.cache_dtype,
+                   **buckets, **{k: v for k, v in pool.items() if v is not None})
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
+                 max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace)
 
 
 def _write_json(path: str, data) -> None:

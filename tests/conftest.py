@@ -10,3 +10,17 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each module's compiled programs and arrays when it is done: one process runs the whole suite, and the
+    executables of ~500 tests otherwise accumulate (a full run once crashed inside XLA's compiler late in the
+    suite, while every module passes on its own)."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -355,3 +355,17 @@ def test_engine_step_updates_the_pages_in_place(swiftkv):
     assert memory.temp_size_in_bytes < layer_bytes, (memory.temp_size_in_bytes, layer_bytes)
     shape = "f32[" + ",".join(map(str, eng.pool.lower[0][0].shape)) + "]"
     assert not re.findall(re.escape(shape) + r"\{[^}]*\} (copy|transpose)\(", compiled.as_text())
+
+
+def test_a_callers_stop_ends_a_request_as_finished():
+    """abort(reason="stop") (a server's stop string): finish reason "stop", its pages back, not counted as aborted."""
+    eng = engine("swiftkv-g1")
+    eng.add_request(PROMPTS[0], request_id="s", max_tokens=MAX_TOKENS, stop_token_ids=[])
+    eng.step()
+    eng.abort("s", reason="stop")
+    out = [o for o in eng.step() if o.finished][0]
+    assert out.finish_reason == "stop" and out.token_ids == alone("swiftkv-g1", tuple(PROMPTS[0]))[0][:1]
+    assert eng.stats()["aborted"] == 0 and eng.stats()["finished"] == 1
+    assert_pool_full(eng)
+    with pytest.raises(ValueError, match="reason must be"):
+        eng.abort("s", reason="done")

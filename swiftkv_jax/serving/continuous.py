@@ -171,9 +171,13 @@ class Engine:
         self._inbox.put(("add", Sequence(request_id, -1, prompt, params, stops)))
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe): its pages go back to the pool at the start of the next step."""
-        self._inbox.put(("abort", str(request_id)))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request (thread-safe): its pages go back to the pool at the start of the next step. reason: "abort",
+        or "stop" when the caller saw a stop condition of its own (a server's stop string): it then counts as
+        finished, not aborted."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"reason must be 'abort' or 'stop', got {reason!r}")
+        self._inbox.put(("abort", (str(request_id), reason)))
 
     def _drain_inbox(self, outputs: list) -> None:
         while True:
@@ -189,9 +193,10 @@ class Engine:
                 item.arrival = next(self._arrivals)
                 self._sequences[item.request_id] = item
                 self.scheduler.add(item)
-            elif item in self._sequences:
-                outputs.append(self._finish(self._sequences[item], "abort"))
-                self.counters["aborted"] += 1
+            elif item[0] in self._sequences:
+                request_id, reason = item
+                outputs.append(self._finish(self._sequences[request_id], reason))
+                self.counters["aborted"] += reason == "abort"
 
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty()

@@ -1,0 +1,282 @@
+"""The OpenAI request bodies, checked field by field, and the error object every refusal carries.
+
+A request is parsed into a `Job`: token-id prompts, the engine's per-request options, and what the response needs
+(stop strings, logprobs, echo, stream). Every problem raises `RequestError`, which becomes
+`{"error": {"message", "type", "param", "code"}}` with its status (400, 404 for an unknown model, 503 when full).
+
+Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument supplied: x"), so a misspelled
+option never silently does nothing. Fields of the OpenAI schema that this server does not implement are accepted
+only at their no-op values (`presence_penalty: 0`, `logit_bias: {}`, `best_of` = n, ...) and refused otherwise.
+vLLM's extensions `top_k`, `stop_token_ids` and `ignore_eos` are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 64
+MAX_STOP = 16
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code: Optional[str] = None,
+                 type: str = "invalid_request_error", headers: Optional[dict] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    """One request, checked: what goes to the engine for each choice and what the response needs."""
+
+    kind: str                       # "completion" | "chat"
+    prompts: list                   # token ids, one list per prompt
+    prompt_texts: list              # the prompt as text (for echo), one per prompt
+    n: int
+    engine: dict                    # add_request options common to every choice (max_tokens set per prompt)
+    max_tokens: Optional[int]       # None: what is left of the context (chat)
+    seed: Optional[int]
+    stop: list
+    logprobs: bool
+    top_logprobs: int
+    echo: bool
+    stream: bool
+    include_usage: bool
+
+
+# no-op values of OpenAI fields that are not implemented: field -> predicate on the value
+NO_OP = {
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "logit_bias": lambda v: not v,
+    "suffix": lambda v: v in (None, ""),
+    "user": lambda v: True,
+    "metadata": lambda v: True,
+    "store": lambda v: v in (None, False),
+    "service_tier": lambda v: True,
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "parallel_tool_calls": lambda v: True,
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
+          "stop_token_ids", "ignore_eos"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {
+    "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
+
+
+def _number(body: dict, name: str, default, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)):
+        raise RequestError(f"{name} must be {kind}, got {value!r}", name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _check_fields(body: dict, allowed: set) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
+                           code="unrecognized_argument")
+    for name, ok in NO_OP.items():
+        if name in body and name in allowed and not ok(body[name]):
+            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only its default)", name,
+                               code="unsupported_parameter")
+
+
+def _sampling(body: dict, vocab_size: int) -> dict:
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    top_k = _number(body, "top_k", 0, integer=True)
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must lie in (0, 1], got {top_p}", "top_p")
+    if top_k == -1:  # vLLM's "off"
+        top_k = 0
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
+            raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {stop_ids!r}",
+                               "stop_token_ids")
+        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")
+    return dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), extra_stop_ids=stop_ids or [],
+                ignore_eos=_bool(body, "ignore_eos"))
+
+
+def _stop_strings(body: dict) -> list:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+    if len(stop) > MAX_STOP:
+        raise RequestError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    return stop
+
+
+def _common(body: dict, kind: str, vocab_size: int) -> dict:
+    n = _number(body, "n", 1, integer=True)
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n must lie in [1, {MAX_N}], got {n}", "n")
+    seed = _number(body, "seed", None, integer=True)
+    if seed is not None and not 0 <= seed < 2**31:
+        raise RequestError(f"seed must lie in [0, 2**31), got {seed}", "seed")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise RequestError(f"stream_options takes {{'include_usage': bool}}, got {options!r}", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    return dict(n=n, seed=seed, stream=stream, include_usage=include_usage, sampling=_sampling(body, vocab_size),
+                stop=_stop_strings(body))
+
+
+def _max_tokens(body: dict, *names) -> Optional[int]:
+    for name in names:
+        value = _number(body, name, None, integer=True)
+        if value is not None:
+            if value < 1:
+                raise RequestError(f"{name} must be >= 1, got {value}", name)
+            return value
+    return None
+
+
+def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
+    """(token ids, texts) of the prompt field: a string, a list of strings, token ids, or a list of token-id lists."""
+    def ids_ok(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif ids_ok(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids_ok(p) for p in prompt):
+        items = prompt
+    else:
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                           f"token ids (none empty), got {str(prompt)[:80]!r}", "prompt")
+    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in items]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in items]
+    for i, p in enumerate(ids):
+        if not p:
+            raise RequestError(f"prompt {i} is empty after tokenization", "prompt")
+    return ids, texts
+
+
+def parse_completion(body: dict, tokenizer, vocab_size: int) -> Job:
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
+    common = _common(body, "completion", vocab_size)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != common["n"]:
+        raise RequestError(f"best_of={best_of!r} is not supported (only best_of = n)", "best_of",
+                           code="unsupported_parameter")
+    logprobs = _number(body, "logprobs", None, integer=True)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+    echo = _bool(body, "echo")
+    prompts, texts = _prompts(body["prompt"], tokenizer)
+    return Job("completion", prompts, texts, common["n"], common["sampling"], _max_tokens(body, "max_tokens") or 16,
+               common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
+               common["include_usage"])
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                   f"supported, got {str(part)[:80]!r}", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
+                       f"messages[{i}].content")
+
+
+def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
+    """The conversation through the tokenizer's chat template, with the assistant's header: (token ids, text)."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template: use /v1/completions with a plain prompt",
+                           "messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise RequestError(f"messages[{i}] must be an object with a 'role' and a 'content'", f"messages[{i}]")
+        role = message["role"]
+        if role not in ROLES:
+            raise RequestError(f"messages[{i}].role {role!r} is not a chat role: use one of {', '.join(ROLES)}",
+                               f"messages[{i}].role")
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise RequestError(f"messages[{i}] has fields this server does not support: {', '.join(sorted(extra))}",
+                               f"messages[{i}]")
+        clean.append({"role": role, "content": _content(message, i)})
+    try:
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError, raise_exception() in the template: the messages are refused
+        raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
+    cursor = 0
+    for i, message in enumerate(clean):  # a template that ignores a role drops its content: say so
+        content = message["content"].strip()
+        found = text.find(content, cursor) if content else cursor
+        if found < 0:
+            raise RequestError(f"the chat template does not render messages[{i}] (role {message['role']!r}): "
+                               f"this model's template does not know that role", f"messages[{i}].role")
+        cursor = found + len(content)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def parse_chat(body: dict, tokenizer, vocab_size: int) -> Job:
+    _check_fields(body, CHAT_FIELDS)
+    if "messages" not in body:
+        raise RequestError("messages is required", "messages", code="missing_required_parameter")
+    common = _common(body, "chat", vocab_size)
+    logprobs = _bool(body, "logprobs")
+    top = _number(body, "top_logprobs", 0, integer=True)
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+    if top and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    ids, text = render_messages(body["messages"], tokenizer)
+    return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
+               logprobs, top, False, common["stream"], common["include_usage"])

@@ -1,0 +1,98 @@
+"""Token ids to text while they stream in: incremental detokenization and stop strings.
+
+`Detokenizer` decodes a short window of tokens each time (vLLM's prefix/read offsets), so a token costs the same
+however long the output, and it holds text back while it ends in an incomplete UTF-8 sequence (U+FFFD): no
+character is ever sent in pieces. The window starts on the prompt's last tokens, so a tokenizer that drops the
+leading space of a decoded sequence (SentencePiece) still gives the first output token its space.
+
+`ChoiceText` is one choice's text: the detokenizer, the stop strings (the text is cut before the first one found
+and the choice ends with finish_reason "stop"), and a hold-back of any tail that could still become a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 6  # prompt tokens the first window starts on
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(REPLACEMENT):
+            context = []  # the prompt ends inside a character: its bytes would fuse with the output's
+        self.ids = context
+        self.prefix = 0              # the window decoded is ids[prefix:]
+        self.read = len(context)     # ids[prefix:read] is text already given out
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The new text that `token_ids` complete (possibly ''): never ends inside a character."""
+        self.ids.extend(int(t) for t in token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back, complete or not (the output has ended)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
+        if len(text) > len(before) and (final or not text.endswith(REPLACEMENT)):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+
+class ChoiceText:
+    """One choice's text as its tokens arrive. `add` returns the text that may be sent now; `stopped` is set once a
+    stop string appears (the text ends before it, and later tokens are ignored)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+        self.detokenizer = Detokenizer(tokenizer, prompt_ids)
+        self.stop = [s for s in stop if s]
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""       # all the text so far (sent + held back)
+        self.sent = 0        # characters of `text` given out
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        return self._extend(self.detokenizer.push(token_ids), final=False)
+
+    def finish(self) -> str:
+        """The rest of the text, once the engine has finished the request."""
+        if self.stopped:
+            return ""
+        return self._extend(self.detokenizer.flush(), final=True)
+
+    def _extend(self, delta: str, final: bool) -> str:
+        start = max(0, len(self.text) - self.longest + 1)  # where a stop string could first end in the new text
+        self.text += delta
+        cut = self._find_stop(start)
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+            final = True
+        end = len(self.text) if final else len(self.text) - self._hold_back()
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _find_stop(self, start: int) -> Optional[int]:
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _hold_back(self) -> int:
+        """Length of the longest tail of the text that begins some stop string (and so must not be sent yet)."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

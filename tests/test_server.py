@@ -1,0 +1,485 @@
+"""`python infer.py serve` end to end: one server process on a tiny SwiftKV student (CPU, fp32), driven over real
+sockets on 127.0.0.1 by the official `openai` client and by httpx.
+
+Greedy outputs equal `sk.generate` on each prompt alone; 64 concurrent streams, a quarter of them hung up early,
+leave every finished stream complete and the page pool full; bad input gets an OpenAI error object with its status;
+/metrics parses and counts what was sent; SIGTERM exits 0 within the grace period. The server is started once for
+the module (the last test stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import swiftkv_jax as sk
+from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+from swiftkv_jax.data.chat import load_tokenizer
+from swiftkv_jax.evaluation.harness import render_context
+from swiftkv_jax.infer_cli import main
+from swiftkv_jax.serving.http.text import ChoiceText
+from swiftkv_jax.tiny_assets import make_tiny_assets
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-swiftkv"
+MAX_MODEL_LEN, MAX_SEQS, MAX_WAITING, GRACE = 128, 16, 64, 8
+REF_TOKENS = 16   # every reference is 16 greedy tokens; a shorter request gets a prefix of it
+PROMPTS = ["What is 4 + 5?", "Sort these words: fig apple pear", "Repeat 'owl' 2 times.", "Count from 3 to 9."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    root = make_tiny_assets(tmp_path_factory.mktemp("serve"), num_examples=200)
+    model = sk.to_swiftkv(sk.load(root / "teacher"), 2, 1)
+    sk.save(model, root / "student", "hf", extra_files=read_sidecar_files(root / "teacher"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer(student):
+    return load_tokenizer(str(student / "student"))
+
+
+@pytest.fixture(scope="module")
+def server(student, tokenizer, reference, tmp_path_factory):
+    """`python infer.py serve` in a subprocess (the references are computed while it warms up); yields a handle
+    with .url, .proc and .log."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("log") / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
+            "--served-model-name", MODEL, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
+            "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--single-buckets", str(MAX_SEQS),
+            "--prompt-buckets", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting", str(MAX_WAITING),
+            "--shutdown-grace", str(GRACE)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    try:
+        for text in PROMPTS:
+            reference(tokenizer(text)["input_ids"])
+            reference(_chat_ids(tokenizer, text))
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the server did not come up:\n{log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        yield type("Server", (), dict(url=url, proc=proc, log=log_path))()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(student, tokenizer):
+    """reference(prompt ids, n) -> (the first n greedy tokens of sk.generate alone, their logprobs, their text)."""
+    model = sk.load(student / "student")
+    stops = [tokenizer.eos_token_id]
+
+    @functools.lru_cache(maxsize=None)
+    def alone(ids: tuple):
+        out = sk.generate(model, [list(ids)], REF_TOKENS, cache_dtype="float32", stop_token_ids=stops, logprobs=True,
+                          max_len=MAX_MODEL_LEN)
+        return out.tokens[0], out.logprobs[0]
+
+    def get(ids, n: int = REF_TOKENS):
+        tokens, logprobs = alone(tuple(ids))
+        tokens, logprobs = tokens[:n], logprobs[:n]
+        return tokens, logprobs, tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return get
+
+
+def _reason(tokens, tokenizer, n):
+    return "stop" if tokens and tokens[-1] == tokenizer.eos_token_id and len(tokens) <= n else "length"
+
+
+def _chat_ids(tokenizer, text):
+    return render_context(tokenizer, text, True)  # what `infer.py generate --chat` runs
+
+
+def _metrics(url) -> dict:
+    """{(sample name, sorted labels): value} from /metrics, through prometheus_client's parser."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _wait_idle(url, timeout=20.0) -> dict:
+    """Poll /metrics until nothing runs, waits or holds a page (bounded); returns the last metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        idle = (m[("swiftkv_num_requests_running", ())] == 0 and m[("swiftkv_num_requests_waiting", ())] == 0
+                and m[("swiftkv_num_requests_in_flight", ())] == 0
+                and m[("swiftkv_kv_pages_free", ())] == m[("swiftkv_kv_pages_total", ())])
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# ---- text as tokens arrive (no server) -------------------------------------------------------------------------------
+def test_text_streams_whole_characters_and_cuts_at_stop_strings(tokenizer):
+    text = "Café ☃ naïve 日本語 done"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids), "some token should hold part of a character"
+    for prompt in ([], tokenizer("Hi there")["input_ids"]):
+        choice = ChoiceText(tokenizer, prompt, ["done!"])  # never matches, but "done" is held back until the end
+        pieces = [choice.add([t]) for t in ids]
+        assert not any("\ufffd" in p for p in pieces) and "done" not in "".join(pieces)
+        assert "".join(pieces) + choice.finish() == text and not choice.stopped
+    choice = ChoiceText(tokenizer, [], ["xyz", "日本"])  # a stop string spread over several tokens
+    pieces = [choice.add([t]) for t in ids] + [choice.finish()]
+    assert "".join(pieces) == "Café ☃ naïve " and choice.stopped
+
+
+# ---- the openai client -----------------------------------------------------------------------------------------------
+def test_completions_equal_generate(client, tokenizer, reference):
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    tokens, _, text = reference(ids[0], 12)
+    assert out.object == "text_completion" and out.model == MODEL and len(out.choices) == 1
+    assert out.choices[0].text == text and out.choices[0].finish_reason == _reason(tokens, tokenizer, 12)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids[0]), len(tokens))
+    # a batch of prompts, text and token ids mixed: choice i answers prompt i
+    batch = client.completions.create(model=MODEL, prompt=[ids[1], ids[2], ids[3]], max_tokens=REF_TOKENS,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [reference(i)[2] for i in ids[1:]]
+    assert batch.usage.prompt_tokens == sum(len(i) for i in ids[1:])
+    # streamed: the pieces add up to the same text; usage last when asked for
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=REF_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference(ids[1])[2]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference(ids[1])[0])
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_equals_generate(client, tokenizer, reference):
+    question = PROMPTS[1]
+    tokens, _, text = reference(_chat_ids(tokenizer, question), 10)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=10,
+                                         temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == text and out.usage.completion_tokens == len(tokens)
+    assert out.usage.prompt_tokens == len(_chat_ids(tokenizer, question))
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                            max_completion_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == _reason(tokens, tokenizer, 10)
+
+
+def test_n_seed_and_logprobs(client, tokenizer, reference):
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    tokens, logprobs, text = reference(ids, 8)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in tokens] and out.choices[0].text == text
+    np.testing.assert_allclose(lp.token_logprobs, logprobs, atol=1e-4)
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen token is the most likely
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # n samples with a seed: n different draws, the same again with the same seed
+    sample = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, n=3, seed=7)
+    first, again = client.completions.create(**sample), client.completions.create(**sample)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1
+    # chat logprobs: each token's exact bytes add up to the text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    content = chat.choices[0].logprobs.content
+    assert bytes(b for entry in content for b in entry.bytes).decode("utf-8", "replace") == \
+        tokenizer.decode(reference(_chat_ids(tokenizer, PROMPTS[2]), 8)[0])
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_stop_strings_cut_the_text(client, tokenizer, reference):
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    text = reference(ids)[2]
+    start = next(i for i in range(3, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].strip())
+    stop = text[start:start + 2]
+    want = text[:text.find(stop)]
+    body = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=REF_TOKENS, temperature=0, stop=["\u2603never", stop])
+    out = client.completions.create(**body)
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    # stop_token_ids (vLLM's extension): the generation ends with that token
+    tokens = reference(ids)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=REF_TOKENS, temperature=0,
+                                    extra_body={"stop_token_ids": [tokens[2]]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == tokens.index(tokens[2]) + 1
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_models_health_and_an_idle_server_does_not_spin(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    if not Path(f"/proc/{server.proc.pid}/stat").exists():
+        pytest.skip("no /proc here")
+    _wait_idle(server.url)
+    before = _cpu_seconds(server.proc.pid)
+    time.sleep(1.5)
+    assert _cpu_seconds(server.proc.pid) - before < 0.3, "the idle server keeps a core busy"
+
+
+# ---- load: 64 concurrent streams, a quarter hung up ------------------------------------------------------------------
+async def _stream(http, url, body, hang_up_after=None):
+    """POST a streaming completion; returns (text, finish_reason, saw [DONE]) or None if it hung up."""
+    text, finish, done, events = "", None, False, 0
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            finish = chunk["choices"][0]["finish_reason"] or finish
+            events += 1
+            if hang_up_after is not None and events >= hang_up_after:
+                return None  # leaving the block closes the connection mid-stream
+    return text, finish, done
+
+
+def test_concurrent_streams_with_hang_ups(server, tokenizer, reference):
+    rng = random.Random(0)
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    jobs = [(i % len(PROMPTS), rng.randint(4, REF_TOKENS), rng.randint(1, 3) if i % 4 == 0 else None)
+            for i in range(64)]
+    before = _metrics(server.url)
+
+    async def run():
+        limits = httpx.Limits(max_connections=80, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            return await asyncio.wait_for(asyncio.gather(*[
+                _stream(http, server.url, dict(model=MODEL, prompt=ids[p], max_tokens=k, temperature=0, stream=True),
+                        hang_up)
+                for p, k, hang_up in jobs]), timeout=240)
+
+    results = asyncio.run(run())
+    for (p, k, hang_up), result in zip(jobs, results):
+        if hang_up is not None:
+            assert result is None
+            continue
+        tokens, _, text = reference(ids[p], k)
+        assert result == (text, _reason(tokens, tokenizer, k), True), (p, k)
+    # still answering, and afterwards nothing holds a page or a slot
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    after = _wait_idle(server.url)
+    assert after[("swiftkv_kv_pages_free", ())] == after[("swiftkv_kv_pages_total", ())]
+    assert after[("swiftkv_num_requests_running", ())] == 0 and after[("swiftkv_num_requests_in_flight", ())] == 0
+    key = ("swiftkv_engine_requests_finished_total", (("finish_reason", "abort"),))
+    assert after.get(key, 0) - before.get(key, 0) >= 1, "no hung-up stream was aborted"
+    ok = ("swiftkv_http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    deadline = time.monotonic() + 10  # a hung-up stream is counted once the server has seen the hang-up
+    while after[ok] - before.get(ok, 0) < 64 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _metrics(server.url)
+    assert after[ok] - before.get(ok, 0) == 64
+
+
+def test_a_client_that_hangs_up_before_a_whole_response_aborts_its_requests(server, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    n, max_tokens = 64, MAX_MODEL_LEN - len(ids)
+    before = _metrics(server.url)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", timeout=0.3,
+                   json=dict(prompt=ids, n=n, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    after = _wait_idle(server.url, timeout=5)
+    assert after[("swiftkv_num_requests_in_flight", ())] == 0
+    aborted = ("swiftkv_engine_requests_finished_total", (("finish_reason", "abort"),))
+    assert after.get(aborted, 0) - before.get(aborted, 0) >= 1
+    generated = ("swiftkv_generation_tokens_total", ())
+    assert after[generated] - before[generated] < n * max_tokens
+
+
+def test_overload_gets_503_with_retry_after(server, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    limit = MAX_SEQS + MAX_WAITING
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            big = dict(model=MODEL, prompt=ids, max_tokens=MAX_MODEL_LEN - len(ids), temperature=0, stream=True,
+                       n=limit // 2, ignore_eos=True)
+            # a streaming response's headers come once its request is admitted (its sequences count from then on)
+            async with http.stream("POST", f"{server.url}/v1/completions", json=big) as a:
+                async with http.stream("POST", f"{server.url}/v1/completions", json=big) as b:
+                    assert (a.status_code, b.status_code) == (200, 200)
+                    refused = await http.post(f"{server.url}/v1/completions",
+                                              json=dict(model=MODEL, prompt=ids, max_tokens=2))
+            return refused  # both streams hung up: aborted
+
+    refused = asyncio.run(asyncio.wait_for(run(), 120))
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded" and "at capacity" in refused.json()["error"]["message"]
+    m = _wait_idle(server.url)
+    assert m[("swiftkv_num_requests_in_flight", ())] == 0
+    assert httpx.post(f"{server.url}/v1/completions", json=dict(prompt=ids, max_tokens=2)).status_code == 200
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------------
+ECHO_REASON = "a SwiftKV prefill never runs the prompt tokens through the layers >= l"
+BAD = [  # (path, body, status, param, words in the message)
+    ("/v1/completions", b"{not json", 400, None, "could not parse the JSON body"),
+    ("/v1/completions", b"[1, 2]", 400, None, "must be an object"),
+    ("/v1/completions", dict(prompt="hi", bogus=1), 400, "bogus", "Unrecognized request argument supplied: bogus"),
+    ("/v1/completions", dict(model="gpt-9", prompt="hi"), 404, "model", "`gpt-9` does not exist"),
+    ("/v1/completions", dict(prompt=[5] * MAX_MODEL_LEN), 400, "prompt", "maximum context length is 128"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=500), 400, "max_tokens", "maximum context length is 128"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=0), 400, "max_tokens", "max_tokens must be >= 1"),
+    ("/v1/completions", dict(prompt="hi", temperature=-1), 400, "temperature", "temperature must be >= 0"),
+    ("/v1/completions", dict(prompt="hi", temperature="hot"), 400, "temperature", "temperature must be a number"),
+    ("/v1/completions", dict(prompt="hi", top_p=0), 400, "top_p", "top_p must lie in (0, 1]"),
+    ("/v1/completions", dict(prompt="hi", top_k=-3), 400, "top_k", "top_k must be >= 0"),
+    ("/v1/completions", dict(prompt="hi", seed=-1), 400, "seed", "seed must lie in [0, 2**31)"),
+    ("/v1/completions", dict(prompt="hi", n=0), 400, "n", "n must lie in"),
+    ("/v1/completions", dict(prompt="hi", stop=5), 400, "stop", "stop must be a non-empty string"),
+    ("/v1/completions", dict(prompt="hi", logprobs=50), 400, "logprobs", "logprobs must lie in [0, 20]"),
+    ("/v1/completions", dict(prompt=[10**6]), 400, "prompt", "prompt token ids must lie in"),
+    ("/v1/completions", dict(prompt=[]), 400, "prompt", "prompt must be a string"),
+    ("/v1/completions", dict(prompt="hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    ("/v1/completions", dict(prompt="hi", echo=True, logprobs=1), 400, "echo", ECHO_REASON),
+    ("/v1/chat/completions", dict(messages=[]), 400, "messages", "messages must be a non-empty list"),
+    ("/v1/chat/completions", dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role",
+     "'wizard' is not a chat role"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), 400,
+     "top_logprobs", "top_logprobs needs logprobs"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+     "messages[0].content", "only text parts"),
+]
+
+
+def test_bad_input_gets_an_error_object(server, tokenizer, reference):
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    good = dict(model=MODEL, prompt=ids, max_tokens=REF_TOKENS, temperature=0, stream=True)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            bystander = asyncio.create_task(_stream(http, server.url, good))  # one bad request disturbs no other
+            answers = []
+            for path, body, *_ in BAD:
+                kwargs = dict(content=body, headers={"content-type": "application/json"}) \
+                    if isinstance(body, bytes) else dict(json=body)
+                answers.append(await http.post(f"{server.url}{path}", **kwargs))
+            return answers, await bystander
+
+    answers, bystander = asyncio.run(asyncio.wait_for(run(), 120))
+    for (path, body, status, param, words), response in zip(BAD, answers):
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (status, param), (body, error)
+        assert words in error["message"], (body, error)
+        assert set(error) == {"message", "type", "param", "code"}
+    assert bystander == (reference(ids)[2], _reason(reference(ids)[0], tokenizer, REF_TOKENS), True)
+    missing = httpx.get(f"{server.url}/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert _wait_idle(server.url)[("swiftkv_num_requests_in_flight", ())] == 0
+
+
+def test_metrics_count_what_was_sent(server):
+    before = _metrics(server.url)
+    for body in (dict(prompt="hi", max_tokens=3), dict(prompt="ho", max_tokens=2), dict(prompt="hi", top_p=2),
+                 dict(model="nope", prompt="hi")):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    httpx.post(f"{server.url}/v1/chat/completions", json=dict(messages=[{"role": "user", "content": "hi"}],
+                                                              max_tokens=2), timeout=60)
+    after = _metrics(server.url)
+    requests = lambda m, endpoint, status: m.get(("swiftkv_http_requests_total",
+                                                  (("endpoint", endpoint), ("status", status))), 0)
+    delta = lambda endpoint, status: requests(after, endpoint, status) - requests(before, endpoint, status)
+    assert (delta("/v1/completions", "200"), delta("/v1/completions", "400"), delta("/v1/completions", "404"),
+            delta("/v1/chat/completions", "200")) == (2, 1, 1, 1)
+    ttft = lambda m: m[("swiftkv_time_to_first_token_seconds_count", ())]
+    assert ttft(after) - ttft(before) == 3
+    tokens = lambda m: m[("swiftkv_generation_tokens_total", ())]
+    assert 3 <= tokens(after) - tokens(before) <= 7  # 3 + 2 + 2 unless one stopped at EOS
+    for name in ("swiftkv_num_preemptions_total", "swiftkv_kv_cache_usage", "swiftkv_time_per_output_token_seconds_sum",
+                 "swiftkv_num_requests_waiting"):
+        assert (name, ()) in after
+
+
+# ---- the command line ------------------------------------------------------------------------------------------------
+def test_serve_cli_errors(student, capsys):
+    code = main(["serve", "--model", str(student / "teacher"), "--teacher-mode"])
+    assert code == 2 and "not a SwiftKV model" in capsys.readouterr().err
+    code = main(["serve", "--model", str(student / "student"), "--single-buckets", "4,x"])
+    assert code == 2 and "--single-buckets takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server, tokenizer, reference):
+    """Last: stops the module's server. A stream in flight at SIGTERM completes; the process exits 0 in the grace."""
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    started, result = threading.Event(), {}
+
+    def stream():
+        body = dict(model=MODEL, prompt=ids, max_tokens=MAX_MODEL_LEN - len(ids), temperature=0, stream=True)
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    started.set()
+        chunks = [json.loads(x[6:]) for x in lines[:-1]]
+        result.update(text="".join(c["choices"][0]["text"] for c in chunks), done=lines[-1] == "data: [DONE]",
+                      finish=chunks[-1]["choices"][0]["finish_reason"])
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    assert started.wait(30), "the stream did not start"
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=GRACE + 15)
+    thread.join(30)
+    assert code == 0, server.log.read_text()[-3000:]
+    assert time.monotonic() - start < GRACE + 5
+    assert result["done"] and result["finish"] in ("stop", "length"), result
+    assert result["text"].startswith(reference(ids)[2])
+    log = server.log.read_text()
+    assert "compiled the engine step" in log and "warm-up: compiled 3 step buckets" in log
