@@ -30,7 +30,7 @@ import numpy as np
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
-from swiftkv_jax.serving.paged_cache import PageAllocator, init_pool, page_bytes, pages_for_budget
+from swiftkv_jax.serving.paged_cache import PageAllocator, init_pool, pages_for_budget
 from swiftkv_jax.serving.ragged_step import Sampled, ragged_step
 from swiftkv_jax.serving.scheduler import (RequestParams, Schedule, Scheduler, Sequence, Status,
                                            prompt_token_cost)

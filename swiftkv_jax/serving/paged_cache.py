@@ -8,7 +8,6 @@ layer. Page 0 is reserved for the padding tokens' writes (`swiftkv_jax.model.pag
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import jax
@@ -19,8 +18,6 @@ from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.paged import NULL_PAGE
 from swiftkv_jax.serving.cache import cache_layers
-
-log = logging.getLogger(__name__)
 
 
 @struct.dataclass
