@@ -39,9 +39,14 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU: checks the script")
     parser.add_argument("--repeats", type=int, help="timed runs per point (default 20, smoke 2)")
     parser.add_argument("--copy-gib", type=float, help="size of the copy-bandwidth probe (default 2, smoke 1/64)")
+    parser.add_argument("--parts", default="decode,paged,prefill",
+                        help="which tables to measure, comma-separated (default decode,paged,prefill)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
                                       f"with --smoke {SMOKE_OUT})")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"decode", "paged", "prefill"}:
+        parser.error(f"--parts {args.parts!r}: choose from decode, paged, prefill")
 
     import jax
     import jax.numpy as jnp
@@ -50,6 +55,7 @@ def main(argv=None) -> int:
     from swiftkv_jax.kernels.decode_attention import decode_attention
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
+    from swiftkv_jax.model.paged import paged_attend
 
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.smoke:
@@ -68,7 +74,7 @@ def main(argv=None) -> int:
         prefill_points = [(b, t) for t in (2048, 8192, 16384) for b in (1, 2, 4)]
     copy_gib = args.copy_gib or (1 / 64 if args.smoke else 2.0)
     dtype = jnp.bfloat16
-    keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 64))
+    keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
     normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
 
     def timed(fn, *inputs):
@@ -85,14 +91,18 @@ def main(argv=None) -> int:
         return statistics.median(times), compile_s
 
     def measure(row: dict, error, fn, inputs, derived) -> dict:
-        """row + timings and derived(seconds), or + the error that kept it from being timed."""
+        """row + timings and derived(seconds), or + the error that kept it from being timed. Each row is logged
+        to stderr as it is measured, so a run stopped by a time limit still leaves what it measured."""
         if error is None:
             try:
                 seconds, compile_s = timed(fn, *inputs)
-                return {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
+                row = {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
             except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
-                error = _error(e)
-        return {**row, "error": error}
+                row = {**row, "error": _error(e)}
+        else:
+            row = {**row, "error": error}
+        print("measured", row, file=sys.stderr, flush=True)
+        return row
 
     def check(fn, reference, *inputs) -> str | None:
         """None if fn (bf16) agrees with the reference run on fp32 copies of the inputs, else why not."""
@@ -117,15 +127,22 @@ def main(argv=None) -> int:
     print(f"{device.device_kind} ({device.platform}{', interpret mode' if interpret else ''}): copy bandwidth "
           f"{copy_bw / 1e9:.1f} GB/s ({copy_gib:g} GiB read + written in {copy_s * 1e3:.2f} ms)")
 
-    # Decode: q [B, 1, N, H] over k, v [B, S, K, H], every entry valid, the query at position S - 1.
+    # Decode: q [B, 1, N, H] over the dense cache's k, v [B, K, S, H], every entry valid, the query at S - 1.
+    # jax's bundled kernel takes [B, S, K, H]: its inputs are laid out so before timing (`layouts`).
+    # "pallas" is what the static engine runs (the kernel takes [B, S, K, H], so the cache is transposed first);
+    # "pallas_bskh" is the kernel alone on inputs already in its layout.
+    bskh = lambda q, k, v, n, p: (q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), n, p)
     decode_impls = {
-        "pallas": lambda q, k, v, n, p: decode_attention(q, k, v, n, p),
+        "pallas": lambda q, k, v, n, p: attend_cache("pallas", q, k, v, p, n),
+        "pallas_bskh": lambda q, k, v, n, p: decode_attention(q, k, v, n, p),
         "xla": lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n),
     }
+    layouts = {"pallas_bskh": bskh}
     try:
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa as jax_gqa
         decode_impls["jax_pallas"] = lambda q, k, v, n, p: jax_gqa(q[:, 0], k, v, kv_seq_len=n,
                                                                    interpret=interpret)[:, None]
+        layouts["jax_pallas"] = bskh
     except ImportError as e:
         jax_gqa_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
     else:
@@ -133,22 +150,48 @@ def main(argv=None) -> int:
     decode_reference = lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n)
 
     def decode_inputs(b, s):
-        return (normal(b, 1, heads, head_dim), normal(b, s, kv_heads, head_dim), normal(b, s, kv_heads, head_dim),
+        return (normal(b, 1, heads, head_dim), normal(b, kv_heads, s, head_dim), normal(b, kv_heads, s, head_dim),
                 jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
 
-    small = decode_inputs(2, 512)
-    decode_errors = {name: check(fn, decode_reference, *small) for name, fn in decode_impls.items()}
-    if jax_gqa_error:
-        decode_errors["jax_pallas"] = jax_gqa_error
-    decode_rows = []
-    for b, s in decode_points:
-        inputs = decode_inputs(b, s)
-        kv_bytes = inputs[1].nbytes + inputs[2].nbytes
-        for name, error in decode_errors.items():
-            decode_rows.append(measure(
-                {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, decode_impls[name], inputs,
-                lambda seconds: dict(bandwidth=kv_bytes / seconds, of_copy_bandwidth=kv_bytes / seconds / copy_bw)))
-        del inputs
+    def laid_out(name, inputs):
+        return layouts[name](*inputs) if name in layouts else inputs
+
+    def decode_table(impls, reference, make_inputs, errors_extra):
+        small = make_inputs(2, 512)
+        errors = {name: check(lambda *x, f=fn, n=name: f(*laid_out(n, x)), reference, *small)
+                  for name, fn in impls.items()}
+        errors.update(errors_extra)
+        rows = []
+        for b, s in decode_points:
+            inputs = make_inputs(b, s)
+            kv_bytes = 2 * b * s * kv_heads * head_dim * jnp.dtype(dtype).itemsize  # the keys in use, K and V
+            for name, error in errors.items():
+                rows.append(measure(
+                    {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, impls[name],
+                    laid_out(name, inputs),
+                    lambda seconds: dict(bandwidth=kv_bytes / seconds, of_copy_bandwidth=kv_bytes / seconds / copy_bw)))
+            del inputs
+        return rows
+
+    decode_rows = decode_table(decode_impls, decode_reference, decode_inputs,
+                               {"jax_pallas": jax_gqa_error} if jax_gqa_error else {}) if "decode" in parts else []
+
+    # Paged decode, what sk.Engine runs: the same queries over pools [K, P, 16, H] through shuffled block tables
+    # (sequences' pages scattered over the pool), by each decode_attention_impl's paged form.
+    page_size = 16
+
+    def paged_inputs(b, s):
+        pages_per_seq = s // page_size
+        pool_pages = b * pages_per_seq + 1  # page 0 is the engine's null page
+        order = jax.random.permutation(next(keys), jnp.arange(1, pool_pages, dtype=jnp.int32))
+        return (normal(b, 1, heads, head_dim), normal(kv_heads, pool_pages, page_size, head_dim),
+                normal(kv_heads, pool_pages, page_size, head_dim), order.reshape(b, pages_per_seq),
+                jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
+
+    paged_impls = {name: (lambda q, k, v, t, n, p, name=name: paged_attend(name, q, k, v, t, n, p))
+                   for name in ("pallas", "xla")}
+    paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
+    paged_rows = decode_table(paged_impls, paged_reference, paged_inputs, {}) if "paged" in parts else []
 
     # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H].
     def prefill_inputs(b, t):
@@ -163,11 +206,12 @@ def main(argv=None) -> int:
         "xla": lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g),
     }
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
-    small = prefill_inputs(1, 256)
-    prefill_errors = {name: check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
-    del small
     prefill_rows = []
-    for b, t in prefill_points:
+    for b, t in (prefill_points if "prefill" in parts else []):
+        if not prefill_rows:
+            small = prefill_inputs(1, 256)
+            prefill_errors = {name: check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
+            del small
         inputs = prefill_inputs(b, t)
         flops = 4 * b * heads * t * t * head_dim / 2
         for name, error in prefill_errors.items():
@@ -175,24 +219,30 @@ def main(argv=None) -> int:
                                         prefill_impls[name], inputs, lambda seconds: dict(tflops=flops / seconds / 1e12)))
         del inputs
 
-    print(f"\ndecode: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
-    print(f"{'impl':<12}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
-    for r in decode_rows:
-        print(f"{r['impl']:<12}{r['batch']:>6}{r['context']:>9}" + (
-            f"  {r['error']}" if "error" in r else
-            f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
-    print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
-    print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'ms':>10}{'TFLOP/s':>9}")
-    for r in prefill_rows:
-        print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}" + (
-            f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
+    for title, rows in ((f"decode, dense cache [B, K, S, H]", decode_rows),
+                        (f"paged decode, pools [K, P, {page_size}, H], shuffled tables", paged_rows)):
+        if not rows:
+            continue
+        print(f"\n{title}: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
+        print(f"{'impl':<12}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
+        for r in rows:
+            print(f"{r['impl']:<12}{r['batch']:>6}{r['context']:>9}" + (
+                f"  {r['error']}" if "error" in r else
+                f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
+    if prefill_rows:
+        print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
+        print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'ms':>10}{'TFLOP/s':>9}")
+        for r in prefill_rows:
+            print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}" + (
+                f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
 
     out = args.out or (SMOKE_OUT if args.smoke else f"benchmarks/results/kernels_{device.platform}.json")
     write_results(out, "benchmarks/kernels.py", argv, {
         "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
         "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
         "dtype": "bfloat16", "copy": {"bytes": int(copy_gib * 2**30), "time_s": copy_s, "bandwidth": copy_bw},
-        "decode": decode_rows, "prefill": prefill_rows})
+        "parts": sorted(parts), "page_size": page_size,
+        "decode": decode_rows, "paged": paged_rows, "prefill": prefill_rows})
     return 0
 
 

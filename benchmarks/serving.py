@@ -50,7 +50,7 @@ runs, and the HTTP overhead against the in-process run of the same rate and conf
 added TTFT/TPOT/ITL milliseconds); the JSON gets an "http" entry. On a GPU, run it with
 XLA_PYTHON_CLIENT_PREALLOCATE=false so the server process finds memory beside this one.
 
-The JSON is rewritten after every run, so a run cut short (`--deadline`, 480 s for the 8b preset, or a kill)
+The JSON is rewritten after every run, so a run cut short (`--deadline`, 400 s for the 8b preset, or a kill)
 keeps what it measured; runs after the deadline are recorded as not run.
 """
 
@@ -77,7 +77,7 @@ PRESETS = {
     # (few buckets: each compile of the 32 unrolled layers takes a while)
     "8b": dict(layers=None, hidden=None, vocab=None, head_dim=None, dtype="bfloat16", prompt_len=2000,
                output_len=250, num_requests=48, rates="1.5,3,6,inf", max_num_seqs=32, max_num_batched_tokens=2048,
-               single_buckets="16", prompt_buckets="2048", deadline=480.0),
+               single_buckets="16", prompt_buckets="2048", deadline=400.0),
     # seconds: checks that the script runs
     "quick": dict(layers=2, hidden=64, vocab=256, head_dim=16, dtype="float32", prompt_len=48, output_len=6,
                   num_requests=8, rates="4,inf", max_num_seqs=8, max_num_batched_tokens=64, single_buckets="",

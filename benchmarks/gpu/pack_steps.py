@@ -237,7 +237,8 @@ def _headline(record: dict) -> str:
         return f"{done} of {len(points)} points measured, {skipped} skipped"
     if name == "kernels" and results:
         return "; ".join(f"{part}: {sum('error' not in r for r in results[0].get(part, []))} of "
-                         f"{len(results[0].get(part, []))} rows timed" for part in ("decode", "prefill"))
+                         f"{len(results[0].get(part, []))} rows timed" for part in ("decode", "paged", "prefill")
+                         if part in results[0])
     commands = record.get("commands", [])
     if record["status"] == "skipped":
         return ""
@@ -287,6 +288,10 @@ def _kernel_tables(result: dict) -> list[str]:
     lines += _table(["decode impl", "batch", "context", "ms", "GB/s", "of copy"],
                     [[r["impl"], r["batch"], r["context"], *_timed_cells(r, decode, 3)]
                      for r in result.get("decode", [])])
+    if result.get("paged"):
+        lines.append("")
+        lines += _table(["paged decode impl", "batch", "context", "ms", "GB/s", "of copy"],
+                        [[r["impl"], r["batch"], r["context"], *_timed_cells(r, decode, 3)] for r in result["paged"]])
     lines.append("")
     lines += _table(["prefill impl", "batch", "seq", "ms", "TFLOP/s"],
                     [[r["impl"], r["batch"], r["seq"], *_timed_cells(r, prefill, 2)]

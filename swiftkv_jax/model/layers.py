@@ -181,8 +181,10 @@ class Attention(nn.Module):
         if kv_lengths is not None and q.shape[1] <= FEW_QUERIES:
             out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths)
         else:
-            if kv_lengths is not None:  # a cache [B, K, S, H]: many queries amortise one transpose
-                k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            if kv_lengths is not None:  # a cache [B, K, S, H]: many queries amortise one transpose; the cache
+                # may be wider than the activations (an fp32 cache under a bf16 model holds bf16 values, so the
+                # cast is exact) and cuDNN takes one dtype for q, k and v
+                k, v = (jnp.swapaxes(x, 1, 2).astype(q.dtype) for x in (k, v))
             out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
         return self.o_proj(out), new_cache
 

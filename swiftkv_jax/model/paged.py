@@ -43,17 +43,27 @@ def gather_pages(pages, table):
 PAGES_PER_BLOCK = 4  # pages a loop step of the XLA path reads per sequence (64 keys at 16-token pages)
 
 
-def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions):
-    """Few queries q [D, T, N, H] over their sequences' pages, in XLA: a loop over blocks of PAGES_PER_BLOCK pages
-    with an online softmax (flash-decoding's merge), fp32. It reads each needed page once, in place, and stops
-    after the longest sequence's last page, so a step costs the keys in use, not the table's capacity: a gather of
-    every table into a dense [D, M * page_size] copy first was 3-4x slower on CPU (XLA's gather writes the whole
-    copy, then the products read it again). `kernels.paged_attention_reference` is that plain gather."""
+def xla_pages_per_block(num_table_pages: int) -> int:
+    """Pages per step of the XLA path. On CPU, PAGES_PER_BLOCK: a loop that stops after the longest sequence
+    costs the keys in use, where a gather of every table into a dense [D, M * page_size] copy first was 3-4x
+    slower (XLA's gather writes the whole copy, then the products read it again). On a GPU, the whole table in
+    one pass: each iteration of a loop whose trip count is data-dependent waits for its condition to come back
+    to the host, and at 8B / 32 sequences / ~2.5K context that loop (~45 iterations x every layer) made the
+    engine's decode step ~75 ms against the static engine's 8 ms (GPU pack, 2026-11-23)."""
+    return PAGES_PER_BLOCK if jax.default_backend() == "cpu" else max(num_table_pages, 1)
+
+
+def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_block: Optional[int] = None):
+    """Few queries q [D, T, N, H] over their sequences' pages, in XLA: blocks of `pages_per_block` pages (default
+    `xla_pages_per_block`) with an online softmax (flash-decoding's merge), fp32, each needed page read once in
+    place. Several blocks run as a loop that stops after the longest sequence's last page; one block runs
+    without a loop. `kernels.paged_attention_reference` is the plain gather."""
     d, t, n, h = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
-    g, rows, block = n // kv_heads, t * (n // kv_heads), PAGES_PER_BLOCK * page_size
-    blocks = -(-tables.shape[1] // PAGES_PER_BLOCK)
-    tables = jnp.pad(tables, ((0, 0), (0, blocks * PAGES_PER_BLOCK - tables.shape[1]))).reshape(d, blocks, -1)
+    per_block = pages_per_block or xla_pages_per_block(tables.shape[1])
+    g, rows, block = n // kv_heads, t * (n // kv_heads), per_block * page_size
+    blocks = -(-tables.shape[1] // per_block)
+    tables = jnp.pad(tables, ((0, 0), (0, blocks * per_block - tables.shape[1]))).reshape(d, blocks, -1)
     scaled = q.astype(jnp.float32) * (h ** -0.5)
     query = jnp.einsum("DTKGH->KDTGH", scaled.reshape(d, t, kv_heads, g, h)).reshape(kv_heads, d, rows, h)
     row_positions = jnp.repeat(q_positions, g, axis=1)  # [D, R], row r = t * G + g
@@ -61,7 +71,7 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions):
 
     def step(i, carry):
         out, row_max, row_sum = carry
-        pages = tables[:, i]  # [D, PAGES_PER_BLOCK]
+        pages = tables[:, i]  # [D, per_block]
         k, v = (p[:, pages].reshape(kv_heads, d, block, h) for p in (k_pages, v_pages))
         scores = jax.lax.dot_general(k.astype(jnp.float32), query, (((3,), (3,)), ((0, 1), (0, 1))))  # [K, D, S, R]
         visible = (i * block + jnp.arange(block))[None, :, None] < limit[:, None, :]  # [D, S, R]
@@ -75,8 +85,11 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions):
 
     shape = (kv_heads, d, rows)
     carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32))
-    steps = jnp.minimum(-(-jnp.max(lengths, initial=0) // block), blocks)
-    out, _, row_sum = jax.lax.fori_loop(0, steps, step, carry)
+    if blocks == 1:
+        out, _, row_sum = step(0, carry)
+    else:
+        steps = jnp.minimum(-(-jnp.max(lengths, initial=0) // block), blocks)
+        out, _, row_sum = jax.lax.fori_loop(0, steps, step, carry)
     out = out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]  # a row that sees no key: zeros
     return jnp.einsum("KDTGH->DTKGH", out.reshape(kv_heads, d, t, g, h)).reshape(d, t, n, h).astype(q.dtype)
 
