@@ -222,6 +222,8 @@ def test_a_request_larger_than_the_whole_cache_is_refused():
     (dict(num_pages=1), "at least 2 pages"),
     (dict(kv_cache_fraction=0.5, num_pages=None), "does not report"),
     (dict(swiftkv=True, model="plain"), "needs a SwiftKV model"),
+    (dict(cache_dtype="int8"), "does not serve a int8 KV cache yet"),
+    (dict(cache_dtype="float8_e5m2"), "unknown KV cache dtype 'float8_e5m2': choose one of"),
 ])
 def test_bad_engine_settings(kwargs, message):
     kwargs = dict(kwargs)

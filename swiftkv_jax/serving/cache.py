@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.kv_quant import as_format, init_scales
 
 
 @struct.dataclass
@@ -29,9 +29,13 @@ class KVCache:
 
     def take(self, rows) -> "KVCache":
         """The cache of sequences `rows` [R] (repeats allowed): one prefilled context serves several
-        continuations. Every K/V leaf ends in [B, S, K, H]."""
-        take = lambda a: jnp.take(a, rows, axis=a.ndim - 4)
-        return KVCache(jax.tree.map(take, self.lower), jax.tree.map(take, self.upper), self.lengths[rows])
+        continuations. A pair's K/V are [B, K, S, H]; its scales, if quantised, [B, K, S] or 0-d (static)."""
+        def take_pair(pair):
+            kv = tuple(jnp.take(a, rows, axis=0) for a in pair[:2])
+            return kv + tuple(jnp.take(s, rows, axis=0) if s.ndim else s for s in pair[2:])
+
+        take = lambda pairs: None if pairs is None else tuple(take_pair(p) for p in pairs)
+        return KVCache(take(self.lower), take(self.upper), self.lengths[rows])
 
 
 def cache_layers(config: ModelConfig, swiftkv: bool) -> int:
@@ -39,13 +43,16 @@ def cache_layers(config: ModelConfig, swiftkv: bool) -> int:
     return config.num_kv_cache_layers if swiftkv else config.num_hidden_layers
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16") -> KVCache:
-    """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens."""
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16",
+               kv_scales: Optional[str] = None) -> KVCache:
+    """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens. `dtype`: a float
+    dtype, or float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works)."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
-    dtype = as_dtype(dtype)
+    fmt = as_format(dtype, kv_scales)
     row = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
-    pairs = lambda n: tuple((jnp.zeros(row, dtype), jnp.zeros(row, dtype)) for _ in range(n))
+    pairs = lambda n: tuple((jnp.zeros(row, fmt.element_dtype), jnp.zeros(row, fmt.element_dtype))
+                            + init_scales(fmt, row[:-1]) for _ in range(n))
     upper = None
     if config.num_kv_groups:
         upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)

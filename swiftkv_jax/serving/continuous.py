@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from swiftkv_jax.model.cached import unstack_layers
+from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
 from swiftkv_jax.serving.paged_cache import PageAllocator, init_pool, pages_for_budget
@@ -94,6 +95,10 @@ class Engine:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}), so that every running sequence can decode in every step")
+        if as_format(cache_dtype).quantized:  # the format is checked first: an unknown dtype names the choices
+            raise ValueError(f"sk.Engine does not serve a {as_format(cache_dtype).dtype} KV cache yet: use cache_dtype "
+                             f"bfloat16 or float32 here (sk.generate and infer.py generate/eval/bench take "
+                             f"float8_e4m3fn and int8)")
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, cache_dtype, num_pages=num_pages,
                                      kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction)
         self.page_size = page_size

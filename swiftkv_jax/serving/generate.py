@@ -81,7 +81,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
              stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
              cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
              logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
-             attention_impl: Optional[str] = None, on_token: Optional[Callable] = None) -> Generation:
+             attention_impl: Optional[str] = None, on_token: Optional[Callable] = None,
+             kv_scales: Optional[str] = None) -> Generation:
     """Generate for a batch of prompts (token id lists, or text with a `tokenizer`).
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
@@ -89,7 +90,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl:
     "xla" or "pallas" for the few-query attention over the cache, attention_impl: "xla", "pallas" or
     "cudnn" for prefill (defaults: the config's). on_token(tokens [B], live [B]) streams: it is called
-    on the host as each token is sampled.
+    on the host as each token is sampled. cache_dtype: a float dtype, or float8_e4m3fn / int8 (quantised on
+    write, read back in fp32) with kv_scales "per-token-head" (default) or "per-layer" (`model.kv_quant`).
     """
     cfg = model.config
     overrides = {"decode_attention_impl": decode_attention_impl, "attention_impl": attention_impl}
@@ -125,7 +127,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
         tokens[row, : len(p)] = p
     stops = stop_token_ids if stop_token_ids is not None else (cfg.eos_token_id or ())
     stop_ids = jnp.asarray(list(stops) or [-1], jnp.int32)
-    cache = init_cache(cfg, len(prompts), max_len, swiftkv, cache_dtype)
+    cache = init_cache(cfg, len(prompts), max_len, swiftkv, cache_dtype, kv_scales)
     out, lps, count, _ = generate_tokens(
         model.params, cache, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
         jax.random.key(seed), stop_ids, config=cfg, swiftkv=swiftkv, sampling=sampling,
