@@ -55,7 +55,10 @@ def main(argv=None) -> int:
     from swiftkv_jax.kernels.decode_attention import decode_attention
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
+    from swiftkv_jax.model.kv_quant import quantize
     from swiftkv_jax.model.paged import paged_attend
+
+    name_quantized = lambda name: name.endswith(("_int8", "_float8_e4m3fn"))  # noqa: E731
 
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.smoke:
@@ -156,16 +159,19 @@ def main(argv=None) -> int:
     def laid_out(name, inputs):
         return layouts[name](*inputs) if name in layouts else inputs
 
+    quantized_reference = {}  # name -> its check's reference (the paged quantised rows, below)
+
     def decode_table(impls, reference, make_inputs, errors_extra):
         small = make_inputs(2, 512)
-        errors = {name: check(lambda *x, f=fn, n=name: f(*laid_out(n, x)), reference, *small)
-                  for name, fn in impls.items()}
+        errors = {name: check(lambda *x, f=fn, n=name: f(*laid_out(n, x)), quantized_reference.get(name, reference),
+                              *small) for name, fn in impls.items()}
         errors.update(errors_extra)
         rows = []
         for b, s in decode_points:
             inputs = make_inputs(b, s)
-            kv_bytes = 2 * b * s * kv_heads * head_dim * jnp.dtype(dtype).itemsize  # the keys in use, K and V
             for name, error in errors.items():
+                kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
+                                                   head_dim * jnp.dtype(dtype).itemsize)
                 rows.append(measure(
                     {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, impls[name],
                     laid_out(name, inputs),
@@ -190,6 +196,21 @@ def main(argv=None) -> int:
 
     paged_impls = {name: (lambda q, k, v, t, n, p, name=name: paged_attend(name, q, k, v, t, n, p))
                    for name in ("pallas", "xla")}
+    # The same pools quantised per token and head (kv_quant, as sk.Engine stores them; done before timing): the
+    # kernel reads 1-byte pages and their scales and dequantises in registers; the XLA path dequantises blocks.
+    # Their check is against the XLA path over the same quantised pools (the fp32 reference would see the rounding).
+    def quantized_layout(fmt):
+        def lay(q, k, v, t, n, p):
+            (kq, ks), (vq, vs) = quantize(k, fmt), quantize(v, fmt)
+            return q, kq, vq, t, n, p, ks, vs
+        return lay
+
+    for fmt in ("int8", "float8_e4m3fn"):
+        for impl in ("pallas", "xla"):
+            name = f"{impl}_{fmt}"
+            paged_impls[name] = lambda q, k, v, t, n, p, ks, vs, impl=impl: paged_attend(impl, q, k, v, t, n, p, ks, vs)
+            layouts[name] = quantized_layout(fmt)
+            quantized_reference[name] = lambda *x, lay=layouts[name]: paged_attend("xla", *lay(*x))
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     paged_rows = decode_table(paged_impls, paged_reference, paged_inputs, {}) if "paged" in parts else []
 
@@ -219,14 +240,14 @@ def main(argv=None) -> int:
                                         prefill_impls[name], inputs, lambda seconds: dict(tflops=flops / seconds / 1e12)))
         del inputs
 
-    for title, rows in ((f"decode, dense cache [B, K, S, H]", decode_rows),
+    for title, rows in (("decode, dense cache [B, K, S, H]", decode_rows),
                         (f"paged decode, pools [K, P, {page_size}, H], shuffled tables", paged_rows)):
         if not rows:
             continue
         print(f"\n{title}: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
-        print(f"{'impl':<12}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
+        print(f"{'impl':<22}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
         for r in rows:
-            print(f"{r['impl']:<12}{r['batch']:>6}{r['context']:>9}" + (
+            print(f"{r['impl']:<22}{r['batch']:>6}{r['context']:>9}" + (
                 f"  {r['error']}" if "error" in r else
                 f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
     if prefill_rows:

@@ -21,7 +21,10 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
     if teacher_mode:
         p.add_argument("--teacher-mode", action="store_true",
                        help="serve a SwiftKV model in its teacher wiring (every layer for every token, full KV cache)")
-    p.add_argument("--cache-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
+    p.add_argument("--cache-dtype", default="bfloat16",
+                   help="KV-cache dtype: bfloat16 (default), float32, float16, or quantised float8_e4m3fn (fp8) / int8")
+    p.add_argument("--kv-scales", default=None, help="scales of a quantised KV cache: per-token-head (default) or "
+                                                       "per-layer (a static scale of 1.0)")
     p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "cudnn"), default=None,
                    help="prefill attention (default: the checkpoint's, xla_flash)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
@@ -122,6 +125,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cache_format(args):
+    """The KV cache format of --cache-dtype and --kv-scales (a bad pair raises, naming the choices)."""
+    from swiftkv_jax.model.kv_quant import as_format
+
+    return as_format(args.cache_dtype, args.kv_scales)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from swiftkv_jax.checkpoints import CheckpointError
@@ -177,7 +187,7 @@ def _generate(args) -> int:
     ids = [render_context(tokenizer, p, args.chat) for p in prompts]
     stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=args.cache_dtype,
+                   stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
                    max_len=args.max_len, tokenizer=tokenizer)
     if len(ids) == 1:
         stream = _Stream(tokenizer)
@@ -225,7 +235,7 @@ def _eval(args) -> int:
     tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
     options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                           chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
-                          cache_dtype=args.cache_dtype)
+                          cache_dtype=_cache_format(args))
     paths = [args.model] + ([args.compare] if args.compare else [])
     results = {}
     for path in paths:
@@ -252,7 +262,7 @@ def _bench(args) -> int:
     else:
         model = bench.random_model(args.preset, dtype=args.dtype or "bfloat16", seed=args.seed)
     rows = bench.bench(model, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
-                       repeats=args.repeats, cache_dtype=args.cache_dtype, attention_impl=args.attention_impl,
+                       repeats=args.repeats, cache_dtype=_cache_format(args), attention_impl=args.attention_impl,
                        decode_attention_impl=args.decode_attention_impl, prefill_chunk=args.prefill_chunk,
                        memory_bandwidth=args.memory_bandwidth, seed=args.seed)
     print(bench.format_table(rows))
@@ -316,7 +326,7 @@ def _serve(args) -> int:
     options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    budget_unit=args.budget_unit, max_model_len=args.max_model_len,
-                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=args.cache_dtype,
+                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=_cache_format(args),
                    **buckets, **{k: v for k, v in pool.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,

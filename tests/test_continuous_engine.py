@@ -222,7 +222,7 @@ def test_a_request_larger_than_the_whole_cache_is_refused():
     (dict(num_pages=1), "at least 2 pages"),
     (dict(kv_cache_fraction=0.5, num_pages=None), "does not report"),
     (dict(swiftkv=True, model="plain"), "needs a SwiftKV model"),
-    (dict(cache_dtype="int8"), "does not serve a int8 KV cache yet"),
+    (dict(cache_dtype="float32", kv_scales="per-layer"), "do not apply to a float32 cache"),
     (dict(cache_dtype="float8_e5m2"), "unknown KV cache dtype 'float8_e5m2': choose one of"),
 ])
 def test_bad_engine_settings(kwargs, message):
@@ -300,12 +300,15 @@ def test_stop_ids_and_metrics():
     assert full.finish_reason == "length" and full.token_ids == tokens
 
 
-def test_paged_pallas_kernel_in_the_engine():
-    """decode_attention_impl="pallas": the single tokens go through the paged kernel (interpret mode on CPU) and
-    the engine serves what it serves with the XLA gather."""
+@pytest.mark.parametrize("cache_dtype, kv_scales", [("float32", None), ("int8", "per-token-head"),
+                                                    ("float8_e4m3fn", "per-layer")])
+def test_paged_pallas_kernel_in_the_engine(cache_dtype, kv_scales):
+    """decode_attention_impl="pallas": the single tokens go through the paged kernel (interpret mode on CPU; a
+    quantised pool dequantised in the kernel) and the engine serves what it serves with the XLA path."""
     model = sk.to_swiftkv(sk.init(MODELS["plain"][0].config.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
     kwargs = dict(swiftkv=True, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
-                  cache_dtype="float32", single_buckets=(4,), prompt_buckets=(32,), max_model_len=64)
+                  cache_dtype=cache_dtype, kv_scales=kv_scales, single_buckets=(4,), prompt_buckets=(32,),
+                  max_model_len=64)
     outs = {}
     for impl in ("xla", "pallas"):
         eng = Engine(model, decode_attention_impl=impl, **kwargs)
@@ -372,3 +375,59 @@ def test_a_callers_stop_ends_a_request_as_finished():
     assert_pool_full(eng)
     with pytest.raises(ValueError, match="reason must be"):
         eng.abort("s", reason="done")
+
+
+@pytest.mark.parametrize("cache_dtype, kv_scales", [("int8", "per-token-head"), ("float8_e4m3fn", "per-token-head"),
+                                                    ("float8_e4m3fn", "per-layer")])
+def test_quantised_pool_serves_close_to_the_float_pool(cache_dtype, kv_scales):
+    """Paged FP8 / int8 pools (scales scattered with the pages; chunked prompts over a quantised context, decodes
+    over quantised pages) against the fp32 pool on the same schedule: each request's logprobs, up to its first
+    differing token, within what the format's steps allow (measured against the bf16 pool's error)."""
+    prompts = PROMPTS[:5]
+    arrivals = [0, 0, 1, 3, 3]
+    runs = {dt: run(engine("swiftkv-g2", cache_dtype=dt, kv_scales=sc), prompts, arrivals)
+            for dt, sc in (("float32", None), ("bfloat16", None), (cache_dtype, kv_scales))}
+    eng = engine("swiftkv-g2", cache_dtype=cache_dtype, kv_scales=kv_scales)
+    assert eng.pool.lower[0][0].dtype == np.dtype(cache_dtype) and len(eng.pool.lower[0]) == 4
+
+    def worst(got):
+        errors = []
+        for i in map(str, range(len(prompts))):
+            want, out = runs["float32"][i], got[i]
+            same = next((j for j, (a, b) in enumerate(zip(want.token_ids, out.token_ids)) if a != b),
+                        len(want.token_ids))  # the logprobs of the same tokens: up to the first differing one
+            errors.append(np.abs(np.subtract(want.logprobs[:same], out.logprobs[:same])).max(initial=0.0))
+        return max(errors)
+
+    bf16, quantised = worst(runs["bfloat16"]), worst(runs[cache_dtype])
+    assert quantised > 0, "the pool was not quantised"
+    # measured: int8 7.5x the bf16 pool's error, e4m3 33x (static scale) and 61x (per token-head): e4m3's steps are
+    # 16x bf16's and the error compounds over the layers and the decoded tokens
+    assert quantised < {"int8": 16.0, "float8_e4m3fn": 128.0}[cache_dtype] * bf16
+
+
+@pytest.mark.parametrize("cache_dtype, kv_scales", [("int8", "per-token-head"), ("float8_e4m3fn", "per-layer")])
+def test_quantised_pool_decodes_what_the_quantised_dense_cache_decodes(cache_dtype, kv_scales):
+    """A 1-token prompt, then decodes: every K/V the request reads went through the pool's quantised write and
+    read, so sk.Engine must match sk.generate over the same cache format exactly (longer prompts differ a little:
+    the engine's prompt chunk attends to its own new K/V before quantisation, as vLLM's prefill does)."""
+    model, swiftkv = MODELS["swiftkv-g2"]
+    prompt = PROMPTS[1]
+    done = run(engine("swiftkv-g2", cache_dtype=cache_dtype, kv_scales=kv_scales), [prompt])
+    want = sk.generate(model, [prompt], MAX_TOKENS, swiftkv=swiftkv, cache_dtype=cache_dtype, kv_scales=kv_scales,
+                       logprobs=True, stop_token_ids=[], max_len=80)
+    assert done["0"].token_ids == want.tokens[0]
+    np.testing.assert_allclose(done["0"].logprobs, want.logprobs[0], atol=1e-4)
+
+
+def test_quantised_pool_sizes_its_pages_with_the_scales():
+    """A byte budget buys pages at the quantised size plus 4 bytes of scale per token and KV head."""
+    model, _ = MODELS["swiftkv-g2"]
+    cfg = model.config
+    per_token_head = {"float32": cfg.head_dim * 4, "int8": cfg.head_dim + 4}
+    layers = cfg.num_kv_cache_layers
+    for dtype, width in per_token_head.items():
+        eng = engine("swiftkv-g2", cache_dtype=dtype, num_pages=None, kv_cache_bytes=1 << 16)
+        page = 2 * layers * 4 * cfg.num_key_value_heads * width  # page_size 4
+        assert eng.allocator.num_pages == (1 << 16) // page
+        assert eng.pool.nbytes == eng.allocator.num_pages * page

@@ -72,6 +72,26 @@ def make_inputs(case: Case, seed: int = 0):
     return q, k, v, jnp.asarray(lengths), jnp.asarray(positions, jnp.int32)
 
 
+QUANTIZED_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+QUANTIZED = [(dtype, per_token) for dtype in (jnp.int8, jnp.float8_e4m3fn) for per_token in (False, True)]
+
+
+def quantized_id(dtype, per_token: bool) -> str:
+    return f"{jnp.dtype(dtype).name}-{'per_token_head' if per_token else 'static'}"
+
+
+def quantize(x, dtype, per_token_head: bool):
+    """Independent numpy quantisation of x [..., H] (NaN entries stay poison: a NaN scale per token, or an FP8
+    NaN value): (values in dtype, fp32 scales ``()`` or ``x.shape[:-1]``, float64 values they read back)."""
+    x = np.asarray(x, np.float64)
+    qmax = QUANTIZED_MAX[jnp.dtype(dtype).name]
+    amax = np.abs(x).max(axis=-1) if per_token_head else np.nanmax(np.abs(x))
+    scale = np.asarray(np.maximum(amax / qmax, 1e-12), np.float32)
+    y = np.clip(x / scale.astype(np.float64)[..., None], -qmax, qmax)
+    values = np.round(np.nan_to_num(y)).astype(np.int8) if dtype == jnp.int8 else y.astype(jnp.float8_e4m3fn)
+    return jnp.asarray(values), jnp.asarray(scale), values.astype(np.float64) * scale.astype(np.float64)[..., None]
+
+
 def numpy_attention(q, k, v, lengths, positions):
     """float64, one (b, t, n) at a time, written from the definition; zeros when no key is visible."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -114,6 +134,26 @@ class DecodeAttentionChecks:
         np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
         empty = np.asarray(lengths) == 0
         assert not out[empty].any(), "an empty cache must give zeros"
+
+    @pytest.mark.parametrize("case, dtype, per_token", [
+        (CASES[1], *QUANTIZED[1]), (CASES[3], *QUANTIZED[3]), (CASES[4], *QUANTIZED[0]), (CASES[2], *QUANTIZED[2])],
+        ids=lambda x: str(x) if isinstance(x, Case) else None)
+    def test_quantized_cache_matches_numpy(self, case, dtype, per_token):
+        """An int8 / FP8 cache with per-layer or per-token-head scales: the kernel against the reference and the
+        float64 loop over the numpy-dequantised cache."""
+        q, k, v, lengths, positions = make_inputs(case, seed=3)
+        (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
+        assert k.dtype == dtype and k_scale.dtype == jnp.float32 and k_scale.ndim == 3 * per_token
+        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
+        out = self.attention(q, k, v, lengths, positions, block_sizes, k_scale=k_scale, v_scale=v_scale)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        tol = TOLERANCE[case.dtype]
+        reference = decode_attention_reference(q, k, v, lengths, positions, k_scale=k_scale, v_scale=v_scale)
+        np.testing.assert_allclose(out, np.asarray(reference, np.float32), atol=tol, rtol=tol)
+        expected = numpy_attention(q, k64, v64, np.asarray(lengths), np.asarray(positions))
+        np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
+        assert not out[np.asarray(lengths) == 0].any(), "an empty cache must give zeros"
 
     @pytest.mark.parametrize("case", CASES[1:3], ids=str)
     def test_residuals_match_reference(self, case):
@@ -219,6 +259,24 @@ def test_rejects_bad_shapes(q_shape, kv_shape, lengths_shape, positions_shape, m
                          jnp.zeros(positions_shape, jnp.int32), interpret=True)
 
 
+@pytest.mark.parametrize("k_dtype, k_scale_shape, v_scale_shape, message", [
+    (jnp.int8, None, None, "int8 k cache needs k_scale and v_scale"),
+    (jnp.float8_e4m3fn, None, None, r"float8_e4m3fn k cache needs k_scale and v_scale .*\[B, S, K\] \(1, 10, 4\)"),
+    (jnp.int8, (), None, "k_scale and v_scale go together"),
+    (jnp.float32, None, (1, 10, 4), "k_scale and v_scale go together"),
+    (jnp.int8, (1, 10, 4, 1), (1, 10, 4), r"k_scale must be a \(\) scalar or \[B, S, K\] \(1, 10, 4\)"),
+    (jnp.int8, (1, 10, 4), (10, 4), r"v_scale must be a \(\) scalar or \[B, S, K\] \(1, 10, 4\)"),
+    (jnp.int8, (), (1, 10, 4), "one shape"),
+])
+@pytest.mark.parametrize("function", [decode_attention, decode_attention_reference])
+def test_rejects_bad_scales(function, k_dtype, k_scale_shape, v_scale_shape, message):
+    k = jnp.zeros((1, 10, 4, 64), k_dtype)
+    k_scale, v_scale = (None if shape is None else jnp.ones(shape) for shape in (k_scale_shape, v_scale_shape))
+    with pytest.raises(ValueError, match=message):
+        function(jnp.zeros((1, 1, 4, 64)), k, k, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                 k_scale=k_scale, v_scale=v_scale, **({"interpret": True} if function is decode_attention else {}))
+
+
 def test_empty_cache_axis_gives_zeros():
     q = jnp.ones((2, 1, 4, 64))
     kv = jnp.zeros((2, 0, 2, 64))
@@ -234,6 +292,20 @@ def test_compiled_lowers_to_a_triton_kernel():
         ((2, 3, 8, 128), jnp.bfloat16), ((2, 100, 2, 128), jnp.bfloat16), ((2, 100, 2, 128), jnp.bfloat16),
         ((2,), jnp.int32), ((2, 3), jnp.int32)]]
     lowered = _decode_attention.trace(*args, DecodeBlockSizes(block_k=32, num_splits=4), False)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "num_warps = 4" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+def test_compiled_quantized_cache_lowers_to_a_triton_kernel(dtype):
+    """Without a GPU: an int8 / FP8 cache with per-token-head scales lowers for CUDA to a Triton custom call (the
+    FP8 cast is checked against the GPU's compute capability only at run time: >= 8.9)."""
+    from swiftkv_jax.kernels.decode_attention import _decode_attention
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((2, 3, 8, 128), jnp.bfloat16), ((2, 100, 2, 128), dtype), ((2, 100, 2, 128), dtype),
+        ((2,), jnp.int32), ((2, 3), jnp.int32), ((2, 100, 2), jnp.float32), ((2, 100, 2), jnp.float32)]]
+    lowered = _decode_attention.trace(*args[:5], DecodeBlockSizes(block_k=32, num_splits=4), False, *args[5:])
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "num_warps = 4" in text
 

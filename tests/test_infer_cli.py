@@ -129,6 +129,26 @@ def test_bench_reports_both_wirings(checkpoints, capsys, tmp_path):
     assert code == 2 and "--random-weights" in err
 
 
+def test_quantised_cache_from_the_command_line(checkpoints, capsys, tmp_path):
+    """--cache-dtype int8 / fp8 and --kv-scales reach generate and bench; a bad pair is a clear error."""
+    student = checkpoints / "student"
+    code, out, _ = run(capsys, "generate", "--model", student, "--prompt", "What is 4 + 5?", "--max-new-tokens", 8,
+                       "--cache-dtype", "int8")
+    tokenizer = load_tokenizer(str(student))
+    want = sk.generate(sk.load(student), "What is 4 + 5?", 8, tokenizer=tokenizer, cache_dtype="int8",
+                       stop_token_ids=[tokenizer.eos_token_id]).texts[0]
+    assert code == 0 and out == want + "\n"
+    out_json = tmp_path / "bench.json"
+    code, _, _ = run(capsys, "bench", "--model", student, "--prompt-len", 16, "--gen-len", 2, "--batch", 1,
+                     "--repeats", 1, "--cache-dtype", "fp8", "--kv-scales", "per-layer", "--output", out_json)
+    rows = json.loads(out_json.read_text())["results"]
+    assert code == 0 and {(r["cache_dtype"], r["kv_scales"]) for r in rows} == {("float8_e4m3fn", "per-layer")}
+    code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--kv-scales", "per-layer")
+    assert code == 2 and "do not apply to a bfloat16 cache" in err
+    code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--cache-dtype", "int4")
+    assert code == 2 and "unknown KV cache dtype 'int4': choose one of" in err
+
+
 def test_analyze_writes_the_similarity_of_layers(checkpoints, capsys, tmp_path):
     code, out, _ = run(capsys, "analyze", "--model", checkpoints / "teacher", "--data", checkpoints / "docs",
                        "--max-tokens", 64, "--out", tmp_path / "analysis")

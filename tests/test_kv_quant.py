@@ -102,3 +102,24 @@ def test_bytes_reproduce_the_papers_62_5_percent():
     assert static / teacher == 0.375
     assert dynamic / teacher == 0.375 * (128 + 4) / 128
     assert teacher == 2 * 32 * 8 * 128 * 2
+
+
+def test_bytes_benchmark_allocates_what_the_paper_counts(tmp_path):
+    """benchmarks/kv_cache.py bytes: the caches init_cache allocates (shapes only) for the Llama-3.1-8B shape."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bytes.json"
+    subprocess.run([sys.executable, "benchmarks/kv_cache.py", "bytes", "--out", str(out)], cwd=repo, check=True,
+                   capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    rows = {(r["g"], r["format"]): r["vs_teacher_bf16"] for r in result["rows"]}
+    teacher = result["teacher_bf16_bytes_per_token"] * result["tokens"]
+    assert teacher == 32 * 2 * 4096 * 8 * 128 * 2
+    # 16 + 32/2/2 = 24 cached layers of 1-byte K and V, plus their static scales: 2 x 24 fp32 numbers
+    assert rows[(2, "float8_e4m3fn/per-layer")] == (0.375 * teacher + 2 * 24 * 4) / teacher
+    assert rows[(2, "float8_e4m3fn/per-token-head")] == 0.375 * 132 / 128
+    assert rows[(1, "bfloat16")] == 1.0 and rows[(4, "bfloat16")] == 0.625

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode_attention_kernel import TOLERANCE, numpy_attention
+from test_decode_attention_kernel import QUANTIZED, TOLERANCE, numpy_attention, quantize
 
 from swiftkv_jax.kernels import (AttentionResiduals, DecodeBlockSizes, decode_attention, merge_partials, normalize,
                                  paged_attention, paged_attention_reference)
@@ -160,6 +160,29 @@ class PagedAttentionChecks:
     def test_sweep_matches_reference_and_numpy(self, case):
         self.check_against_reference_and_numpy(case)
 
+    @pytest.mark.parametrize("case, dtype, per_token", [
+        (CASES[0], *QUANTIZED[1]), (CASES[1], *QUANTIZED[3]), (CASES[4], *QUANTIZED[2]), (CASES[3], *QUANTIZED[0])],
+        ids=lambda x: str(x) if isinstance(x, Case) else None)
+    def test_quantized_pool_matches_numpy(self, case, dtype, per_token):
+        """An int8 / FP8 pool with per-layer or per-token-head [K, P, page_size] scales, gathered through the table:
+        the kernel against the reference and the float64 walk of the numpy-dequantised pool. The pools' unused slots
+        stay poisoned (NaN scales per token, NaN FP8 values)."""
+        q, k, v, table, lengths, positions = make_inputs(case, seed=3)
+        (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
+        assert k.dtype == dtype and k_scale.ndim == 3 * per_token
+        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        out = self.attention(q, k, v, table, lengths, positions, block_sizes, **scales)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all(), "read a key outside the sequences (the pools are NaN there)"
+        tol = TOLERANCE[case.dtype]
+        reference = paged_attention_reference(q, k, v, table, lengths, positions, **scales)
+        np.testing.assert_allclose(out, np.asarray(reference, np.float32), atol=tol, rtol=tol)
+        expected = numpy_paged_attention(q, k64, v64, table, lengths, positions)
+        np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
+        assert not out[np.asarray(lengths) == 0].any(), "an empty sequence must give zeros"
+
     def test_residuals_match_reference(self):
         case = CASES[1]
         inputs = make_inputs(case, seed=1)
@@ -267,6 +290,24 @@ def test_rejects_bad_dtypes(table_dtype, lengths_dtype, v_dtype, message):
                         jnp.zeros((1,), lengths_dtype), jnp.zeros((1, 1), jnp.int32), interpret=True)
 
 
+@pytest.mark.parametrize("pool_dtype, k_scale_shape, v_scale_shape, message", [
+    (jnp.int8, None, None, "int8 k cache needs k_scale and v_scale"),
+    (jnp.float8_e4m3fn, None, None, r"needs k_scale and v_scale .*\[K, P, page_size\] \(2, 4, 8\)"),
+    (jnp.int8, None, (), "k_scale and v_scale go together"),
+    (jnp.int8, (2, 4, 8), (2, 4, 8, 1), r"v_scale must be a \(\) scalar or \[K, P, page_size\] \(2, 4, 8\)"),
+    (jnp.int8, (1, 2, 8), (2, 4, 8), r"k_scale must be a \(\) scalar or \[K, P, page_size\] \(2, 4, 8\)"),
+    (jnp.float8_e4m3fn, (2, 4, 8), (), "one shape"),
+])
+@pytest.mark.parametrize("function", [paged_attention, paged_attention_reference])
+def test_rejects_bad_scales(function, pool_dtype, k_scale_shape, v_scale_shape, message):
+    pool = jnp.zeros((2, 4, 8, 64), pool_dtype)
+    k_scale, v_scale = (None if shape is None else jnp.ones(shape) for shape in (k_scale_shape, v_scale_shape))
+    with pytest.raises(ValueError, match=message):
+        function(jnp.zeros((1, 1, 4, 64)), pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32),
+                 jnp.zeros((1, 1), jnp.int32), k_scale=k_scale, v_scale=v_scale,
+                 **({"interpret": True} if function is paged_attention else {}))
+
+
 def test_rejects_other_block_sizes():
     pool = jnp.zeros((2, 4, 8, 64))
     with pytest.raises(TypeError, match="DecodeBlockSizes"):
@@ -292,6 +333,21 @@ def test_compiled_lowers_to_a_triton_kernel(q_dtype):
         ((2, 3, 8, 128), q_dtype), ((2, 40, 16, 128), jnp.bfloat16), ((2, 40, 16, 128), jnp.bfloat16),
         ((2, 7), jnp.int32), ((2,), jnp.int32), ((2, 3), jnp.int32)]]
     lowered = _paged_attention.trace(*args, DecodeBlockSizes(block_k=32, num_splits=4), False)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "num_warps = 4" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+def test_compiled_quantized_pool_lowers_to_a_triton_kernel(dtype):
+    """Without a GPU: an int8 / FP8 pool with per-token-head scales (gathered through the table) lowers for CUDA to
+    a Triton custom call."""
+    from swiftkv_jax.kernels.paged_attention import _paged_attention
+
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
+        ((2, 3, 8, 128), jnp.bfloat16), ((2, 40, 16, 128), dtype), ((2, 40, 16, 128), dtype),
+        ((2, 7), jnp.int32), ((2,), jnp.int32), ((2, 3), jnp.int32), ((2, 40, 16), jnp.float32),
+        ((2, 40, 16), jnp.float32)]]
+    lowered = _paged_attention.trace(*args[:6], DecodeBlockSizes(block_k=32, num_splits=4), False, *args[6:])
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "num_warps = 4" in text
 

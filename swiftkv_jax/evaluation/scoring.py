@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.kv_quant import cache_dtype_name
+from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model, forward
 from swiftkv_jax.serving.cache import init_cache
 from swiftkv_jax.serving.engine import extend, prefill
@@ -104,7 +104,7 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
             jnp.asarray(row_ctx),
             jnp.asarray(_pad_rows(conts, padded_length(max(map(len, conts)), None), n_rows)),
             jnp.asarray(np.array([len(c) for c in conts] + [0] * (n_rows - len(conts)), np.int32)),
-            config=cfg, swiftkv=swiftkv, cache_dtype=cache_dtype_name(cache_dtype))
+            config=cfg, swiftkv=swiftkv, cache_dtype=as_format(cache_dtype))
         total, greedy = jax.device_get((total, greedy))
         for row, (_, i) in enumerate(members):
             results[i] = (float(total[row]), bool(greedy[row]))

@@ -29,6 +29,13 @@ with Mosaic GPU unless Triton ``CompilerParams`` are passed, so they are always 
 uses; it has no CPU interpret mode for this style of kernel and a different programming model. The Triton
 backend is deprecated from JAX 0.11 on, so whether this kernel or a Mosaic GPU one (or plain XLA) is faster
 for decode on the H200 must be measured there; this file was written and tested without a GPU.
+
+Quantised caches (int8, float8_e4m3fn; ``k_scale`` / ``v_scale``): the kernel loads K and V blocks in their
+storage dtype and dequantises in registers (fp32 value times the fp32 scale of its token and KV head, a ``[block_k]``
+load beside the block), so the products, softmax and accumulation run in fp32 and no dequantised copy of the cache
+is made. A per-layer (``()``) scale is not loaded at all: K's multiplies the fp32 queries and V's the unnormalised
+output, both exact rewrites since attention is linear in each. The float path (no scales) is unchanged. FP8 needs
+a GPU of compute capability >= 8.9 under Triton (checked before the launch).
 """
 
 from __future__ import annotations
@@ -128,10 +135,42 @@ def _visible(lengths, q_positions, num_keys: int) -> jax.Array:
     return (key < lengths[:, None, None]) & (key <= q_positions[:, :, None])
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, return_residuals: bool = False):
-    """Plain-jnp decode attention with an fp32 softmax; same contract as ``decode_attention``."""
+def _is_quantized(dtype) -> bool:
+    """A cache dtype that needs scales: any integer or 1-byte (FP8) dtype."""
+    return not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize == 1
+
+
+def _check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
+    """Validates a cache's scales: None (only for a bf16 / fp16 / fp32 cache), ``()`` or ``token_shape`` (named
+    ``layout``), the same for K and V."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together: pass both or neither")
+    if k_scale is None:
+        for name, x in (("k", k), ("v", v)):
+            if _is_quantized(x.dtype):
+                raise ValueError(f"a quantised {x.dtype} {name} cache needs k_scale and v_scale (a () scalar or "
+                                 f"{layout} {token_shape} fp32 scales)")
+        return
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(x.shape) not in ((), token_shape):
+            raise ValueError(f"{name} must be a () scalar or {layout} {token_shape}, got {tuple(x.shape)}")
+    if k_scale.shape != v_scale.shape:
+        raise ValueError(f"k_scale and v_scale must have one shape, got {k_scale.shape} and {v_scale.shape}")
+
+
+def _dequantize_cache(cache, scale):
+    """``cache`` read in fp32: times ``scale`` (``()`` or the cache's shape minus H) where there is one."""
+    return cache if scale is None else cache.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, return_residuals: bool = False,
+                               k_scale=None, v_scale=None):
+    """Plain-jnp decode attention with an fp32 softmax; same contract as ``decode_attention`` (a quantised cache
+    is dequantised in memory first)."""
     B, T, N, H = q.shape
     _, S, K, _ = k_cache.shape
+    _check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
+    k_cache, v_cache = _dequantize_cache(k_cache, k_scale), _dequantize_cache(v_cache, v_scale)
     f32 = jnp.float32
     qg = q.astype(f32).reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BTKGS", qg, k_cache.astype(f32), precision=lax.Precision.HIGHEST)
@@ -145,19 +184,23 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, ret
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int,
-                  split_len: int, key_index):
+def _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
+                  dequantize: bool = False):
     """One (b, kv head, split) program, for any layout of the keys. limit_ref [R]: row r sees keys < limit[r].
 
-    q_ref [R, H]; o_ref [R, H], m_ref [R], l_ref [R] fp32. ``key_index(i, idx, in_range)`` gives the indexer of
-    block i's keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load) into k_ref and
-    v_ref, which it must turn into ``[block_k, H]``. The dense cache and the paged pool differ only there.
+    q_ref [R, H]; refs: o_ref [R, H], m_ref [R], l_ref [R] fp32, preceded by k_scale_ref and v_scale_ref (laid out
+    as k_ref minus H) for per-token-head scales. ``key_index(i, idx, in_range)`` gives the indexers of block i's
+    keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load): into k_ref and v_ref,
+    which they must turn into ``[block_k, H]``, and into the scale refs (``[block_k]``). The dense cache and the
+    paged pool differ only there. dequantize: read K and V in fp32 (times their scale blocks if any), so the
+    products and the softmax run in fp32 over a quantised cache; no dequantised copy of the cache is made.
     """
+    *scale_refs, o_ref, m_ref, l_ref = refs
     rows, head_dim = q_ref.shape
     split_start = pl.program_id(2) * split_len
     limit = limit_ref[...]
     # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case).
-    dot_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+    dot_dtype = jnp.float32 if dequantize else jnp.promote_types(q_ref.dtype, k_ref.dtype)
     q = q_ref[...].astype(dot_dtype)
     # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S).
     split_end = jnp.minimum(jnp.max(limit), split_start + split_len)
@@ -167,15 +210,25 @@ def _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale:
         o, m, l = carry
         idx = split_start + i * block_k + jnp.arange(block_k)
         in_range = idx < split_end
-        keys = key_index(i, idx, in_range)
-        k = pltriton.load(k_ref.at[keys], mask=in_range[:, None], other=0.0).astype(dot_dtype)
+        keys, scale_keys = key_index(i, idx, in_range)
+
+        def read(ref, which):  # [block_k, H]: K (which=0) or V (1), in its storage dtype or dequantised in fp32
+            x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
+            if not dequantize:
+                return x
+            x = x.astype(jnp.float32)
+            if scale_refs:
+                x = x * pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[:, None]
+            return x
+
+        k = read(k_ref, 0).astype(dot_dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         visible = idx[None, :] < limit[:, None]
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
-        v = pltriton.load(v_ref.at[keys], mask=in_range[:, None], other=0.0)
+        v = read(v_ref, 1)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o * correction[:, None] + pv, m_next, l * correction + jnp.sum(p, axis=1)
 
@@ -190,7 +243,8 @@ def _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale:
 def _dense_key_index(i, idx, in_range):
     """Block i of this split of the dense cache (k_ref, v_ref [split_len, H]: the split, may run past S)."""
     del in_range  # the masked load
-    return pl.ds(i * idx.shape[0], idx.shape[0]), slice(None)
+    rows = pl.ds(i * idx.shape[0], idx.shape[0])
+    return (rows, slice(None)), rows
 
 
 def _compiler_params(block_sizes: DecodeBlockSizes, interpret: bool):
@@ -223,14 +277,30 @@ def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
     _check_queries(q, k_cache.shape[2], lengths, q_positions)
 
 
+def _scale_inputs(k_scale, v_scale):
+    """How a cache's (checked) scales reach the kernel: (dequantize, per-token-head scales to pass in as inputs,
+    per-layer scales to apply outside). A per-layer scale costs nothing in the kernel: K's multiplies the fp32
+    queries (the scores are linear in the keys), V's the unnormalised output (linear in the values)."""
+    if k_scale is None:
+        return False, (), None
+    scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    return (True, scales, None) if scales[0].ndim else (True, (), scales)
+
+
 def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, num_kv_heads: int, num_keys: int,
-                       block_sizes: DecodeBlockSizes, interpret: bool, name: str) -> AttentionResiduals:
+                       block_sizes: DecodeBlockSizes, interpret: bool, name: str, dequantize: bool = False,
+                       static_scales=None) -> AttentionResiduals:
     """The launch shared by the dense and the paged kernels: query rows, row limits, grid, merge of the splits.
 
-    kernel: ``(limit_ref, q_ref, *kv_refs, o_ref, m_ref, l_ref, *, scale, block_k, split_len)``; kv_inputs: what
-    kv_refs come from; kv_specs(split_len): their BlockSpecs over the grid (b, kv head k, split j). num_keys: the
-    key capacity of one sequence (S), split in ``num_splits`` pieces of a multiple of block_k keys.
+    kernel: ``(limit_ref, q_ref, *kv_refs, o_ref, m_ref, l_ref, *, scale, block_k, split_len)`` (and
+    ``dequantize`` when it is set); kv_inputs: what kv_refs come from; kv_specs(split_len): their BlockSpecs over the
+    grid (b, kv head k, split j). num_keys: the key capacity of one sequence (S), split in ``num_splits`` pieces of
+    a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see ``_scale_inputs``.
     """
+    if dequantize:
+        kernel = functools.partial(kernel, dequantize=True)
+    if static_scales is not None:
+        q = q.astype(jnp.float32) * static_scales[0]
     B, T, N, H = q.shape
     K = num_kv_heads
     G = N // K
@@ -269,6 +339,8 @@ def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, 
     )(limit, q_rows, *kv_inputs)
 
     out, m, total = merge_partials(outs, maxes, sums)
+    if static_scales is not None:
+        out = out * static_scales[1]
 
     def to_heads(x):  # [B, K, R_pad, ...] -> [B, T, N, ...]
         x = x[:, :, :rows].reshape(B, K, T, G, *x.shape[3:])
@@ -278,20 +350,23 @@ def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, 
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool):
+def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool,
+                      k_scale=None, v_scale=None):
     _, S, K, H = k_cache.shape
+    dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
 
     def kv_specs(split_len):  # this split of the cache, in place (the last one may run past S: masked loads)
         spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, j: (b, j, k, 0))
-        return [spec, spec]
+        scale_spec = pl.BlockSpec((None, split_len, None), lambda b, k, j: (b, j, k))  # [B, S, K] scales
+        return [spec, spec] + [scale_spec] * len(token_scales)
 
     kernel = functools.partial(_attend_split, key_index=_dense_key_index)
-    return _split_k_attention(kernel, q, lengths, q_positions, (k_cache, v_cache), kv_specs, num_kv_heads=K,
-                              num_keys=S, block_sizes=block_sizes, interpret=interpret,
-                              name="swiftkv_decode_attention")
+    return _split_k_attention(kernel, q, lengths, q_positions, (k_cache, v_cache, *token_scales), kv_specs,
+                              num_kv_heads=K, num_keys=S, block_sizes=block_sizes, interpret=interpret,
+                              name="swiftkv_decode_attention", dequantize=dequantize, static_scales=static_scales)
 
 
-def _kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str):
+def _kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str, cache_dtypes=()):
     """Defaults and loud failures shared by the public kernels: (block sizes, interpret)."""
     if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
         raise NotImplementedError(
@@ -306,6 +381,11 @@ def _kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | Non
     if not interpret and backend != "gpu":
         raise NotImplementedError(f"the compiled {what.replace('_', '-')} kernel needs a GPU (backend is "
                                   f"{backend!r}); pass interpret=True or use {what}_reference")
+    if not interpret and any(jnp.dtype(dtype) == jnp.float8_e4m3fn for dtype in cache_dtypes):
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9):
+            raise NotImplementedError(f"a float8_e4m3fn cache needs compute capability >= 8.9 for Triton (this GPU "
+                                      f"is {capability}); use an int8 cache or {what}_reference")
     return block_sizes, bool(interpret)
 
 
@@ -316,7 +396,7 @@ def _no_keys(q) -> AttentionResiduals:
 
 
 def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: DecodeBlockSizes | None = None,
-                     interpret: bool | None = None, return_residuals: bool = False):
+                     interpret: bool | None = None, return_residuals: bool = False, k_scale=None, v_scale=None):
     """Attention of a few query tokens over a KV cache, by the split-K Pallas kernel.
 
     Args:
@@ -328,14 +408,21 @@ def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: 
       interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
       return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,
         finish with ``normalize``) instead of the output.
+      k_scale, v_scale: None (a bf16 / fp16 / fp32 cache) or the scales of a quantised (int8, float8_e4m3fn)
+        cache, both a ``()`` per-layer scale or both ``[B, S, K]`` per token and KV head: key s reads
+        ``k_cache[b, s, k].astype(f32) * k_scale[b, s, k]``. The kernel loads the cache in its storage dtype and
+        dequantises in registers; products, softmax and accumulation run in fp32.
 
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
     _check_shapes(q, k_cache, v_cache, lengths, q_positions)
-    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "decode_attention")
+    _check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
+    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "decode_attention",
+                                              (k_cache.dtype, v_cache.dtype))
     if k_cache.shape[1] == 0:  # no cache at all: nothing to attend to
         residuals = _no_keys(q)
     else:
-        residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, interpret)
+        residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, interpret, k_scale,
+                                      v_scale)
     return residuals if return_residuals else normalize(residuals, q.dtype)

@@ -30,20 +30,24 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.kernels.decode_attention import (DecodeBlockSizes, _attend_split, _check_queries, _kernel_settings,
-                                                  _no_keys, _split_k_attention, decode_attention_reference,
-                                                  normalize, pltriton)
+from swiftkv_jax.kernels.decode_attention import (DecodeBlockSizes, _attend_split, _check_queries, _check_scales,
+                                                  _dequantize_cache, _kernel_settings, _no_keys, _scale_inputs,
+                                                  _split_k_attention, decode_attention_reference, normalize,
+                                                  pltriton)
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
-                              return_residuals: bool = False):
+                              return_residuals: bool = False, k_scale=None, v_scale=None):
     """Plain jnp: gathers the pages through the block table into a dense ``[B, M * page_size, K, H]`` view and
     calls ``decode_attention_reference`` (one reference for both layouts). Unused table entries read page 0 and
-    keys past each length are zeroed, so nothing outside a sequence (not even a NaN) reaches the result."""
+    keys past each length are zeroed, so nothing outside a sequence (not even a NaN) reaches the result. A
+    quantised pool is dequantised (the whole pool, in memory) first."""
     B, M = block_tables.shape
     K, _, page_size, H = k_pages.shape
+    _check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
+    k_pages, v_pages = _dequantize_cache(k_pages, k_scale), _dequantize_cache(v_pages, v_scale)
     table = jnp.where(jnp.arange(M)[None, :] * page_size < lengths[:, None], block_tables, 0)  # entries in use
     valid = (jnp.arange(M * page_size)[None, :] < lengths[:, None])[:, :, None, None]
 
@@ -54,9 +58,10 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
                                       return_residuals=return_residuals)
 
 
-def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size: int, **kwargs):
+def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size: int, **kwargs):
     """One (b, kv head, split) program. table_ref [M]: the block table of sequence b; k_ref, v_ref
-    [P, page_size, H]: the pool of this KV head (indexed in place)."""
+    [P, page_size, H]: the pool of this KV head (indexed in place); refs: the outputs of ``_attend_split``, after
+    the [P, page_size] scales of this KV head when they are per token and head."""
     last_entry = table_ref.shape[0] - 1
     head = jnp.arange(k_ref.shape[-1])[None, :]
 
@@ -64,23 +69,28 @@ def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref
         del i
         # Keys past the split's end are not loaded; their (clamped, in-bounds) entries are not read either.
         page = pltriton.load(table_ref.at[jnp.minimum(idx // page_size, last_entry)], mask=in_range, other=0)
-        return page[:, None], (idx % page_size)[:, None], head
+        offset = idx % page_size
+        return (page[:, None], offset[:, None], head), (page, offset)
 
-    _attend_split(limit_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, key_index=key_index, **kwargs)
+    _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, key_index=key_index, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes: DecodeBlockSizes,
-                     interpret: bool):
+                     interpret: bool, k_scale=None, v_scale=None):
     K, P, page_size, H = k_pages.shape
     M = block_tables.shape[1]
+    dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
     table_spec = pl.BlockSpec((None, M), lambda b, k, j: (b, 0))
     pool_spec = pl.BlockSpec((None, P, page_size, H), lambda b, k, j: (k, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, P, page_size), lambda b, k, j: (k, 0, 0))  # [K, P, page_size] scales
+    specs = [table_spec, pool_spec, pool_spec] + [scale_spec] * len(token_scales)
     kernel = functools.partial(_paged_kernel, page_size=page_size)
-    return _split_k_attention(kernel, q, lengths, q_positions, (block_tables.astype(jnp.int32), k_pages, v_pages),
-                              lambda split_len: [table_spec, pool_spec, pool_spec], num_kv_heads=K,
-                              num_keys=M * page_size, block_sizes=block_sizes, interpret=interpret,
-                              name="swiftkv_paged_attention")
+    return _split_k_attention(kernel, q, lengths, q_positions,
+                              (block_tables.astype(jnp.int32), k_pages, v_pages, *token_scales),
+                              lambda split_len: specs, num_kv_heads=K, num_keys=M * page_size,
+                              block_sizes=block_sizes, interpret=interpret, name="swiftkv_paged_attention",
+                              dequantize=dequantize, static_scales=static_scales)
 
 
 def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
@@ -104,7 +114,7 @@ def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
                     block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
-                    return_residuals: bool = False):
+                    return_residuals: bool = False, k_scale=None, v_scale=None):
     """Attention of a few query tokens over a paged KV cache, by the split-K Pallas kernel.
 
     Args:
@@ -120,15 +130,21 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
       interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
       return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,
         finish with ``normalize``) instead of the output.
+      k_scale, v_scale: None (a bf16 / fp16 / fp32 pool) or the scales of a quantised (int8, float8_e4m3fn) pool,
+        both a ``()`` per-layer scale or both ``[K, P, page_size]`` per token and KV head (laid out as the pool):
+        ``k_pages[k, p, o].astype(f32) * k_scale[k, p, o]``. The kernel gathers the scales through the block table
+        with the pages, loads the pool in its storage dtype and dequantises in registers (fp32 products, softmax
+        and accumulation).
 
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
     _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions)
-    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "paged_attention")
+    _check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
+    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "paged_attention", (k_pages.dtype,))
     if block_tables.shape[1] == 0:  # a table of no pages: nothing to attend to
         residuals = _no_keys(q)
     else:
         residuals = _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes,
-                                     interpret)
+                                     interpret, k_scale, v_scale)
     return residuals if return_residuals else normalize(residuals, q.dtype)

@@ -143,3 +143,24 @@ def dequantize(q, scale, dtype=jnp.float32):
         return q.astype(dtype)
     x = q.astype(jnp.float32) * (scale[..., None] if scale.ndim else scale)
     return x.astype(dtype)
+
+
+def write_pair(pair, k, v, put, put_scale):
+    """A layer's cache `pair` with new k, v [..., H] written into it: (k, v) for a float cache, (k, v, k_scale,
+    v_scale) for a quantised one (0-d static scales, or per-token-head ones). `put(cache, q)` and
+    `put_scale(scale, s)` place the quantised values and their dynamic scales; the cache kind decides where."""
+    caches, scales = pair[:2], pair[2:] or (None, None)
+    written, new_scales = [], []
+    for cache, scale, new in zip(caches, scales, (k, v)):
+        dynamic = scale is not None and scale.ndim > 0
+        q, new_scale = quantize(new, cache.dtype, None if dynamic else scale)
+        written.append(put(cache, q))
+        new_scales.append(put_scale(scale, new_scale) if dynamic else scale)
+    return tuple(written) + (tuple(new_scales) if pair[2:] else ())
+
+
+def dequantize_pair(pair, index=lambda a: a):
+    """The (k, v) a layer's cache holds, each `index`ed (a gather of pages, or nothing), fp32 when quantised."""
+    if not pair[2:]:
+        return tuple(index(a) for a in pair)
+    return tuple(dequantize(index(c), index(s) if s.ndim else s) for c, s in zip(pair[:2], pair[2:]))

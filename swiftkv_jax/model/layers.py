@@ -18,7 +18,7 @@ from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.attention import FEW_QUERIES, attend, attend_cache, cache_positions
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.kv_quant import dequantize, quantize
+from swiftkv_jax.model.kv_quant import dequantize_pair, write_pair
 from swiftkv_jax.model.rope import apply_rope
 
 
@@ -109,25 +109,15 @@ class CacheWrite:
     def write(self, pair, k, v):
         """The layer's cache with new k, v [B, T, K, H] written at `write_at`. A pair is (k, v), or for a quantised
         cache (k, v, k_scale, v_scale) with 0-d static scales or [B, K, S] per-token-head ones (`kv_quant`)."""
-        caches, scales = pair[:2], pair[2:] or (None, None)
-        written, new_scales = [], []
-        for cache, scale, new in zip(caches, scales, (k, v)):
-            static = scale if scale is not None and scale.ndim == 0 else None
-            q, new_scale = quantize(new, cache.dtype, static)
-            written.append(write_cache(cache, q, self.write_at))
-            if scale is not None and scale.ndim:  # [B, T, K] -> [B, K, S] at write_at
-                new_scale = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i)))(
-                    scale, jnp.swapaxes(new_scale, 1, 2), self.write_at)
-            new_scales.append(new_scale)
-        return tuple(written) + (tuple(new_scales) if pair[2:] else ())
+        put_scale = lambda scale, new: jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i)))(
+            scale, jnp.swapaxes(new, 1, 2), self.write_at)  # [B, T, K] at write_at of [B, K, S]
+        return write_pair(pair, k, v, lambda cache, q: write_cache(cache, q, self.write_at), put_scale)
 
     def view(self, pair, k=None, v=None):
         """What attention reads: the whole cache, of which the first kv_lengths are valid (k, v: unused here,
         the new tokens are in the cache already). A quantised cache is read dequantised to fp32 here (the XLA
         reference reading; the Pallas kernels dequantise in registers)."""
-        if pair[2:]:
-            pair = tuple(dequantize(c, s) for c, s in zip(pair[:2], pair[2:]))
-        return cache_view(*pair, self.kv_lengths)
+        return cache_view(*dequantize_pair(pair), self.kv_lengths)
 
 
 def write_cache(cache, new, write_at):

@@ -30,14 +30,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from swiftkv_jax.model.attention import _DECODE_IMPLS, _MASKED, attend
+from swiftkv_jax.model.kv_quant import dequantize_pair, write_pair
 
 NULL_PAGE = 0  # written by padding tokens, read by nothing
 
 
 def gather_pages(pages, table):
-    """pages [K, P, page_size, H] through table [..., M] -> the dense keys [K, ..., M * page_size, H]."""
-    gathered = pages[:, table]
-    return gathered.reshape(gathered.shape[:-3] + (-1, pages.shape[-1]))
+    """pages [K, P, page_size, H] through table [..., M] -> the dense keys [K, ..., M * page_size, H]; a
+    quantised pool's scales [K, P, page_size] -> [K, ..., M * page_size]."""
+    gathered, rest = pages[:, table], pages.shape[3:]
+    return gathered.reshape(gathered.shape[:gathered.ndim - 2 - len(rest)] + (-1,) + rest)
 
 
 PAGES_PER_BLOCK = 4  # pages a loop step of the XLA path reads per sequence (64 keys at 16-token pages)
@@ -53,11 +55,13 @@ def xla_pages_per_block(num_table_pages: int) -> int:
     return PAGES_PER_BLOCK if jax.default_backend() == "cpu" else max(num_table_pages, 1)
 
 
-def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_block: Optional[int] = None):
+def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_block: Optional[int] = None,
+               k_scale=None, v_scale=None):
     """Few queries q [D, T, N, H] over their sequences' pages, in XLA: blocks of `pages_per_block` pages (default
     `xla_pages_per_block`) with an online softmax (flash-decoding's merge), fp32, each needed page read once in
     place. Several blocks run as a loop that stops after the longest sequence's last page; one block runs
-    without a loop. `kernels.paged_attention_reference` is the plain gather."""
+    without a loop. A quantised pool comes with its scales (0-d, or [K, P, page_size]) and is dequantised block
+    by block. `kernels.paged_attention_reference` is the plain gather."""
     d, t, n, h = q.shape
     kv_heads, _, page_size, _ = k_pages.shape
     per_block = pages_per_block or xla_pages_per_block(tables.shape[1])
@@ -72,7 +76,8 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
     def step(i, carry):
         out, row_max, row_sum = carry
         pages = tables[:, i]  # [D, per_block]
-        k, v = (p[:, pages].reshape(kv_heads, d, block, h) for p in (k_pages, v_pages))
+        k, v = dequantize_pair((k_pages, v_pages) + ((k_scale, v_scale) if k_scale is not None else ()),
+                               lambda a: a[:, pages].reshape((kv_heads, d, block) + a.shape[3:]))
         scores = jax.lax.dot_general(k.astype(jnp.float32), query, (((3,), (3,)), ((0, 1), (0, 1))))  # [K, D, S, R]
         visible = (i * block + jnp.arange(block))[None, :, None] < limit[:, None, :]  # [D, S, R]
         scores = jnp.where(visible[None], scores, _MASKED)
@@ -94,22 +99,22 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
     return jnp.einsum("KDTGH->DTKGH", out.reshape(kv_heads, d, t, g, h)).reshape(d, t, n, h).astype(q.dtype)
 
 
-def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions):
+def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
     from swiftkv_jax.kernels.paged_attention import paged_attention  # Pallas imports only when chosen
 
-    return paged_attention(q, k_pages, v_pages, tables, lengths, q_positions)
+    return paged_attention(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=k_scale, v_scale=v_scale)
 
 
 _PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas}
 assert set(_PAGED_IMPLS) == set(_DECODE_IMPLS), "every decode_attention_impl needs its paged form"
 
 
-def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions):
+def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
     try:
         fn = _PAGED_IMPLS[impl]
     except KeyError:
         raise ValueError(f"unknown decode_attention_impl {impl!r}: available are {', '.join(_PAGED_IMPLS)}") from None
-    return fn(q, k_pages, v_pages, tables, lengths, q_positions)
+    return fn(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=k_scale, v_scale=v_scale)
 
 
 @struct.dataclass
@@ -130,12 +135,13 @@ class PagedBatch:
 
     def write(self, pair, k, v):
         """The layer's pools with new k, v [1, D + R, K, H] written at each token's page and offset (in place
-        under jit when the pools are donated)."""
-        return tuple(pool.at[:, self.write_pages, self.write_offsets].set(jnp.swapaxes(new[0], 0, 1).astype(pool.dtype))
-                     for pool, new in zip(pair, (k, v)))
+        under jit when the pools are donated); a quantised pair (k, v, k_scale, v_scale) gets its dynamic scales
+        [K, P, page_size] written the same way (`kv_quant.write_pair`)."""
+        put = lambda pool, new: pool.at[:, self.write_pages, self.write_offsets].set(jnp.swapaxes(new, 0, 1))
+        return write_pair(pair, k[0], v[0], put, put)
 
     def view(self, pair, k=None, v=None):
-        return PagedView(pair[0], pair[1], self, k, v)
+        return PagedView(pair[0], pair[1], self, k, v, *(pair[2:] or (None, None)))
 
 
 @struct.dataclass
@@ -148,6 +154,8 @@ class PagedView:
     batch: PagedBatch
     k_new: Optional[jax.Array]
     v_new: Optional[jax.Array]
+    k_scale: Optional[jax.Array] = None  # a quantised pool's scales: 0-d (static) or [K, P, page_size]
+    v_scale: Optional[jax.Array] = None
 
     def attend(self, config, q, positions):
         """q [1, D + R, N, H] (rotated), positions [1, D + R] -> [1, D + R, N, H]."""
@@ -155,7 +163,8 @@ class PagedView:
         parts = []
         if d:
             single = paged_attend(config.decode_attention_impl, jnp.swapaxes(q[:, :d], 0, 1), self.k_pages,
-                                  self.v_pages, batch.tables, batch.lengths, positions[0, :d, None])
+                                  self.v_pages, batch.tables, batch.lengths, positions[0, :d, None],
+                                  self.k_scale, self.v_scale)
             parts.append(jnp.swapaxes(single, 0, 1))
         if q.shape[1] > d:
             parts.append(self._attend_prompts(config, q[:, d:], positions[:, d:]))
@@ -164,8 +173,9 @@ class PagedView:
     def _attend_prompts(self, config, q, positions):
         """The packed prompt chunks: keys = segment 0's cached context, then the chunk's own new K/V."""
         batch, d = self.batch, self.batch.num_single
-        context_k, context_v = (jnp.swapaxes(gather_pages(p, batch.context_table), 0, 1)[None]  # [1, S, K, H]
-                                for p in (self.k_pages, self.v_pages))
+        pair = (self.k_pages, self.v_pages) + ((self.k_scale, self.v_scale) if self.k_scale is not None else ())
+        context_k, context_v = (jnp.swapaxes(x, 0, 1)[None]  # [1, S, K, H]
+                                for x in dequantize_pair(pair, lambda a: gather_pages(a, batch.context_table)))
         capacity = context_k.shape[1]
         context_positions = jnp.arange(capacity, dtype=jnp.int32)
         context_segments = jnp.where(context_positions < batch.context_length, 0, -2)

@@ -32,6 +32,7 @@ import numpy as np
 from swiftkv_jax.checkpoints.hf_config import config_from_hf
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model, cast, init
 from swiftkv_jax.model.swiftkv import to_swiftkv
 from swiftkv_jax.serving.cache import cache_layers, init_cache
@@ -184,7 +185,7 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         "swiftkv": swiftkv, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats,
         "num_layers": cfg.num_hidden_layers, "num_key_value_layers": cfg.num_key_value_layers,
         "key_value_group_size": cfg.key_value_group_size, "param_dtype": cfg.param_dtype,
-        "compute_dtype": cfg.dtype, "cache_dtype": jnp.dtype(abstract_cache.lower[0][0].dtype).name,
+        "compute_dtype": cfg.dtype, "cache_dtype": as_format(cache_dtype).dtype, "kv_scales": as_format(cache_dtype).scales,
         "attention_impl": cfg.attention_impl, "decode_attention_impl": cfg.decode_attention_impl,
         "prefill_chunk": chunk, "device": jax.devices()[0].device_kind,
         "params": int(sum(a.size for a in jax.tree.leaves(params))), "param_bytes": _nbytes(params),
@@ -196,7 +197,7 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         "prefill_compile_s": prefill_compile_s, "decode_compile_s": decode_compile_s,
     }
     if bandwidth:
-        entry = 2 * batch * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(row["cache_dtype"]).itemsize
+        entry = 2 * batch * cfg.num_key_value_heads * as_format(cache_dtype).bytes_per_token_head(cfg.head_dim)
         kv_read = cfg.num_hidden_layers * entry * (prompt_len + (gen_len + 1) / 2)
         step_bytes = row["step_param_bytes"] + kv_read
         row.update(memory_bandwidth=float(bandwidth), step_bytes=int(step_bytes),

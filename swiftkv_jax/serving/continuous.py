@@ -81,7 +81,7 @@ class Engine:
                  max_num_batched_tokens: int = 512, budget_unit: str = "tokens", max_model_len: Optional[int] = None,
                  max_prompt_seqs: int = 8, cache_dtype="bfloat16", attention_impl: Optional[str] = None,
                  decode_attention_impl: Optional[str] = None, single_buckets: Optional[Seq[int]] = None,
-                 prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False):
+                 prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False, kv_scales: Optional[str] = None):
         cfg = model.config
         overrides = {"attention_impl": attention_impl, "decode_attention_impl": decode_attention_impl}
         self.config = cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
@@ -95,18 +95,15 @@ class Engine:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}), so that every running sequence can decode in every step")
-        if as_format(cache_dtype).quantized:  # the format is checked first: an unknown dtype names the choices
-            raise ValueError(f"sk.Engine does not serve a {as_format(cache_dtype).dtype} KV cache yet: use cache_dtype "
-                             f"bfloat16 or float32 here (sk.generate and infer.py generate/eval/bench take "
-                             f"float8_e4m3fn and int8)")
-        num_pages = pages_for_budget(cfg, self.swiftkv, page_size, cache_dtype, num_pages=num_pages,
+        self.cache_format = as_format(cache_dtype, kv_scales)  # first: a bad dtype or scale setting names the choices
+        num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, num_pages=num_pages,
                                      kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction)
         self.page_size = page_size
         # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
         self.pages_per_seq = -(-self.max_model_len // page_size)
         self.allocator = PageAllocator(num_pages)
-        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, cache_dtype)
+        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format)
         self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if budget_unit == "cost" else 1.0
         max_prompt_tokens = int(max_num_batched_tokens / self.prompt_cost + 1e-9)
         self.single_buckets = tuple(sorted(single_buckets or _doubling(1, max_num_seqs)))

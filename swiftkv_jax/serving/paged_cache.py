@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.kv_quant import as_format, init_scales, kv_bytes_per_token
 from swiftkv_jax.model.paged import NULL_PAGE
 from swiftkv_jax.serving.cache import cache_layers
 
@@ -33,14 +33,14 @@ class PagePool:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.lower, self.upper)))
 
 
-def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype) -> int:
-    """Bytes of one page id across every cached layer, K and V."""
-    return 2 * cache_layers(config, swiftkv) * page_size * config.num_key_value_heads * config.head_dim * \
-        as_dtype(dtype).itemsize
+def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype, kv_scales: Optional[str] = None) -> int:
+    """Bytes of one page id across every cached layer, K and V (a quantised cache's dynamic scales included)."""
+    return page_size * kv_bytes_per_token(config, cache_layers(config, swiftkv), as_format(dtype, kv_scales))
 
 
 def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, *, num_pages: Optional[int] = None,
-                     kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None) -> int:
+                     kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
+                     kv_scales: Optional[str] = None) -> int:
     """The pool's page count (the null page included) from exactly one of: a page count, a byte budget, or a fraction
     of the device memory that is free now."""
     given = [name for name, value in (("num_pages", num_pages), ("kv_cache_bytes", kv_cache_bytes),
@@ -48,7 +48,7 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
     if len(given) != 1:
         raise ValueError(f"size the paged KV cache with exactly one of num_pages, kv_cache_bytes, kv_cache_fraction "
                          f"(got {', '.join(given) or 'none'})")
-    per_page = page_bytes(config, swiftkv, page_size, dtype)
+    per_page = page_bytes(config, swiftkv, page_size, dtype, kv_scales)
     if kv_cache_fraction is not None:
         if not 0 < kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {kv_cache_fraction}")
@@ -65,11 +65,15 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
     return int(num_pages)
 
 
-def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16") -> PagePool:
+def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16",
+              kv_scales: Optional[str] = None) -> PagePool:
+    """Zeroed pools; a quantised `dtype` (`model.kv_quant`) adds its scales to each pair."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
+    fmt = as_format(dtype, kv_scales)
     shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
-    pairs = lambda n: tuple((jnp.zeros(shape, as_dtype(dtype)), jnp.zeros(shape, as_dtype(dtype))) for _ in range(n))
+    pairs = lambda n: tuple((jnp.zeros(shape, fmt.element_dtype), jnp.zeros(shape, fmt.element_dtype))
+                            + init_scales(fmt, shape[:-1]) for _ in range(n))
     upper = None
     if config.num_kv_groups:
         upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)
