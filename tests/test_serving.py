@@ -184,7 +184,8 @@ QUANTISED = [("int8", "per-token-head", 2.0), ("float8_e4m3fn", "per-token-head"
              ("float8_e4m3fn", "per-layer", None), ("int8", "per-layer", None)]
 
 
-@pytest.mark.parametrize("name", ["plain", "swiftkv-g2", "swiftkv-g2-as-teacher"])
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "swiftkv-g2",
+                                  pytest.param("swiftkv-g2-as-teacher", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("cache_dtype, kv_scales, bound", QUANTISED, ids=lambda x: str(x))
 def test_quantised_cache_serves_close_to_the_float_cache(name, cache_dtype, kv_scales, bound):
     """Chunked prefill + teacher-forced decode over an FP8 / int8 cache against the fp32 cache, same model."""
@@ -204,6 +205,19 @@ def test_quantised_cache_serves_close_to_the_float_cache(name, cache_dtype, kv_s
     else:  # fp8, static scale of 1: worse than the dynamic scales
         dynamic = np.abs(run(cache_dtype=cache_dtype)[0] - want).max()
         assert error > dynamic > 0
+
+
+@pytest.mark.parametrize("cache_dtype, kv_scales", [("int8", "per-token-head"), ("float8_e4m3fn", "per-layer")])
+def test_pallas_decode_reads_the_quantised_cache_as_xla_does(cache_dtype, kv_scales):
+    """decode_attention_impl="pallas" over an FP8 / int8 static cache (the kernel dequantises in registers; interpret
+    mode on CPU) serves what the XLA path serves over the same cache."""
+    model = sk.to_swiftkv(sk.init(CFG.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
+    out = {}
+    for impl in ("xla", "pallas"):
+        m = sk.Model(model.config.replace(decode_attention_impl=impl), model.params)
+        out[impl], _ = engine_logits(m, True, SEQ, [PROMPT, 9], padded=16, chunk=8, cache_dtype=cache_dtype,
+                                     kv_scales=kv_scales)
+    np.testing.assert_allclose(out["pallas"], out["xla"], atol=2e-5, rtol=2e-5)
 
 
 def test_generate_over_an_int8_cache_takes_its_rows_for_each_sample():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax.model.kv_quant import dequantize
+
 
 def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> jnp.ndarray:
     """[B, T, S] bool: same segment and key position <= query position."""
@@ -196,10 +198,12 @@ def cache_positions(kv_lengths, length: int):
     return positions, jnp.where(positions < kv_lengths[:, None], 0, -1)
 
 
-def _xla_cache_attention(q, k, v, q_positions, kv_lengths):
+def _xla_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_scale=None):
     """The T*G query rows of each KV head against its cache [S, H], as batched products over (B, K) in the
     cache's own layout; scores [B, K, S, R] keep S before the rows, the order in which XLA:CPU's product is
     fastest (2.5x the [B, K, R, S] order at decode shapes). Softmax in fp32."""
+    if k_scale is not None:  # a quantised cache, read back in fp32 (kv_quant)
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     b, t, n, h = q.shape
     kv_heads, length = k.shape[1], k.shape[2]
     g = n // kv_heads
@@ -215,10 +219,13 @@ def _xla_cache_attention(q, k, v, q_positions, kv_lengths):
     return jnp.einsum("BKTGH->BTKGH", out.reshape(b, kv_heads, t, g, h)).reshape(b, t, n, h)
 
 
-def _pallas_cache_attention(q, k, v, q_positions, kv_lengths):
+def _pallas_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_scale=None):
     from swiftkv_jax.kernels.decode_attention import decode_attention  # Pallas imports only when chosen
 
-    return decode_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_lengths, q_positions)
+    # the kernel takes [B, S, K, H] (and per-token-head scales [B, S, K]); a quantised cache stays quantised
+    scales = {name: jnp.swapaxes(s, 1, 2) if s.ndim else s for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
+              if s is not None}
+    return decode_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_lengths, q_positions, **scales)
 
 
 _DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention}
@@ -226,10 +233,11 @@ DECODE_ATTENTION_IMPLS = tuple(_DECODE_IMPLS)
 FEW_QUERIES = 16  # at most this many query tokens over a cache take the few-query path
 
 
-def attend_cache(impl: str, q, k, v, q_positions, kv_lengths) -> jnp.ndarray:
-    """Few-query attention over a cache by the named implementation; an unknown name raises."""
+def attend_cache(impl: str, q, k, v, q_positions, kv_lengths, k_scale=None, v_scale=None) -> jnp.ndarray:
+    """Few-query attention over a cache by the named implementation (a quantised cache with its scales, see
+    `kv_quant`); an unknown name raises."""
     try:
         fn = _DECODE_IMPLS[impl]
     except KeyError:
         raise ValueError(f"unknown decode_attention_impl {impl!r}: available are {', '.join(_DECODE_IMPLS)}") from None
-    return fn(q, k, v, q_positions, kv_lengths)
+    return fn(q, k, v, q_positions, kv_lengths, k_scale, v_scale)

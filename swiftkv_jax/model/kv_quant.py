@@ -14,12 +14,13 @@ Bytes (`kv_bytes_per_token`) count the scales, so the paged pool sizes itself an
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax.numpy as jnp
 
 from swiftkv_jax.dtypes import DTYPES, dtype_name
-from swiftkv_jax.model.config import ModelConfig
+if TYPE_CHECKING:  # config imports attention, which reads caches through this module
+    from swiftkv_jax.model.config import ModelConfig
 
 # The largest magnitude each quantised format holds: e4m3fn has no infinity, and a value past 448 casts to NaN,
 # so writes clip; int8 keeps -128 unused, so the range is symmetric.

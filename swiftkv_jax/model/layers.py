@@ -115,9 +115,9 @@ class CacheWrite:
 
     def view(self, pair, k=None, v=None):
         """What attention reads: the whole cache, of which the first kv_lengths are valid (k, v: unused here,
-        the new tokens are in the cache already). A quantised cache is read dequantised to fp32 here (the XLA
-        reference reading; the Pallas kernels dequantise in registers)."""
-        return cache_view(*dequantize_pair(pair), self.kv_lengths)
+        the new tokens are in the cache already). A quantised cache's view ends with its (k_scale, v_scale): few
+        queries hand them to `attend_cache` (the Pallas kernel dequantises in registers), many dequantise first."""
+        return cache_view(*pair[:2], self.kv_lengths) + tuple(pair[2:])
 
 
 def write_cache(cache, new, write_at):
@@ -181,11 +181,13 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         if not isinstance(view, tuple):  # a paged pool's view attends by itself (swiftkv_jax.model.paged)
             return self.o_proj(view.attend(self.config, q, positions)), new_cache
-        k, v, kv_positions, kv_segment_ids, kv_lengths = view
+        k, v, kv_positions, kv_segment_ids, kv_lengths, *scales = view
         self.sow("intermediates", "keys", k)  # what this layer reads: its own K, or its group owner's
         if kv_lengths is not None and q.shape[1] <= FEW_QUERIES:
-            out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths)
+            out = attend_cache(self.config.decode_attention_impl, q, k, v, positions, kv_lengths, *scales)
         else:
+            if scales:
+                k, v = dequantize_pair((k, v, *scales))
             if kv_lengths is not None:  # a cache [B, K, S, H]: many queries amortise one transpose; the cache
                 # may be wider than the activations (an fp32 cache under a bf16 model holds bf16 values, so the
                 # cast is exact) and cuDNN takes one dtype for q, k and v
