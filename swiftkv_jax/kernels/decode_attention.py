@@ -55,6 +55,8 @@ try:  # JAX 0.10 and 0.11 (deprecated there, still present); the masked load and
 except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backend
     pltriton = None
 
+from swiftkv_jax.model.kv_quant import dequantize as dequantize_cache  # noqa: E402 - after the optional import
+
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "decode_attention", "decode_attention_reference",
     "merge_partials", "normalize",
@@ -158,11 +160,6 @@ def _check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
         raise ValueError(f"k_scale and v_scale must have one shape, got {k_scale.shape} and {v_scale.shape}")
 
 
-def _dequantize_cache(cache, scale):
-    """``cache`` read in fp32: times ``scale`` (``()`` or the cache's shape minus H) where there is one."""
-    return cache if scale is None else cache.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)[..., None]
-
-
 def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, return_residuals: bool = False,
                                k_scale=None, v_scale=None):
     """Plain-jnp decode attention with an fp32 softmax; same contract as ``decode_attention`` (a quantised cache
@@ -170,7 +167,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, ret
     B, T, N, H = q.shape
     _, S, K, _ = k_cache.shape
     _check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
-    k_cache, v_cache = _dequantize_cache(k_cache, k_scale), _dequantize_cache(v_cache, v_scale)
+    k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
     f32 = jnp.float32
     qg = q.astype(f32).reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BTKGS", qg, k_cache.astype(f32), precision=lax.Precision.HIGHEST)

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.decode_attention import (DecodeBlockSizes, _attend_split, _check_queries, _check_scales,
-                                                  _dequantize_cache, _kernel_settings, _no_keys, _scale_inputs,
+                                                  _kernel_settings, _no_keys, _scale_inputs,
                                                   _split_k_attention, decode_attention_reference, normalize,
                                                   pltriton)
+from swiftkv_jax.model.kv_quant import dequantize
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -47,7 +48,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
     B, M = block_tables.shape
     K, _, page_size, H = k_pages.shape
     _check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
-    k_pages, v_pages = _dequantize_cache(k_pages, k_scale), _dequantize_cache(v_pages, v_scale)
+    k_pages, v_pages = dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
     table = jnp.where(jnp.arange(M)[None, :] * page_size < lengths[:, None], block_tables, 0)  # entries in use
     valid = (jnp.arange(M * page_size)[None, :] < lengths[:, None])[:, :, None, None]
 

@@ -28,6 +28,9 @@ QUANTIZED_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 CACHE_DTYPES = tuple(DTYPES) + tuple(QUANTIZED_MAX)
 SCALE_GRANULARITIES = ("per-layer", "per-token-head")
 SCALE_DTYPE = jnp.float32
+# For both formats: a static scale of 1.0 leaves int8 unusable (K/V below 0.5 round to 0), and a good static scale
+# needs calibration data (benchmarks/kv_cache.py quality measures both).
+DEFAULT_SCALES = "per-token-head"
 _TINY = 1e-12  # an all-zero token-head gets this scale rather than 0 (whose inverse is inf)
 
 
@@ -51,7 +54,7 @@ def cache_dtype_name(dtype) -> str:
 @dataclasses.dataclass(frozen=True)
 class KVCacheFormat:
     """A cache's element dtype and, when quantised, its scale granularity (default `per-token-head`, see
-    `default_scales`). `per_layer_scale` is the static scale of every layer under `per-layer` (1.0: vLLM's
+    `DEFAULT_SCALES`). `per_layer_scale` is the static scale of every layer under `per-layer` (1.0: vLLM's
     uncalibrated FP8)."""
 
     dtype: str = "bfloat16"
@@ -65,7 +68,7 @@ class KVCacheFormat:
                 raise ValueError(f"kv scales {self.scales!r} do not apply to a {self.dtype} cache: scales go with "
                                  f"a quantised cache dtype ({', '.join(QUANTIZED_MAX)}); leave them unset")
             return
-        scales = default_scales(self.dtype) if self.scales is None else self.scales
+        scales = DEFAULT_SCALES if self.scales is None else self.scales
         if scales not in SCALE_GRANULARITIES:
             raise ValueError(f"unknown kv scales {self.scales!r}: choose one of {', '.join(SCALE_GRANULARITIES)}")
         if not self.per_layer_scale > 0:
@@ -88,12 +91,6 @@ class KVCacheFormat:
     def bytes_per_token_head(self, head_dim: int) -> int:
         """Bytes of one token's K (or V) for one KV head, its scale included."""
         return head_dim * self.element_dtype.itemsize + (jnp.dtype(SCALE_DTYPE).itemsize if self.dynamic else 0)
-
-
-def default_scales(dtype: str) -> str:
-    """`per-token-head` for both quantised formats: a static scale of 1.0 leaves int8 unusable (K and V values
-    below 0.5 round to 0) and needs calibration data to be good for either format."""
-    return "per-token-head"
 
 
 def as_format(cache_dtype, kv_scales: Optional[str] = None) -> KVCacheFormat:
