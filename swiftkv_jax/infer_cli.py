@@ -29,6 +29,9 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
                    help="prefill attention (default: the checkpoint's, xla_flash)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
                    help="few-query attention over the cache (decode; SwiftKV's later layers in prefill)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices (heads, MLP columns, vocabulary; the KV cache by KV heads); "
+                        "the weights load straight onto them")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
                    help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline")
     b.add_argument("--seed", type=int, default=0, help="random prompts (and --random-weights)")
     b.add_argument("--output", help="write the results as JSON here")
+    b.add_argument("--dry-run", action="store_true",
+                   help="print the bytes per device of the weights and the KV cache for --tensor-parallel 1, 2, 4, 8 "
+                        "(and the one given) without allocating anything; no timing")
     _model_options(b, teacher_mode=False)  # bench always measures both wirings
 
     a = sub.add_parser("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
@@ -144,10 +150,21 @@ def main(argv=None) -> int:
         return 2
 
 
-def _load_model(path: str, args):
-    import swiftkv_jax as sk
+def _mesh(args):
+    """The serving mesh of --tensor-parallel (None for one device); a size larger than the devices raises here,
+    before anything is read."""
+    if args.tensor_parallel == 1:
+        return None
+    from swiftkv_jax.serving.tensor_parallel import serving_mesh
 
-    model = sk.load(path, args.dtype)
+    return serving_mesh(args.tensor_parallel)
+
+
+def _load_model(path: str, args, mesh=None):
+    import swiftkv_jax as sk
+    from swiftkv_jax.serving.tensor_parallel import load_sharded
+
+    model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
     if getattr(args, "teacher_mode", False) and not model.config.is_swiftkv:
@@ -183,12 +200,13 @@ def _generate(args) -> int:
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     if not prompts:
         raise ValueError(f"{args.prompts_file}: no prompts")
-    model = _load_model(args.model, args)
+    mesh = _mesh(args)
+    model = _load_model(args.model, args, mesh)
     ids = [render_context(tokenizer, p, args.chat) for p in prompts]
     stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
-                   max_len=args.max_len, tokenizer=tokenizer)
+                   max_len=args.max_len, tokenizer=tokenizer, mesh=mesh)
     if len(ids) == 1:
         stream = _Stream(tokenizer)
         out = generate(model, ids, args.max_new_tokens, on_token=stream, **options)
@@ -235,11 +253,11 @@ def _eval(args) -> int:
     tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
     options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                           chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
-                          cache_dtype=_cache_format(args))
+                          cache_dtype=_cache_format(args), mesh=_mesh(args))
     paths = [args.model] + ([args.compare] if args.compare else [])
     results = {}
     for path in paths:
-        tokenizer, model = _tokenizer(args, path), _load_model(path, args)
+        tokenizer, model = _tokenizer(args, path), _load_model(path, args, options.mesh)
         results[path] = {}
         for task in tasks:
             with tqdm(total=units(task), desc=f"{task.name} · {model_label(path)}",
@@ -255,19 +273,44 @@ def _eval(args) -> int:
 def _bench(args) -> int:
     from swiftkv_jax.serving import bench
 
+    if args.dry_run:
+        return _bench_dry_run(args)
     if args.preset and not args.random_weights:
         raise ValueError("--preset builds a model shape without weights: add --random-weights (or use --model DIR)")
+    mesh = _mesh(args)
     if args.model:
-        model = _load_model(args.model, args)
+        model = _load_model(args.model, args, mesh)
     else:
-        model = bench.random_model(args.preset, dtype=args.dtype or "bfloat16", seed=args.seed)
+        model = bench.random_model(args.preset, dtype=args.dtype or "bfloat16", seed=args.seed, mesh=mesh)
     rows = bench.bench(model, prompt_len=args.prompt_len, gen_len=args.gen_len, batch=args.batch,
                        repeats=args.repeats, cache_dtype=_cache_format(args), attention_impl=args.attention_impl,
                        decode_attention_impl=args.decode_attention_impl, prefill_chunk=args.prefill_chunk,
-                       memory_bandwidth=args.memory_bandwidth, seed=args.seed)
+                       memory_bandwidth=args.memory_bandwidth, seed=args.seed, mesh=mesh)
     print(bench.format_table(rows))
     if args.output:
         _write_json(args.output, {"command": sys.argv, "model": args.model or args.preset, "results": rows})
+    return 0
+
+
+def _bench_dry_run(args) -> int:
+    """Bytes per device, from the config alone (a checkpoint's config.json, or a preset)."""
+    from swiftkv_jax.serving import bench
+
+    if args.model:
+        from swiftkv_jax.checkpoints.hf import read_config
+        from swiftkv_jax.checkpoints.hf_config import config_from_hf, stored_dtype
+
+        hf = read_config(args.model)
+        dtype = args.dtype or stored_dtype(hf) or "float32"
+        config = config_from_hf(hf, param_dtype=dtype, dtype=dtype)
+    else:
+        config = bench.preset_config(args.preset, param_dtype=args.dtype or "bfloat16", dtype=args.dtype or "bfloat16")
+    sizes = sorted({1, 2, 4, 8, args.tensor_parallel})
+    rows = bench.sizing_rows(config, sizes, batch=args.batch, max_len=args.prompt_len + args.gen_len,
+                             cache_format=_cache_format(args))
+    print(bench.format_sizing(rows))
+    if args.output:
+        _write_json(args.output, {"command": sys.argv, "model": args.model or args.preset, "sizing": rows})
     return 0
 
 
@@ -317,7 +360,8 @@ def _serve(args) -> int:
     buckets = dict(single_buckets=_buckets(args.single_buckets, "--single-buckets"),
                    prompt_buckets=_buckets(args.prompt_buckets, "--prompt-buckets"))
     tokenizer = _tokenizer(args)
-    model = _load_model(args.model, args)
+    mesh = _mesh(args)
+    model = _load_model(args.model, args, mesh)
     pool = dict(num_pages=args.num_pages, kv_cache_fraction=args.kv_cache_fraction,
                 kv_cache_bytes=None if args.kv_cache_bytes is None else int(args.kv_cache_bytes))
     if all(v is None for v in pool.values()):
@@ -326,7 +370,7 @@ def _serve(args) -> int:
     options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    budget_unit=args.budget_unit, max_model_len=args.max_model_len,
-                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=_cache_format(args),
+                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=_cache_format(args), mesh=mesh,
                    **buckets, **{k: v for k, v in pool.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,

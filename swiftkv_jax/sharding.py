@@ -84,9 +84,11 @@ _ACTIVATIONS: contextvars.ContextVar = contextvars.ContextVar("activation_shardi
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-    """While tracing inside this context, `constrain` pins activations to `mesh` by `rules`."""
-    token = _ACTIVATIONS.set((mesh, rules))
+def activation_sharding(mesh: Optional[Mesh], rules=LOGICAL_AXIS_RULES):
+    """While tracing inside this context, `constrain` pins activations to `mesh` by `rules` (None: no mesh, a
+    no-op context, so that single-device callers need no branch). A jitted function that enters it must take
+    the mesh as a static argument: jit's trace cache does not see this context."""
+    token = _ACTIVATIONS.set(None if mesh is None else (mesh, rules))
     try:
         yield
     finally:
@@ -101,3 +103,25 @@ def constrain(x, logical_axes: tuple):
         return x
     mesh, rules = context
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, rules)))
+
+
+def map_over_heads(fn, *args, heads: tuple, out_heads: int):
+    """`fn(*args)`, run per shard of the attention heads (inside `shard_map`) when tracing under
+    `activation_sharding` with heads split over the mesh; plain `fn(*args)` otherwise.
+
+    For kernels that XLA's partitioner cannot split (Pallas calls, cuDNN's fused attention): each device runs
+    the kernel on its own query and KV heads. heads[i]: the head axis of args[i], None for an argument every
+    shard sees whole (lengths, positions, a static scale); out_heads: that of the result, which has args[0]'s
+    rank (the queries').
+    """
+    context = _ACTIVATIONS.get()
+    if context is None:
+        return fn(*args)
+    mesh, rules = context
+    axis = nn.logical_to_mesh_axes(("kv_heads",), rules)[0]
+    if axis is None or math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)) == 1:
+        return fn(*args)
+    spec = lambda ndim, head: PartitionSpec(*(axis if d == head else None for d in range(ndim)))
+    in_specs = tuple(spec(jax.numpy.ndim(a), h) for a, h in zip(args, heads))
+    out_specs = spec(jax.numpy.ndim(args[0]), out_heads)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

@@ -149,6 +149,41 @@ def test_quantised_cache_from_the_command_line(checkpoints, capsys, tmp_path):
     assert code == 2 and "unknown KV cache dtype 'int4': choose one of" in err
 
 
+def test_tensor_parallel_from_the_command_line(checkpoints, capsys, tmp_path):
+    """--tensor-parallel 2 (8 fake CPU devices) generates what one device does and serves the eval; a size that does
+    not fit the devices or the heads is a clear error before any weight is read."""
+    student = checkpoints / "student"
+    texts = []
+    for size in (1, 2):
+        code, out, _ = run(capsys, "generate", "--model", student, "--prompt", "What is 4 + 5?", "--max-new-tokens",
+                           8, "--cache-dtype", "float32", "--tensor-parallel", size)
+        assert code == 0
+        texts.append(out)
+    assert texts[0] == texts[1]
+    code, out, _ = run(capsys, "eval", "--model", student, "--tasks", f"arc_easy={checkpoints / 'arc.jsonl'}",
+                       "--tensor-parallel", 2, "--cache-dtype", "float32")
+    assert code == 0 and "arc_easy" in out
+    code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--tensor-parallel", 16)
+    assert code == 2 and "--tensor-parallel 16 needs 16 devices, but JAX sees 8" in err
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "missing", "--tokenizer", student, "--prompt", "hi",
+                       "--tensor-parallel", 3)
+    assert code == 2 and "no config.json" in err  # the plan reads config.json first: nothing else is touched
+    code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--tensor-parallel", 3)
+    assert code == 2 and "does not divide the model's num_attention_heads (4); sizes that work" in err
+
+
+def test_bench_dry_run_sizes_a_70b_model_without_allocating(capsys, tmp_path):
+    out_json = tmp_path / "sizing.json"
+    code, out, _ = run(capsys, "bench", "--preset", "llama-3.1-70b", "--tensor-parallel", 8, "--dry-run", "--batch",
+                       8, "--prompt-len", 2048, "--gen-len", 128, "--output", out_json)
+    assert code == 0 and "nothing allocated" in out
+    rows = json.loads(out_json.read_text())["sizing"]
+    assert [r["tensor_parallel"] for r in rows] == [1, 1, 2, 2, 4, 4, 8, 8]
+    by_tp = {r["tensor_parallel"]: r for r in rows if r["wiring"] == "swiftkv"}
+    assert by_tp[1]["weight_bytes_per_device"] > 130 * 2**30  # 70B in bf16 (with the SwiftKV projections)
+    assert by_tp[8]["weight_bytes_per_device"] == pytest.approx(by_tp[1]["weight_bytes_per_device"] / 8, rel=1e-3)
+
+
 def test_analyze_writes_the_similarity_of_layers(checkpoints, capsys, tmp_path):
     code, out, _ = run(capsys, "analyze", "--model", checkpoints / "teacher", "--data", checkpoints / "docs",
                        "--max-tokens", 64, "--out", tmp_path / "analysis")

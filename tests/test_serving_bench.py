@@ -115,8 +115,15 @@ def test_llama_presets_are_the_published_shapes(name, g):
     assert B.expected_kv_ratio(cfg) == (16 + 16 / g) / 32
 
 
+def test_llama_70b_preset_is_the_published_shape():
+    cfg = B.preset_config("llama-3.1-70b")
+    plain = cfg.replace(num_key_value_layers=None, key_value_group_size=1)
+    assert sum(math.prod(a.shape) for a in jax.tree.leaves(sk.abstract_params(plain))) == 70_553_706_496  # Meta's
+    assert (cfg.num_key_value_layers, cfg.key_value_group_size, cfg.num_key_value_heads) == (40, 1, 8)  # SwiftKV-70B
+
+
 def test_unknown_preset_lists_the_presets():
-    with pytest.raises(ValueError, match="llama-3.1-8b, llama-3.1-8b-acrosskv4, tiny"):
+    with pytest.raises(ValueError, match="llama-3.1-8b, llama-3.1-8b-acrosskv4, llama-3.1-70b, tiny"):
         B.preset_config("llama-3.1-7b")
     with pytest.raises(ValueError, match="unknown model preset"):
         B.random_model("nope")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 from flax.traverse_util import flatten_dict
 
@@ -48,11 +48,44 @@ class TensorEntry:
             return hf_tensor.T.reshape(self.shape)
         return hf_tensor.reshape(self.shape)
 
+    def hf_part(self, index: tuple) -> Optional[tuple]:
+        """The slices of the HF tensor that hold our per-layer `index` (one slice per dim of `shape`), or None when
+        that part is not one block of it. Splits along heads, MLP columns or the vocabulary are one block: every dim
+        flattened after the split one is whole."""
+        if self.path[0] == "embed_tokens":
+            return tuple(index)
+        if not self.input_dims:
+            part = _flat_range(self.shape, index)
+            return None if part is None else (part,)
+        n = self.input_dims
+        inputs, outputs = _flat_range(self.shape[:n], index[:n]), _flat_range(self.shape[n:], index[n:])
+        return None if inputs is None or outputs is None else (outputs, inputs)
+
+    def part_to_ours(self, hf_part, index: tuple):
+        """The HF tensor's `hf_part(index)` (numpy) -> our per-layer array at `index`."""
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape))
+        return (hf_part.T if self.input_dims else hf_part).reshape(shape)
+
     def to_hf(self, ours):
         """Our per-layer array (numpy) -> the HF tensor."""
         if self.input_dims:
             return ours.reshape(math.prod(self.shape[: self.input_dims]), -1).T
         return ours.reshape(self.hf_shape)
+
+
+def _flat_range(dims: tuple, index: tuple) -> Optional[slice]:
+    """The range of a row-major flattening of `dims` that slices `index` select, if it is one contiguous range:
+    at most one dim partial, with only size-1 dims before it."""
+    ranges = [s.indices(n) for s, n in zip(index, dims)]
+    partial = [i for i, (r, n) in enumerate(zip(ranges, dims)) if r != (0, n, 1)]
+    if not partial:
+        return slice(0, math.prod(dims))
+    j = partial[0]
+    start, stop, step = ranges[j]
+    if len(partial) > 1 or step != 1 or math.prod(dims[:j]) != 1:
+        return None
+    inner = math.prod(dims[j + 1:])
+    return slice(start * inner, stop * inner)
 
 
 def _module_name(keys: tuple[str, ...]) -> str:

@@ -13,6 +13,7 @@ import math
 from typing import Callable, Optional
 
 import numpy as np
+from jax.sharding import Mesh
 
 from swiftkv_jax.evaluation.scoring import rolling_loglikelihood, score_continuations
 from swiftkv_jax.evaluation.tasks import Task, extract_answer, is_correct
@@ -28,6 +29,7 @@ class EvalOptions:
     chat_template: bool = False     # wrap each context as one user turn of the tokenizer's chat template
     swiftkv: Optional[bool] = None  # None: the SwiftKV fast path for a SwiftKV model; False: teacher wiring
     cache_dtype: str = "bfloat16"
+    mesh: Optional[Mesh] = None     # tensor-parallel serving mesh (`serving_mesh(N)`), None: one device
 
 
 PRIMARY_METRIC = {"multiple_choice": "acc", "generation": "exact_match", "perplexity": "bits_per_byte"}
@@ -93,7 +95,7 @@ def _multiple_choice(model, tokenizer, task, options, progress) -> dict:
                                       options.max_length))
             owners.append(i)
     scores = score_continuations(model, requests, swiftkv=options.swiftkv, batch_size=options.batch_size,
-                                 cache_dtype=options.cache_dtype, progress=progress)
+                                 cache_dtype=options.cache_dtype, progress=progress, mesh=options.mesh)
     acc, acc_norm, start = [], [], 0
     for item in task.items:
         n = len(item.continuations)
@@ -117,7 +119,7 @@ def _generation(model, tokenizer, task, options, progress) -> dict:
     for start in range(0, len(prompts), options.batch_size):
         batch = prompts[start: start + options.batch_size]
         out = generate(model, batch, options.max_new_tokens, stop_token_ids=sorted(stops), swiftkv=options.swiftkv,
-                       cache_dtype=options.cache_dtype, tokenizer=tokenizer)
+                       cache_dtype=options.cache_dtype, tokenizer=tokenizer, mesh=options.mesh)
         for item, text in zip(task.items[start: start + len(batch)], out.texts):
             answer = extract_answer(task, text)
             correct.append(float(is_correct(task, answer, item.answer)))
@@ -131,7 +133,7 @@ def _generation(model, tokenizer, task, options, progress) -> dict:
 def _perplexity(model, tokenizer, task, options, progress) -> dict:
     documents = [tokenizer(text)["input_ids"] for text in task.items]
     scores = rolling_loglikelihood(model, documents, max_length=options.max_length, swiftkv=options.swiftkv,
-                                   batch_size=options.batch_size, progress=None)
+                                   batch_size=options.batch_size, progress=None, mesh=options.mesh)
     if progress:
         progress(len(documents))
     nats = -sum(s for s, _ in scores)

@@ -15,13 +15,16 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from swiftkv_jax import sharding
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model, forward
 from swiftkv_jax.serving.cache import init_cache
 from swiftkv_jax.serving.engine import extend, prefill
 from swiftkv_jax.serving.generate import padded_length
+from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
 def _token_scores(logits, targets, lengths):
@@ -34,11 +37,18 @@ def _token_scores(logits, targets, lengths):
     return total, greedy
 
 
-@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "cache_dtype", "mesh"))
 def _score_batch(params, contexts, context_lengths, rows, continuations, continuation_lengths, *,
-                 config: ModelConfig, swiftkv: bool, cache_dtype: str):
+                 config: ModelConfig, swiftkv: bool, cache_dtype: str, mesh: Optional[Mesh]):
+    with activation_sharding(config, mesh):
+        return _score_contexts(params, contexts, context_lengths, rows, continuations, continuation_lengths, config,
+                               swiftkv, cache_dtype, mesh)
+
+
+def _score_contexts(params, contexts, context_lengths, rows, continuations, continuation_lengths, config, swiftkv,
+                    cache_dtype, mesh):
     batch, width = contexts.shape
-    cache = init_cache(config, batch, width + continuations.shape[1], swiftkv, cache_dtype)
+    cache = init_cache(config, batch, width + continuations.shape[1], swiftkv, cache_dtype, mesh=mesh)
     last, cache = prefill(params, cache, contexts, context_lengths, config=config, swiftkv=swiftkv)
     logits, _ = extend(params, cache.take(rows), continuations, continuation_lengths, config=config,
                        swiftkv=swiftkv)
@@ -68,13 +78,15 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
 
 def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                         swiftkv: Optional[bool] = None, batch_size: int = 32, cache_dtype="bfloat16",
-                        progress: Optional[Callable[[int], None]] = None) -> list[tuple[float, bool]]:
+                        progress: Optional[Callable[[int], None]] = None,
+                        mesh: Optional[Mesh] = None) -> list[tuple[float, bool]]:
     """(log p(continuation | context), continuation is the greedy one) for (context ids, continuation ids).
 
     Requests sharing a context share one prefill. batch_size bounds the continuations per call.
     swiftkv=None: the SwiftKV fast path for a SwiftKV model, the plain model as is; False: teacher wiring.
-    progress(n) is called with the number of requests finished by each call.
+    progress(n) is called with the number of requests finished by each call. mesh: tensor-parallel serving mesh.
     """
+    model = for_serving(model, mesh)
     cfg = model.config
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
     groups: dict[tuple, list[int]] = {}
@@ -104,7 +116,7 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
             jnp.asarray(row_ctx),
             jnp.asarray(_pad_rows(conts, padded_length(max(map(len, conts)), None), n_rows)),
             jnp.asarray(np.array([len(c) for c in conts] + [0] * (n_rows - len(conts)), np.int32)),
-            config=cfg, swiftkv=swiftkv, cache_dtype=as_format(cache_dtype))
+            config=cfg, swiftkv=swiftkv, cache_dtype=as_format(cache_dtype), mesh=mesh)
         total, greedy = jax.device_get((total, greedy))
         for row, (_, i) in enumerate(members):
             results[i] = (float(total[row]), bool(greedy[row]))
@@ -114,21 +126,26 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
     return results
 
 
-@functools.partial(jax.jit, static_argnames=("config", "swiftkv"))
-def _window_scores(params, inputs, targets, lengths, *, config: ModelConfig, swiftkv: bool):
+@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "mesh"))
+def _window_scores(params, inputs, targets, lengths, *, config: ModelConfig, swiftkv: bool, mesh: Optional[Mesh]):
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    logits = forward(params, inputs, positions, None, config=config, swiftkv=swiftkv)
+    with activation_sharding(config, mesh):
+        logits = forward(params, inputs, positions, None, config=config, swiftkv=swiftkv)
+        logits = sharding.constrain(logits, ("batch", "length", None))  # scored whole on every device
     return _token_scores(logits, targets, lengths)[0]
 
 
 def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, max_length: int,
                           swiftkv: Optional[bool] = None, batch_size: int = 8,
-                          progress: Optional[Callable[[int], None]] = None) -> list[tuple[float, int]]:
+                          progress: Optional[Callable[[int], None]] = None,
+                          mesh: Optional[Mesh] = None) -> list[tuple[float, int]]:
     """(sum of log p, tokens predicted) per document of ids, every token after the first predicted.
 
     Documents longer than max_length are cut into disjoint windows of max_length targets, each window
-    conditioned on the one token before it (lm-eval's rolling log-likelihood with context 1).
+    conditioned on the one token before it (lm-eval's rolling log-likelihood with context 1). mesh: tensor-parallel
+    serving mesh.
     """
+    model = for_serving(model, mesh)
     cfg = model.config
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
     windows = []  # (document, input ids, target ids)
@@ -148,7 +165,7 @@ def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, m
         targets = _pad_rows([w[2] for w in chunk], width, count)
         lengths = np.array([len(w[2]) for w in chunk] + [0] * (count - len(chunk)), np.int32)
         scores = jax.device_get(_window_scores(model.params, jnp.asarray(inputs), jnp.asarray(targets),
-                                               jnp.asarray(lengths), config=cfg, swiftkv=swiftkv))
+                                               jnp.asarray(lengths), config=cfg, swiftkv=swiftkv, mesh=mesh))
         for (d, _, _), s in zip(chunk, scores):
             sums[d] += float(s)
         if progress:

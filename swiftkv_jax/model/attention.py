@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from swiftkv_jax.model.kv_quant import dequantize
+from swiftkv_jax.sharding import map_over_heads
 
 
 def attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids) -> jnp.ndarray:
@@ -144,10 +145,14 @@ def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
     return jnp.moveaxis(out, 0, 1).reshape(b, t + pad_q, n, h)[:, :t]
 
 
+_NO_HEADS = (None,) * 4  # positions and segment ids: every head shard sees them whole
+
+
 def _pallas_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     from swiftkv_jax.kernels.flash_attention import flash_attention  # Pallas imports only when chosen
 
-    return flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+    return map_over_heads(flash_attention, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                          heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
 
 
 def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
@@ -164,9 +169,11 @@ def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"attention_impl='cudnn' takes bfloat16 or float16 activations, got {q.dtype}: set the "
                          f"model's dtype to bfloat16, or use attention_impl='xla'")
-    mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)[:, None]
+    fused = lambda q, k, v, *ids: jax.nn.dot_product_attention(
+        q, k, v, mask=attention_mask(*ids)[:, None], implementation="cudnn")
     try:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        return map_over_heads(fused, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                              heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
     except (NotImplementedError, RuntimeError, ValueError) as e:
         raise ValueError(f"attention_impl='cudnn' does not support this case ({e}); use attention_impl='xla' "
                          f"or 'pallas'") from e
@@ -223,9 +230,13 @@ def _pallas_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_sc
     from swiftkv_jax.kernels.decode_attention import decode_attention  # Pallas imports only when chosen
 
     # the kernel takes [B, S, K, H] (and per-token-head scales [B, S, K]); a quantised cache stays quantised
-    scales = {name: jnp.swapaxes(s, 1, 2) if s.ndim else s for name, s in (("k_scale", k_scale), ("v_scale", v_scale))
-              if s is not None}
-    return decode_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_lengths, q_positions, **scales)
+    def per_shard(q, k, v, q_positions, kv_lengths, *scales):
+        scales = dict(zip(("k_scale", "v_scale"), (jnp.swapaxes(s, 1, 2) if s.ndim else s for s in scales)))
+        return decode_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_lengths, q_positions, **scales)
+
+    scales = tuple(s for s in (k_scale, v_scale) if s is not None)
+    return map_over_heads(per_shard, q, k, v, q_positions, kv_lengths, *scales,
+                          heads=(2, 1, 1, None, None) + tuple(1 if s.ndim else None for s in scales), out_heads=2)
 
 
 _DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax import sharding
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm
 from swiftkv_jax.model.rope import apply_rope, rope_angles
@@ -74,10 +75,9 @@ def swiftkv_cache_kv(params, config: ModelConfig, h, positions, cache_write: Cac
         y = jnp.einsum("BTD,GDKH->BTGKH", x, p["kernel"].astype(x.dtype))
         return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
-    k = project("k_proj_swiftkv")
-    b, t, groups, kv_heads, h = k.shape
-    k = apply_rope(k.reshape(b, t, groups * kv_heads, h), *rope_angles(config.rope, config.head_dim, positions))
-    k, v = k.reshape(b, t, groups, kv_heads, h), project("v_proj_swiftkv")
+    # rotated as [B, T, G, K, H]: merging G and K would split the KV heads that tensor parallelism shards
+    k = apply_rope(project("k_proj_swiftkv"), *rope_angles(config.rope, config.head_dim, positions))
+    v = project("v_proj_swiftkv")
     return tuple(cache_write.write(pair, k[:, :, i], v[:, :, i]) for i, pair in enumerate(cache))
 
 
@@ -103,5 +103,7 @@ def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWr
 
 
 def head(params, config: ModelConfig, h):
-    """Final norm and output projection: fp32 logits [..., V]."""
-    return Transformer(config).apply({"params": params}, h, method="head")
+    """Final norm and output projection: fp32 logits [B, T, V], whole on every device under tensor parallelism
+    (sampling and scoring then run replicated, as in vLLM)."""
+    logits = Transformer(config).apply({"params": params}, h, method="head")
+    return sharding.constrain(logits, ("batch", "length", None))

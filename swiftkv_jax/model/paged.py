@@ -31,6 +31,7 @@ from flax import struct
 
 from swiftkv_jax.model.attention import _DECODE_IMPLS, _MASKED, attend
 from swiftkv_jax.model.kv_quant import dequantize_pair, write_pair
+from swiftkv_jax.sharding import map_over_heads
 
 NULL_PAGE = 0  # written by padding tokens, read by nothing
 
@@ -102,7 +103,14 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
 def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
     from swiftkv_jax.kernels.paged_attention import paged_attention  # Pallas imports only when chosen
 
-    return paged_attention(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=k_scale, v_scale=v_scale)
+    def per_shard(q, k_pages, v_pages, tables, lengths, q_positions, *scales):
+        return paged_attention(q, k_pages, v_pages, tables, lengths, q_positions,
+                               **dict(zip(("k_scale", "v_scale"), scales)))
+
+    scales = tuple(s for s in (k_scale, v_scale) if s is not None)
+    return map_over_heads(per_shard, q, k_pages, v_pages, tables, lengths, q_positions, *scales,
+                          heads=(2, 0, 0, None, None, None) + tuple(0 if s.ndim else None for s in scales),
+                          out_heads=2)
 
 
 _PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas}

@@ -36,8 +36,10 @@ def rope_angles(rope: RopeConfig, head_dim: int, positions: jnp.ndarray) -> tupl
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate x [B, T, heads, H] by angles [B, T, H/2]; math in fp32, result in x's dtype."""
+    """Rotate x [B, T, heads..., H] (one or more head axes) by angles [B, T, H/2]; math in fp32, result in x's
+    dtype."""
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    heads = (1,) * (x.ndim - 3)
+    cos, sin = (a.reshape(a.shape[:2] + heads + a.shape[2:]) for a in (cos, sin))
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)

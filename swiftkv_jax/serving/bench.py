@@ -28,15 +28,17 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from swiftkv_jax.checkpoints.hf_config import config_from_hf
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import as_format
-from swiftkv_jax.model.model import Model, cast, init
+from swiftkv_jax.model.model import Model, cast, init, param_shardings
 from swiftkv_jax.model.swiftkv import to_swiftkv
 from swiftkv_jax.serving.cache import cache_layers, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
+from swiftkv_jax.serving import tensor_parallel
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 
 # Llama-3.1-8B(-Instruct)'s published config.json: the numbers are written here once.
@@ -50,6 +52,9 @@ LLAMA_3_1_8B = {
     "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "initializer_range": 0.02,
     "torch_dtype": "bfloat16",
 }
+# Llama-3.1-70B's published config.json differs from the 8B's in these fields only.
+LLAMA_3_1_70B = {**LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                 "num_attention_heads": 64}
 TINY = {  # seconds on a CPU; AcrossKV g = 2 so that the KV saving is visible (cache: 2 + 1 of 4 layers)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -68,6 +73,7 @@ def _swiftkv(hf: dict, l: int, g: int) -> dict:
 PRESETS = {
     "llama-3.1-8b": _swiftkv(LLAMA_3_1_8B, 16, 1),
     "llama-3.1-8b-acrosskv4": _swiftkv(LLAMA_3_1_8B, 16, 4),
+    "llama-3.1-70b": _swiftkv(LLAMA_3_1_70B, 40, 1),  # the published SwiftKV-70B's l = 40 of 80
     "tiny": _swiftkv(TINY, 2, 2),
 }
 GREEDY = SamplingParams()
@@ -80,13 +86,15 @@ def preset_config(name: str, **runtime) -> ModelConfig:
     return config_from_hf(PRESETS[name], **runtime)
 
 
-def random_model(preset_or_config: Union[str, ModelConfig], dtype="bfloat16", seed: int = 0) -> Model:
+def random_model(preset_or_config: Union[str, ModelConfig], dtype="bfloat16", seed: int = 0,
+                 mesh: Optional[Mesh] = None) -> Model:
     """Random weights for a preset or config: `init` (in `dtype`) + `to_swiftkv` (when the config has SwiftKV
     layers, with its l and g) + `cast`, traced as one jitted program, so the teacher and the student are
     never held side by side. The key is an "rbg" key (XLA's RngBitGenerator): threefry's random bits would
     add ~0.8x the weights in temporaries. XLA's own estimate for llama-3.1-8b in bf16: 15.7 GiB of weights
     + 10.5 GiB of temporaries (three stacked MLP weights before the split at layer l). The weights depend
-    on the seed and the platform (the generator is the backend's)."""
+    on the seed and the platform (the generator is the backend's). On a tensor-parallel `mesh` the weights are born
+    split (`tensor_parallel`), so a model larger than one device can be benchmarked."""
     cfg = preset_config(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     plain = cfg.replace(num_key_value_layers=None, key_value_group_size=1, param_dtype=dtype, dtype=dtype)
 
@@ -96,7 +104,14 @@ def random_model(preset_or_config: Union[str, ModelConfig], dtype="bfloat16", se
             model = to_swiftkv(model, cfg.num_key_value_layers, cfg.key_value_group_size)
         return cast(model, dtype)
 
-    return jax.jit(build)(jax.random.key(seed, impl="rbg"))
+    if mesh is None:
+        return jax.jit(build)(jax.random.key(seed, impl="rbg"))
+    tp_plan = tensor_parallel.plan(cfg, mesh.shape["tensor"])
+    key = jax.random.key(seed, impl="rbg")
+    built = jax.eval_shape(build, key).config
+    out_shardings = param_shardings(built, mesh, tp_plan.placement_rules)
+    params = jax.jit(lambda rng: build(rng).params, out_shardings=out_shardings)(key)
+    return tensor_parallel.finish_placement(Model(built, params), mesh, tp_plan)
 
 
 def random_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0) -> np.ndarray:
@@ -155,20 +170,22 @@ def step_param_bytes(model: Model, swiftkv: bool) -> int:
 
 
 def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cache_dtype, chunk, bandwidth,
-                  keep_tokens):
+                  keep_tokens, mesh):
     cfg = model.config
     # the weights in serving layout once, as an engine holds them: neither timing includes the unstacking copy
     params = jax.block_until_ready(jax.jit(unstack_layers, static_argnums=1)(model.params, cfg))
     batch, prompt_len = prompts.shape
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    fresh = lambda: init_cache(cfg, batch, prompt_len + gen_len, swiftkv, cache_dtype)
-    abstract_cache = jax.eval_shape(fresh)
-    first, prefill_compile_s = _compile(
-        functools.partial(_first_token, config=cfg, swiftkv=swiftkv, chunk_size=chunk),
-        params, abstract_cache, prompts, lengths)
-    loop, decode_compile_s = _compile(
-        functools.partial(_decode_loop, config=cfg, swiftkv=swiftkv, steps=gen_len),
-        params, abstract_cache, jax.ShapeDtypeStruct((batch,), jnp.int32))
+    fresh = lambda: init_cache(cfg, batch, prompt_len + gen_len, swiftkv, cache_dtype, mesh=mesh)
+    abstract_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                  jax.block_until_ready(fresh()))
+    with tensor_parallel.activation_sharding(cfg, mesh):  # traced inside (`lower`)
+        first, prefill_compile_s = _compile(
+            functools.partial(_first_token, config=cfg, swiftkv=swiftkv, chunk_size=chunk),
+            params, abstract_cache, prompts, lengths)
+        loop, decode_compile_s = _compile(
+            functools.partial(_decode_loop, config=cfg, swiftkv=swiftkv, steps=gen_len),
+            params, abstract_cache, jax.ShapeDtypeStruct((batch,), jnp.int32))
     ttfts, loops = [], []
     for run in range(repeats + 1):  # run 0 warms up
         cache = jax.block_until_ready(fresh())
@@ -188,6 +205,7 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         "compute_dtype": cfg.dtype, "cache_dtype": as_format(cache_dtype).dtype, "kv_scales": as_format(cache_dtype).scales,
         "attention_impl": cfg.attention_impl, "decode_attention_impl": cfg.decode_attention_impl,
         "prefill_chunk": chunk, "device": jax.devices()[0].device_kind,
+        "tensor_parallel": 1 if mesh is None else int(mesh.shape["tensor"]),
         "params": int(sum(a.size for a in jax.tree.leaves(params))), "param_bytes": _nbytes(params),
         "step_param_bytes": step_param_bytes(model, swiftkv),
         "cache_layers": cache_layers(cfg, swiftkv), "kv_cache_bytes": kv_bytes,
@@ -215,13 +233,14 @@ def expected_kv_ratio(config: ModelConfig) -> float:
 def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: int = 3, cache_dtype="bfloat16",
           decode_attention_impl: Optional[str] = None, attention_impl: Optional[str] = None,
           prefill_chunk: Optional[int] = None, memory_bandwidth: Optional[float] = None, seed: int = 0,
-          keep_tokens: bool = False) -> list[dict]:
+          keep_tokens: bool = False, mesh: Optional[Mesh] = None) -> list[dict]:
     """Rows [swiftkv, teacher] for a SwiftKV model, [plain] otherwise; see the module docstring.
 
     The swiftkv row carries `vs_teacher`: swiftkv / teacher ratios of ttft, tpot, kv_bytes, e2e_tokens_per_s
     and kv_bytes_expected = (l + (L - l) / g) / L. memory_bandwidth (bytes/s) adds the TPOT roofline.
     attention_impl / decode_attention_impl override the config's (prefill / few-query attention).
     keep_tokens adds each row's generated tokens [batch, gen_len + 1] (prompts: `random_prompts(..., seed)`).
+    mesh: serve tensor-parallel on it (`tensor_parallel.serving_mesh`); kv_cache_bytes then counts every device's.
     """
     for name, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("batch", batch), ("repeats", repeats)):
         if not isinstance(value, int) or value < 1:
@@ -233,10 +252,11 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
         cfg = cfg.replace(attention_impl=attention_impl)
     if decode_attention_impl is not None:
         cfg = cfg.replace(decode_attention_impl=decode_attention_impl)
-    model = Model(cfg, model.params)
-    prompts = jax.device_put(random_prompts(cfg.vocab_size, batch, prompt_len, seed))
+    model = tensor_parallel.for_serving(Model(cfg, model.params), mesh)
+    cfg = model.config
+    prompts = tensor_parallel.replicated(mesh, random_prompts(cfg.vocab_size, batch, prompt_len, seed))
     rows = [_bench_wiring(model, swiftkv, prompts, gen_len=gen_len, repeats=repeats, cache_dtype=cache_dtype,
-                          chunk=prefill_chunk, bandwidth=memory_bandwidth, keep_tokens=keep_tokens)
+                          chunk=prefill_chunk, bandwidth=memory_bandwidth, keep_tokens=keep_tokens, mesh=mesh)
             for swiftkv in ((True, False) if cfg.is_swiftkv else (False,))]
     if cfg.is_swiftkv:
         fast, slow = rows
@@ -258,7 +278,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [f"batch {first['batch']} x prompt {first['prompt_len']} + {first['gen_len']} generated, "
              f"{_count(first['params'])} params {first['param_dtype']}, KV {first['cache_dtype']}, "
              f"L={first['num_layers']} l={first['num_key_value_layers']} g={first['key_value_group_size']}, "
-             f"attention {first['attention_impl']}/{first['decode_attention_impl']}, on {first['device']}"]
+             f"attention {first['attention_impl']}/{first['decode_attention_impl']}, on {first['device']}"
+             + (f" x {first['tensor_parallel']} (tensor parallel)" if first.get("tensor_parallel", 1) > 1 else "")]
     roofline = "memory_bandwidth" in first
     header = (f"{'wiring':<9}{'TTFT ms':>10}{'TPOT ms':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
               f"{'KV layers':>10}{'KV MiB':>10}{'compile s':>12}" + (f"{'roofline':>10}" if roofline else ""))
@@ -272,4 +293,41 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         if "vs_teacher" in r:
             lines.append("swiftkv / teacher: " + ", ".join(f"{k} {v:.3f}" for k, v in r["vs_teacher"].items()))
+    return "\n".join(lines)
+
+
+GIB = 2**30
+
+
+def sizing_rows(config: ModelConfig, sizes, *, batch: int, max_len: int, cache_format) -> list[dict]:
+    """`tensor_parallel.sizing` for each tensor-parallel size and wiring (sizes that cannot work get an `error`)."""
+    rows = []
+    for tensor in sizes:
+        for swiftkv in ((True, False) if config.is_swiftkv else (False,)):
+            wiring = ("swiftkv" if swiftkv else "teacher") if config.is_swiftkv else "plain"
+            try:
+                row = tensor_parallel.sizing(config, tensor, batch=batch, max_len=max_len, swiftkv=swiftkv,
+                                             cache_format=cache_format)
+            except ValueError as e:
+                row = dict(tensor_parallel=tensor, error=str(e))
+            rows.append(dict(row, wiring=wiring, param_dtype=config.param_dtype,
+                             cache_dtype=as_format(cache_format).dtype))
+    return rows
+
+
+def format_sizing(rows: list[dict]) -> str:
+    first = next(r for r in rows if "error" not in r)
+    lines = [f"bytes per device, {first['param_dtype']} weights, KV cache {first['cache_dtype']} for batch "
+             f"{first['batch']} x {first['max_len']} tokens (nothing allocated)",
+             f"{'TP':>3} {'wiring':<8}{'weights GiB':>12}{'KV GiB':>9}{'total GiB':>10}{'KV heads':>9}"
+             f"{'KV KiB/token':>13}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['tensor_parallel']:>3} {r['wiring']:<8}  {r['error']}")
+            continue
+        heads = f"{r['kv_heads_per_device']}" + (f" (x{r['kv_replicas']})" if r["kv_replicas"] > 1 else "")
+        lines.append(f"{r['tensor_parallel']:>3} {r['wiring']:<8}{r['weight_bytes_per_device'] / GIB:>12.2f}"
+                     f"{r['kv_cache_bytes_per_device'] / GIB:>9.2f}"
+                     f"{(r['weight_bytes_per_device'] + r['kv_cache_bytes_per_device']) / GIB:>10.2f}{heads:>9}"
+                     f"{r['kv_bytes_per_token_per_device'] / 1024:>13.1f}")
     return "\n".join(lines)

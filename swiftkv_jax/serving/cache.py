@@ -7,9 +7,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import as_format, init_scales
+from swiftkv_jax.serving.tensor_parallel import build_sharded
 
 
 @struct.dataclass
@@ -43,17 +45,25 @@ def cache_layers(config: ModelConfig, swiftkv: bool) -> int:
     return config.num_kv_cache_layers if swiftkv else config.num_hidden_layers
 
 
+# Logical axes of a cache's arrays, by rank: K/V [B, K, S, H], per-token-head scales [B, K, S], lengths [B], a static
+# scale []. Tensor parallelism splits the KV heads (`swiftkv_jax.sharding`).
+CACHE_AXES = {4: ("batch", "kv_heads", "length", "head_dim"), 3: ("batch", "kv_heads", "length"), 1: ("batch",),
+              0: ()}
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16",
-               kv_scales: Optional[str] = None) -> KVCache:
+               kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> KVCache:
     """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens. `dtype`: a float
-    dtype, or float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works)."""
+    dtype, or float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works).
+    On a tensor-parallel `mesh`, born split by KV heads."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     fmt = as_format(dtype, kv_scales)
     row = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(row, fmt.element_dtype), jnp.zeros(row, fmt.element_dtype))
                             + init_scales(fmt, row[:-1]) for _ in range(n))
-    upper = None
-    if config.num_kv_groups:
-        upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)
-    return KVCache(pairs(config.num_lower_layers), upper, jnp.zeros((batch_size,), jnp.int32))
+    upper = config.num_kv_groups and (config.num_kv_groups if swiftkv else
+                                      config.num_hidden_layers - config.num_lower_layers)
+    build = lambda: KVCache(pairs(config.num_lower_layers), pairs(upper) if upper else None,
+                            jnp.zeros((batch_size,), jnp.int32))
+    return build_sharded(build, lambda shape: CACHE_AXES[len(shape)], mesh)

@@ -26,6 +26,7 @@ from typing import Optional, Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.kv_quant import as_format
@@ -33,6 +34,7 @@ from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
 from swiftkv_jax.serving.paged_cache import PageAllocator, init_pool, pages_for_budget
 from swiftkv_jax.serving.ragged_step import Sampled, ragged_step
+from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
 from swiftkv_jax.serving.scheduler import (RequestParams, Schedule, Scheduler, Sequence, Status,
                                            prompt_token_cost)
 
@@ -81,7 +83,10 @@ class Engine:
                  max_num_batched_tokens: int = 512, budget_unit: str = "tokens", max_model_len: Optional[int] = None,
                  max_prompt_seqs: int = 8, cache_dtype="bfloat16", attention_impl: Optional[str] = None,
                  decode_attention_impl: Optional[str] = None, single_buckets: Optional[Seq[int]] = None,
-                 prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False, kv_scales: Optional[str] = None):
+                 prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False, kv_scales: Optional[str] = None,
+                 mesh: Optional[Mesh] = None):
+        self.mesh = mesh
+        model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
         cfg = model.config
         overrides = {"attention_impl": attention_impl, "decode_attention_impl": decode_attention_impl}
         self.config = cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
@@ -97,13 +102,14 @@ class Engine:
                              f"({max_num_seqs}), so that every running sequence can decode in every step")
         self.cache_format = as_format(cache_dtype, kv_scales)  # first: a bad dtype or scale setting names the choices
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, num_pages=num_pages,
-                                     kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction)
+                                     kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
+                                     devices=None if mesh is None else list(mesh.devices.flat))
         self.page_size = page_size
         # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
         self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
         self.pages_per_seq = -(-self.max_model_len // page_size)
         self.allocator = PageAllocator(num_pages)
-        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format)
+        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format, mesh=mesh)
         self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if budget_unit == "cost" else 1.0
         max_prompt_tokens = int(max_num_batched_tokens / self.prompt_cost + 1e-9)
         self.single_buckets = tuple(sorted(single_buckets or _doubling(1, max_num_seqs)))
@@ -218,7 +224,7 @@ class Engine:
             self._compiled.add(key)
         want_top = np.bool_(any(seq.params.top_logprobs for _, seq in rows))  # one dtype: no recompile
         token, logprob, top, self.pool = ragged_step(self.params, self.pool, *arrays, want_top, config=self.config,
-                                                     swiftkv=self.swiftkv)
+                                                     swiftkv=self.swiftkv, mesh=self.mesh)
         token, logprob, (top_values, top_ids) = jax.device_get((token, logprob, top))
         now = time.perf_counter()
         self.counters["steps"] += 1
@@ -322,7 +328,8 @@ class Engine:
                            np.int32(context_length))
         upper = PagedBatch(None, None, upper_tables, upper_lengths, np.zeros(0, np.int32), context_table, np.int32(0))
         arrays = (tokens, positions, batch, upper_index, upper, Sampled(**sampled))
-        return (d, r), jax.device_put(arrays), rows  # a transfer (jnp.asarray would compile a conversion per shape)
+        # a transfer (jnp.asarray would compile a conversion per shape), to every device of a tensor-parallel mesh
+        return (d, r), replicated(self.mesh, arrays), rows
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def warmup(self) -> float:
@@ -347,8 +354,9 @@ class Engine:
         batch = PagedBatch(z(d + r), z(d + r), z(d, m), z(d), jnp.full((r,), -1, jnp.int32), z(m), jnp.int32(0))
         upper = PagedBatch(None, None, z(u, m), z(u), z(0), z(m), jnp.int32(0))
         sampled = Sampled(jnp.zeros(u), z(u), jnp.ones(u), z(u), z(u))
-        token, _, _, self.pool = ragged_step(self.params, self.pool, z(d + r), z(d + r), batch, z(u), upper, sampled,
-                                             np.bool_(False), config=self.config, swiftkv=self.swiftkv)
+        arrays = replicated(self.mesh, (z(d + r), z(d + r), batch, z(u), upper, sampled))
+        token, _, _, self.pool = ragged_step(self.params, self.pool, *arrays, np.bool_(False), config=self.config,
+                                             swiftkv=self.swiftkv, mesh=self.mesh)
         token.block_until_ready()
 
     def generate(self, prompts: Seq[Seq[int]], **request) -> list[RequestOutput]:

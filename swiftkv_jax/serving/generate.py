@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import ModelConfig
@@ -16,20 +17,29 @@ from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.sampling import SamplingParams, sample
+from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
 @functools.partial(jax.jit, static_argnames=("config", "swiftkv", "sampling", "max_new_tokens", "chunk_size",
-                                             "on_token", "with_logprobs"), donate_argnames=("cache",))
+                                             "on_token", "with_logprobs", "mesh"), donate_argnames=("cache",))
 def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_ids, *, config: ModelConfig,
                     swiftkv: bool, sampling: SamplingParams, max_new_tokens: int, chunk_size: Optional[int],
-                    on_token: Optional[Callable] = None, with_logprobs: bool = True):
+                    on_token: Optional[Callable] = None, with_logprobs: bool = True, mesh: Optional[Mesh] = None):
     """(tokens [B, N], logprobs [B, N], generated counts [B], cache); rows stop at a stop id or after N tokens.
 
     logprobs are under the model's own distribution (before temperature / top-k / top-p); zeros unless
     with_logprobs (which costs a log-softmax over the vocabulary per step).
     on_token(tokens [B], live [B]): a host callback per step, in order, for streaming (it costs a
-    device-to-host sync per token; None keeps the loop free of it).
+    device-to-host sync per token; None keeps the loop free of it). mesh: the tensor-parallel mesh that params and
+    cache lie on (`tensor_parallel`), None for one device.
     """
+    with activation_sharding(config, mesh):
+        return _generate_tokens(params, cache, tokens, prompt_lengths, rng, stop_ids, config, swiftkv, sampling,
+                                max_new_tokens, chunk_size, on_token, with_logprobs, ordered=mesh is None)
+
+
+def _generate_tokens(params, cache, tokens, prompt_lengths, rng, stop_ids, config, swiftkv, sampling, max_new_tokens,
+                     chunk_size, on_token, with_logprobs, ordered):
     params = unstack_layers(params, config)  # once, outside the token loop
     logits, cache = prefill(params, cache, tokens, prompt_lengths, config=config, swiftkv=swiftkv,
                             chunk_size=chunk_size)
@@ -48,7 +58,9 @@ def generate_tokens(params, cache: KVCache, tokens, prompt_lengths, rng, stop_id
             logprobs = logprobs.at[:, step].set(jnp.where(live, logprob, 0.0))
         count = count + live
         if on_token is not None:
-            jax.debug.callback(on_token, token, live, ordered=True)
+            # JAX orders effects on one device only; on a mesh the loop's own sequence keeps the steps in order (each
+            # iteration's callback runs inside that iteration)
+            jax.debug.callback(on_token, token, live, ordered=ordered)
         done = done | jnp.isin(token, stop_ids) | (count >= max_new_tokens)
         logits, cache = decode_step(params, cache, token, config=config, swiftkv=swiftkv)
         return step + 1, cache, logits, rng, out, logprobs, done, count
@@ -82,7 +94,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
              cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
              logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
              attention_impl: Optional[str] = None, on_token: Optional[Callable] = None,
-             kv_scales: Optional[str] = None) -> Generation:
+             kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> Generation:
     """Generate for a batch of prompts (token id lists, or text with a `tokenizer`).
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
@@ -92,7 +104,10 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     "cudnn" for prefill (defaults: the config's). on_token(tokens [B], live [B]) streams: it is called
     on the host as each token is sampled. cache_dtype: a float dtype, or float8_e4m3fn / int8 (quantised on
     write, read back in fp32) with kv_scales "per-token-head" (default) or "per-layer" (`model.kv_quant`).
+    mesh: serve tensor-parallel on this mesh (`serving_mesh(N)`): the weights, unless already placed there
+    (`load_sharded`), are split by heads (`tensor_parallel.shard_model`), and so is the cache.
     """
+    model = for_serving(model, mesh)
     cfg = model.config
     overrides = {"decode_attention_impl": decode_attention_impl, "attention_impl": attention_impl}
     cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
@@ -127,11 +142,12 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
         tokens[row, : len(p)] = p
     stops = stop_token_ids if stop_token_ids is not None else (cfg.eos_token_id or ())
     stop_ids = jnp.asarray(list(stops) or [-1], jnp.int32)
-    cache = init_cache(cfg, len(prompts), max_len, swiftkv, cache_dtype, kv_scales)
+    cache = init_cache(cfg, len(prompts), max_len, swiftkv, cache_dtype, kv_scales, mesh=mesh)
     out, lps, count, _ = generate_tokens(
         model.params, cache, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
         jax.random.key(seed), stop_ids, config=cfg, swiftkv=swiftkv, sampling=sampling,
-        max_new_tokens=max_new_tokens, chunk_size=prefill_chunk, on_token=on_token, with_logprobs=logprobs)
+        max_new_tokens=max_new_tokens, chunk_size=prefill_chunk, on_token=on_token, with_logprobs=logprobs,
+        mesh=mesh)
     out, lps, count = jax.device_get((out, lps, count))
     result = Generation([out[i, : count[i]].tolist() for i in range(len(prompts))])
     if logprobs:

@@ -13,11 +13,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
 
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import as_format, init_scales, kv_bytes_per_token
 from swiftkv_jax.model.paged import NULL_PAGE
 from swiftkv_jax.serving.cache import cache_layers
+from swiftkv_jax.serving.tensor_parallel import build_sharded
 
 
 @struct.dataclass
@@ -40,9 +42,9 @@ def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype, kv_sca
 
 def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, *, num_pages: Optional[int] = None,
                      kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
-                     kv_scales: Optional[str] = None) -> int:
-    """The pool's page count (the null page included) from exactly one of: a page count, a byte budget, or a fraction
-    of the device memory that is free now."""
+                     kv_scales: Optional[str] = None, devices: Optional[list] = None) -> int:
+    """The pool's page count (the null page included) from exactly one of: a page count, a byte budget (over all
+    the pool's devices), or a fraction of the memory that is free now on each of `devices` (default: the first)."""
     given = [name for name, value in (("num_pages", num_pages), ("kv_cache_bytes", kv_cache_bytes),
                                       ("kv_cache_fraction", kv_cache_fraction)) if value is not None]
     if len(given) != 1:
@@ -52,11 +54,13 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
     if kv_cache_fraction is not None:
         if not 0 < kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {kv_cache_fraction}")
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            raise ValueError(f"kv_cache_fraction needs the device's memory figures, which {jax.devices()[0].platform} "
+        devices = devices or jax.devices()[:1]
+        stats = [d.memory_stats() or {} for d in devices]
+        if any("bytes_limit" not in s for s in stats):
+            raise ValueError(f"kv_cache_fraction needs the device's memory figures, which {devices[0].platform} "
                              f"does not report: pass kv_cache_bytes or num_pages instead")
-        kv_cache_bytes = int(kv_cache_fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)  # pages are split evenly
+        kv_cache_bytes = int(kv_cache_fraction * free * len(devices))
     if kv_cache_bytes is not None:
         num_pages = kv_cache_bytes // per_page
     if num_pages < 2:
@@ -65,19 +69,25 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
     return int(num_pages)
 
 
+# Logical axes of a pool's arrays, by rank: K/V [K, P, page_size, H], per-token-head scales [K, P, page_size], a
+# static scale []. Tensor parallelism splits the KV heads.
+POOL_AXES = {4: ("kv_heads", None, None, "head_dim"), 3: ("kv_heads", None, None), 0: ()}
+
+
 def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16",
-              kv_scales: Optional[str] = None) -> PagePool:
-    """Zeroed pools; a quantised `dtype` (`model.kv_quant`) adds its scales to each pair."""
+              kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> PagePool:
+    """Zeroed pools; a quantised `dtype` (`model.kv_quant`) adds its scales to each pair. On a tensor-parallel
+    `mesh`, born split by KV heads."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     fmt = as_format(dtype, kv_scales)
     shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(shape, fmt.element_dtype), jnp.zeros(shape, fmt.element_dtype))
                             + init_scales(fmt, shape[:-1]) for _ in range(n))
-    upper = None
-    if config.num_kv_groups:
-        upper = pairs(config.num_kv_groups if swiftkv else config.num_hidden_layers - config.num_lower_layers)
-    return PagePool(pairs(config.num_lower_layers), upper)
+    upper = config.num_kv_groups and (config.num_kv_groups if swiftkv else
+                                      config.num_hidden_layers - config.num_lower_layers)
+    build = lambda: PagePool(pairs(config.num_lower_layers), pairs(upper) if upper else None)
+    return build_sharded(build, lambda shape: POOL_AXES[len(shape)], mesh)
 
 
 class PageAllocator:

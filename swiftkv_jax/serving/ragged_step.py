@@ -12,15 +12,19 @@ Shapes are static per (D, R) bucket; everything that varies per step is an array
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
+
 
 from swiftkv_jax.model.cached import cached_lower, cached_upper, head, swiftkv_cache_kv
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.paged import PagedBatch
 from swiftkv_jax.serving.paged_cache import PagePool
+from swiftkv_jax.serving.tensor_parallel import activation_sharding
 
 
 @struct.dataclass
@@ -58,15 +62,22 @@ def sample_rows(logits, s: Sampled):
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
 
-@functools.partial(jax.jit, static_argnames=("config", "swiftkv"), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "mesh"), donate_argnames=("pool",))
 def ragged_step(params, pool: PagePool, tokens, positions, batch: PagedBatch, upper_index, upper: PagedBatch,
-                sampling: Sampled, want_top, *, config: ModelConfig, swiftkv: bool):
+                sampling: Sampled, want_top, *, config: ModelConfig, swiftkv: bool, mesh: Optional[Mesh] = None):
     """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool). params in serving
     layout (`unstack_layers`, done once by the engine).
 
     tokens, positions [D + R]; upper_index [U] the rows to run to the head (into the D + R tokens); `upper` the
     PagedBatch of those U rows as single tokens (read only), used by SwiftKV's later layers. want_top []: whether
-    any row asked for its top logprobs (else zeros, and no top-k over the vocabulary)."""
+    any row asked for its top logprobs (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel
+    mesh of params and pool, None for one device."""
+    with activation_sharding(config, mesh):
+        return _ragged_step(params, pool, tokens, positions, batch, upper_index, upper, sampling, want_top, config,
+                            swiftkv)
+
+
+def _ragged_step(params, pool, tokens, positions, batch, upper_index, upper, sampling, want_top, config, swiftkv):
     tokens, positions = tokens[None], positions[None]
     h, lower = cached_lower(params, config, tokens, positions, batch, pool.lower)
     upper_positions = positions[:, upper_index]
