@@ -49,6 +49,10 @@ SETTINGS = {
                           architecture=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
                                             num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
 }
+# The test suite's: the quick pipeline on a budget too small to learn anything (its table is complete, not ordered).
+SETTINGS["smoke"] = dataclasses.replace(SETTINGS["quick"], max_files=100, vocab_size=512, seq_len=64, batch_size=8,
+                                        pretrain_steps=20, distill_steps=5, val_rows=8, prompts=4, prompt_tokens=16,
+                                        new_tokens=8, prefill_len=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,10 +271,10 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def run(out: Path, quick: bool = False) -> dict:
+def run(out: Path, name: str = "full") -> dict:
+    """The whole pipeline with SETTINGS[name] ("full", "quick" or "smoke"), in `out`."""
     import swiftkv_jax as sk
 
-    name = "quick" if quick else "full"
     settings = SETTINGS[name]
     _settings_guard(out, name, settings)
     start = time.perf_counter()
@@ -311,7 +315,7 @@ def main(argv=None) -> int:
     from swiftkv_jax.configuration import ConfigError
 
     try:
-        run(out, args.quick)
+        run(out, "quick" if args.quick else "full")
     except (ValueError, ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,8 +34,8 @@ FAST = OptimSection(learning_rate=1e-2, warmup_ratio=0.0)  # the first step alre
 LOSS = LossSection(hidden_loss_mult=1.0, chunk_size=16)  # the current recipe's loss, chunked
 # Equivalent computations (chunking, accumulation, sharding) sum in other orders: the KL, a small difference
 # of large terms, moves by ~1e-6 relative in fp32, and Adam turns a rounding-level gradient entry into up
-# to ~1e-4 of an lr = 1e-2 step. Real discrepancies are orders of magnitude larger.
-METRICS_RTOL, WEIGHTS_ATOL = 5e-6, 1e-5
+# to ~1e-3 of an lr = 1e-2 step (1e-5 seen). Real discrepancies are orders of magnitude larger.
+METRICS_RTOL, WEIGHTS_ATOL = 5e-6, 5e-5
 
 
 def run_steps(fn, state, frozen, batches):

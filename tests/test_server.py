@@ -65,16 +65,16 @@ def tokenizer(student):
 @pytest.fixture(scope="module")
 def server(student, tokenizer, reference, tmp_path_factory):
     """`python infer.py serve` in a subprocess (the references are computed while it warms up); yields a handle
-    with .url, .proc and .log."""
+    with .url, .proc and .log. It serves tensor-parallel over 2 CPU devices: every answer is checked against
+    `sk.generate` on one device (the engine on one device is `test_continuous_engine`'s)."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("log") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
             "--served-model-name", MODEL, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
             "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--single-buckets", str(MAX_SEQS),
             "--prompt-buckets", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting", str(MAX_WAITING),
-            "--shutdown-grace", str(GRACE)]
+            "--shutdown-grace", str(GRACE), "--tensor-parallel", "2"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:

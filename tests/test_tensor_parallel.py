@@ -51,19 +51,24 @@ def references(models):
     return {name: (static(m), paged(m)[:2]) for name, m in models.items()}
 
 
-def assert_same(got, want):
+def assert_same(got, want, atol=1e-4):
     assert got[0] == want[0]
-    np.testing.assert_allclose(np.concatenate(got[1]), np.concatenate(want[1]), atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(got[1]), np.concatenate(want[1]), atol=atol)
 
 
-@pytest.mark.parametrize("tensor", [2, 4, 8])
-@pytest.mark.parametrize("name", ["plain", "swiftkv_g1", "swiftkv_g2"])
+def matrix(diagonal):
+    """Every (model, tensor size): `diagonal` in the default suite (each model and each size once per engine), the
+    rest under -m slow."""
+    return [pytest.param(name, tensor, marks=() if (name, tensor) in diagonal else pytest.mark.slow)
+            for name in ("plain", "swiftkv_g1", "swiftkv_g2") for tensor in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("name,tensor", matrix({("plain", 2), ("swiftkv_g1", 4), ("swiftkv_g2", 8)}))
 def test_static_engine_matches_one_device(models, references, name, tensor):
     assert_same(static(models[name], tp.serving_mesh(tensor)), references[name][0])
 
 
-@pytest.mark.parametrize("tensor", [2, 4, 8])
-@pytest.mark.parametrize("name", ["plain", "swiftkv_g1", "swiftkv_g2"])
+@pytest.mark.parametrize("name,tensor", matrix({("plain", 8), ("swiftkv_g1", 2), ("swiftkv_g2", 4)}))
 def test_paged_engine_matches_one_device(models, references, name, tensor):
     tokens, logprobs, engine = paged(models[name], tp.serving_mesh(tensor))
     assert_same((tokens, logprobs), references[name][1])
@@ -84,8 +89,10 @@ def test_pallas_kernels_run_per_shard(models):
 def test_quantised_cache_splits_with_its_scales(models):
     model, mesh = models["swiftkv_g2"], tp.serving_mesh(4)
     options = dict(cache_dtype="int8", kv_scales="per-token-head")
-    assert_same(static(model, mesh, **options), static(model, **options))
-    assert_same(paged(model, mesh, **options)[:2], paged(model, **options)[:2])
+    # A split sums the residual's partial products in another order; an ulp there can move a key across an int8
+    # rounding boundary, one quantum (scale / 127) of change: looser than the float cache's 1e-4.
+    assert_same(static(model, mesh, **options), static(model, **options), atol=1e-3)
+    assert_same(paged(model, mesh, **options)[:2], paged(model, **options)[:2], atol=1e-3)
     cache = init_cache(model.config, 2, 32, True, "int8", "per-token-head", mesh=mesh)
     k, v, k_scale, v_scale = cache.lower[0]
     assert k.addressable_shards[0].data.shape == (2, 1, 32, 16)  # [B, K, S, H]: one of the 4 KV heads

@@ -130,10 +130,11 @@ class Engine:
         self._id_lock = threading.Lock()
         self._compiled: set = set()
         self.counters = dict(steps=0, prompt_tokens=0, generated_tokens=0, finished=0, aborted=0, busy_s=0.0)
-        log.info("paged KV cache: %d pages of %d tokens = %d tokens, %.1f MiB (%s wiring, %d cached layers)",
+        log.info("paged KV cache: %d pages of %d tokens = %d tokens, %.1f MiB (%s wiring, %d cached layers)%s",
                  self.allocator.capacity, page_size, self.allocator.capacity * page_size,
                  self.pool.nbytes / 2**20, "SwiftKV" if self.swiftkv else "teacher",
-                 len(self.pool.lower) + len(self.pool.upper or ()))
+                 len(self.pool.lower) + len(self.pool.upper or ()),
+                 "" if mesh is None else f", split over {mesh.size} devices by KV heads")
         if warmup:
             self.warmup()
 
