@@ -371,6 +371,7 @@ def _serve(args) -> int:
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    budget_unit=args.budget_unit, max_model_len=args.max_model_len,
                    max_prompt_seqs=args.max_prompt_seqs, cache_dtype=_cache_format(args), mesh=mesh,
+                   consume_weights=True,  # the model is the engine's alone: its weights in memory once
                    **buckets, **{k: v for k, v in pool.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,

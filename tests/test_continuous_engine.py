@@ -36,8 +36,10 @@ def alone(name: str, prompt: tuple, max_tokens: int = MAX_TOKENS):
     return out.tokens[0], out.logprobs[0]
 
 
-def engine(name: str, **kwargs) -> Engine:
-    model, swiftkv = MODELS[name]
+def engine(name: str, model=None, **kwargs) -> Engine:
+    """An engine for MODELS[name] (or `model`, a copy of it)."""
+    default, swiftkv = MODELS[name]
+    model = default if model is None else model
     # one bucket each (any budget below fits): few compiles, and the jit cache serves every engine of one pool shape
     settings_ = dict(swiftkv=swiftkv, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
                      cache_dtype="float32", max_prompt_seqs=3, single_buckets=(4,), prompt_buckets=(64,),
@@ -230,6 +232,65 @@ def test_bad_engine_settings(kwargs, message):
     name = kwargs.pop("model", "swiftkv-g1")
     with pytest.raises(ValueError, match=message):
         engine(name, **kwargs)
+
+
+def live_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def fresh_copy(name: str):
+    """MODELS[name]'s model with arrays of its own (an engine may consume them)."""
+    model = MODELS[name][0]
+    return model.replace(params=jax.tree.map(lambda a: a.copy(), model.params))
+
+
+def layer_leaves(model) -> list:
+    return jax.tree.leaves((model.params["layers"], model.params.get("swiftkv_groups", {}).get("layers")))
+
+
+def test_consumed_weights_exist_once_and_serve_the_same():
+    """consume_weights: the model's stacked layer arrays are deleted as the engine copies them, so the engine adds
+    only its pool to what is live (a non-consuming engine adds a second copy of the layers), and serves the same."""
+    name = "swiftkv-g2"
+    model = fresh_copy(name)
+    layers = sum(a.nbytes for a in layer_leaves(model))
+    before = live_bytes()
+    keep = engine(name)  # MODELS' own arrays, not consumed: the engine's layout is a second copy
+    assert live_bytes() - before == layers + keep.pool.nbytes
+    want = run(keep, PROMPTS[:3])
+    del keep
+    before = live_bytes()
+    eng = engine(name, model=model, consume_weights=True)
+    assert live_bytes() - before == eng.pool.nbytes
+    assert all(a.is_deleted() for a in layer_leaves(model))
+    got = run(eng, PROMPTS[:3])
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
+
+
+def test_bad_settings_leave_a_model_to_consume_intact():
+    model = fresh_copy("swiftkv-g1")
+    for bad in (dict(max_num_seqs=8, max_num_batched_tokens=4), dict(single_buckets=(2,)), dict(num_pages=None),
+                dict(kv_cache_fraction=0.5, num_pages=None)):
+        with pytest.raises(ValueError):
+            engine("swiftkv-g1", model=model, consume_weights=True, **bad)
+        assert not any(a.is_deleted() for a in jax.tree.leaves(model.params))
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_kv_cache_fraction_is_of_the_memory_left_once_the_engine_holds_its_weights(monkeypatch, consume):
+    """On a device of LIMIT bytes (this process's live arrays as its use), the pool and the engine's own copy of the
+    weights fit: the fraction is taken after that copy exists (sized before it, a GPU ran out of memory)."""
+    from swiftkv_jax.serving import paged_cache
+
+    model = fresh_copy("swiftkv-g2")
+    layers = sum(a.nbytes for a in layer_leaves(model))
+    limit = live_bytes() + 4 * layers  # the pool at 90% of what is free before the copy would not leave room for it
+    monkeypatch.setattr(paged_cache, "free_memory", lambda devices: limit - live_bytes())
+    eng = engine("swiftkv-g2", model=model, consume_weights=consume, num_pages=None, kv_cache_fraction=0.9)
+    per_page = eng.pool.nbytes // eng.allocator.num_pages
+    free_after_weights = limit - (live_bytes() - eng.pool.nbytes)
+    assert eng.allocator.num_pages == int(0.9 * free_after_weights) // per_page
+    assert live_bytes() <= limit
 
 
 def test_pool_sized_from_bytes_holds_what_it_says():

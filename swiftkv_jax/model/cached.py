@@ -26,21 +26,32 @@ from swiftkv_jax.model.rope import apply_rope, rope_angles
 from swiftkv_jax.model.transformer import Embedder, Transformer
 
 
-def _split(tree, n: int) -> tuple:
-    return tuple(jax.tree.map(lambda a: a[i], tree) for i in range(n))
+def _split(tree, n: int, consume: bool) -> tuple:
+    """n trees of the slices [i] of every leaf; with `consume`, each leaf is deleted once it is sliced."""
+    def leaf(a):
+        parts = tuple(a[i] for i in range(n))
+        if consume:
+            a.delete()
+        return parts
+
+    split = jax.tree.map(leaf, tree)
+    return tuple(jax.tree.map(lambda parts: parts[i], split, is_leaf=lambda x: isinstance(x, tuple)) for i in range(n))
 
 
-def unstack_layers(params: dict, config: ModelConfig) -> dict:
+def unstack_layers(params: dict, config: ModelConfig, consume: bool = False) -> dict:
     """The parameters in serving layout (idempotent): `layers` a tuple of l per-layer dicts, `swiftkv_groups/layers`
     a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv stay stacked [G, ...] (one projection for all).
-    Inside jit this costs one copy of the layer weights per program, not one per step."""
+    Inside jit this costs one copy of the layer weights per program, not one per step. Outside jit, `consume`
+    deletes each stacked array once it is sliced (the caller's params are unusable afterwards): the layer weights
+    then exist once, at a peak of one stacked array more, instead of twice."""
     if isinstance(params["layers"], tuple):
         return params
-    out = dict(params, layers=_split(params["layers"], config.num_lower_layers))
+    out = dict(params, layers=_split(params["layers"], config.num_lower_layers, consume))
     if "swiftkv_groups" in params:
         groups = params["swiftkv_groups"]
-        by_group = _split(groups["layers"], config.num_kv_groups)
-        out["swiftkv_groups"] = dict(groups, layers=tuple(_split(g, config.key_value_group_size) for g in by_group))
+        by_group = _split(groups["layers"], config.num_kv_groups, consume)
+        out["swiftkv_groups"] = dict(groups, layers=tuple(_split(g, config.key_value_group_size, consume)
+                                                          for g in by_group))
     return out
 
 

@@ -74,7 +74,9 @@ class Engine:
     `kv_cache_fraction` (of the device memory free now). A step runs at most `max_num_seqs` sequences and
     `max_num_batched_tokens` of budget, in `budget_unit` "tokens" or "cost" (a SwiftKV prompt token costs about
     l/L); at most `max_prompt_seqs` prompts are packed in one step. Shapes are bucketed: `single_buckets` (single
-    tokens) x `prompt_buckets` (packed prompt tokens); `warmup()` compiles them all.
+    tokens) x `prompt_buckets` (packed prompt tokens); `warmup()` compiles them all. The engine holds the weights
+    in its own layout (per-layer arrays); `consume_weights=True` deletes the model's stacked layer arrays as they
+    are copied, so that the weights exist once (`infer.py serve` does; `model` is unusable afterwards).
     """
 
     def __init__(self, model: Model, *, swiftkv: Optional[bool] = None, page_size: int = 16,
@@ -84,7 +86,7 @@ class Engine:
                  max_prompt_seqs: int = 8, cache_dtype="bfloat16", attention_impl: Optional[str] = None,
                  decode_attention_impl: Optional[str] = None, single_buckets: Optional[Seq[int]] = None,
                  prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False, kv_scales: Optional[str] = None,
-                 mesh: Optional[Mesh] = None):
+                 mesh: Optional[Mesh] = None, consume_weights: bool = False):
         self.mesh = mesh
         model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
         cfg = model.config
@@ -101,15 +103,9 @@ class Engine:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({max_num_seqs}), so that every running sequence can decode in every step")
         self.cache_format = as_format(cache_dtype, kv_scales)  # first: a bad dtype or scale setting names the choices
-        num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, num_pages=num_pages,
-                                     kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
-                                     devices=None if mesh is None else list(mesh.devices.flat))
-        self.page_size = page_size
-        # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
-        self.pages_per_seq = -(-self.max_model_len // page_size)
-        self.allocator = PageAllocator(num_pages)
-        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format, mesh=mesh)
+        budget = dict(num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
+                      devices=None if mesh is None else list(mesh.devices.flat))
+        pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)  # a bad budget fails here
         self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if budget_unit == "cost" else 1.0
         max_prompt_tokens = int(max_num_batched_tokens / self.prompt_cost + 1e-9)
         self.single_buckets = tuple(sorted(single_buckets or _doubling(1, max_num_seqs)))
@@ -117,11 +113,21 @@ class Engine:
         if self.single_buckets[-1] < max_num_seqs or self.prompt_buckets[-1] < max_prompt_tokens:
             raise ValueError(f"the largest buckets must hold max_num_seqs={max_num_seqs} single tokens and "
                              f"{max_prompt_tokens} prompt tokens, got {self.single_buckets} and {self.prompt_buckets}")
+        # The serving layout (once, not per step) before the pool is sized: a kv_cache_fraction is of the memory
+        # free once the engine's weights exist, and, consumed, the stacked copy is gone (no second copy to OOM).
+        self.params = unstack_layers(model.params, cfg, consume=consume_weights)
+        del model
+        num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
+        self.page_size = page_size
+        # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
+        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
+        self.pages_per_seq = -(-self.max_model_len // page_size)
+        self.allocator = PageAllocator(num_pages)
+        self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format, mesh=mesh)
         self.max_prompt_seqs = max_prompt_seqs
         self.scheduler = Scheduler(self.allocator, page_size=page_size, max_num_seqs=max_num_seqs,
                                    budget=float(max_num_batched_tokens), max_prompt_tokens=max_prompt_tokens,
                                    max_prompt_seqs=max_prompt_seqs, prompt_cost=self.prompt_cost)
-        self.params = unstack_layers(model.params, cfg)  # serving layout once, not per step
         self.default_stop_ids = tuple(cfg.eos_token_id or ())
         self._sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

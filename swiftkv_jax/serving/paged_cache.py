@@ -40,6 +40,15 @@ def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype, kv_sca
     return page_size * kv_bytes_per_token(config, cache_layers(config, swiftkv), as_format(dtype, kv_scales))
 
 
+def free_memory(devices: list) -> int:
+    """The fewest bytes free now on any of `devices` (their memory_stats); a clear error where they are not reported."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if any("bytes_limit" not in s for s in stats):
+        raise ValueError(f"kv_cache_fraction needs the device's memory figures, which {devices[0].platform} "
+                         f"does not report: pass kv_cache_bytes or num_pages instead")
+    return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+
+
 def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, *, num_pages: Optional[int] = None,
                      kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
                      kv_scales: Optional[str] = None, devices: Optional[list] = None) -> int:
@@ -55,12 +64,7 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
         if not 0 < kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {kv_cache_fraction}")
         devices = devices or jax.devices()[:1]
-        stats = [d.memory_stats() or {} for d in devices]
-        if any("bytes_limit" not in s for s in stats):
-            raise ValueError(f"kv_cache_fraction needs the device's memory figures, which {devices[0].platform} "
-                             f"does not report: pass kv_cache_bytes or num_pages instead")
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)  # pages are split evenly
-        kv_cache_bytes = int(kv_cache_fraction * free * len(devices))
+        kv_cache_bytes = int(kv_cache_fraction * free_memory(devices) * len(devices))  # pages are split evenly
     if kv_cache_bytes is not None:
         num_pages = kv_cache_bytes // per_page
     if num_pages < 2:
