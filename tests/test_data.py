@@ -337,7 +337,7 @@ def test_bad_settings(packed, tokenizer, tmp_path):
     ("format", "unknown format 'sharegpt'; use one of auto, chat, prompt_response, text"),
     ("field", r"format 'prompt_response' needs field\(s\) \['prompt', 'response'\]; fields present: \['messages'\]"),
     ("undetectable", r"cannot tell the format.*fields present: \['body', 'id'\]"),
-    ("messages", "field 'conversations' must be a list of {role, content} \(or ShareGPT {from, value}\) messages"),
+    ("messages", r"field 'conversations' must be a list of {role, content} \(or ShareGPT {from, value}\) messages"),
     ("offline", "hub dataset unreachable.*offline.*hf download.*local"),
     ("empty", "has no examples: its file.s. are empty"),
     ("blank", "every example is empty"),
