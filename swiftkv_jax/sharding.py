@@ -105,6 +105,14 @@ def constrain(x, logical_axes: tuple):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, rules)))
 
 
+def axes_size(mesh_shape, axes) -> int:
+    """How many ways one entry of a PartitionSpec splits its dimension: None, an axis name or a tuple of names, over
+    `mesh_shape` ({axis: size}, as `Mesh.shape`)."""
+    if axes is None:
+        return 1
+    return math.prod(mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def map_over_heads(fn, *args, heads: tuple, out_heads: int):
     """`fn(*args)`, run per shard of the attention heads (inside `shard_map`) when tracing under
     `activation_sharding` with heads split over the mesh; plain `fn(*args)` otherwise.
@@ -119,7 +127,7 @@ def map_over_heads(fn, *args, heads: tuple, out_heads: int):
         return fn(*args)
     mesh, rules = context
     axis = nn.logical_to_mesh_axes(("kv_heads",), rules)[0]
-    if axis is None or math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)) == 1:
+    if axes_size(mesh.shape, axis) == 1:
         return fn(*args)
     spec = lambda ndim, head: PartitionSpec(*(axis if d == head else None for d in range(ndim)))
     in_specs = tuple(spec(jax.numpy.ndim(a), h) for a, h in zip(args, heads))

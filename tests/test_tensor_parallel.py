@@ -142,7 +142,8 @@ def test_decode_step_moves_no_weights(models, swiftkv):
                   cfg.num_hidden_layers)
 
 
-def test_engine_step_moves_no_weights(models):
+def test_engine_step_moves_no_weights(models, monkeypatch):
+    import swiftkv_jax.serving.continuous as continuous
     from swiftkv_jax.serving.ragged_step import ragged_step
 
     engine = sk.Engine(models["swiftkv_g2"], num_pages=16, max_num_seqs=4, max_num_batched_tokens=32,
@@ -154,12 +155,8 @@ def test_engine_step_moves_no_weights(models):
         captured["hlo"] = real_step.lower(*args, **kwargs).compile().as_text()
         return real_step(*args, **kwargs)
 
-    import swiftkv_jax.serving.continuous as continuous
-    continuous.ragged_step, saved = spy, continuous.ragged_step
-    try:
-        engine._run_empty(4, 0)  # a decode-only step of 4 sequences
-    finally:
-        continuous.ragged_step = saved
+    monkeypatch.setattr(continuous, "ragged_step", spy)
+    engine._run_empty(4, 0)  # a decode-only step of 4 sequences
     cfg = engine.config
     # the engine's rows are [1, tokens]; logits gathered for the 4 sampled rows
     expected_only(collectives(captured["hlo"]), f"f32[1,4,{cfg.vocab_size}]", f"f32[1,4,{cfg.hidden_size}]",

@@ -71,9 +71,9 @@ class Engine:
 
     swiftkv: None serves a SwiftKV model in SwiftKV wiring, a plain model as is; False serves a SwiftKV model as its
     teacher. The pool: `page_size` tokens a page, sized by exactly one of `num_pages`, `kv_cache_bytes` or
-    `kv_cache_fraction` (of the device memory free now). A step runs at most `max_num_seqs` sequences and
-    `max_num_batched_tokens` of budget, in `budget_unit` "tokens" or "cost" (a SwiftKV prompt token costs about
-    l/L); at most `max_prompt_seqs` prompts are packed in one step. Shapes are bucketed: `single_buckets` (single
+    `kv_cache_fraction` (of the device memory free once the engine holds its weights). A step runs at most
+    `max_num_seqs` sequences and `max_num_batched_tokens` of budget, in `budget_unit` "tokens" or "cost" (a SwiftKV
+    prompt token costs about l/L); at most `max_prompt_seqs` prompts are packed in one step. Shapes are bucketed: `single_buckets` (single
     tokens) x `prompt_buckets` (packed prompt tokens); `warmup()` compiles them all. The engine holds the weights
     in its own layout (per-layer arrays); `consume_weights=True` deletes the model's stacked layer arrays as they
     are copied, so that the weights exist once (`infer.py serve` does; `model` is unusable afterwards).

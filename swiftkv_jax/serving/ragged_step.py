@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-
 from swiftkv_jax.model.cached import cached_lower, cached_upper, head, swiftkv_cache_kv
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.paged import PagedBatch

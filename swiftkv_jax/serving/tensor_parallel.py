@@ -214,17 +214,15 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     specs = nn.logical_to_mesh(logical_axes(served), tp_plan.rules)
 
     def per_device(leaf, spec):
-        split = math.prod(mesh_sizes[a] for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes))
-        return leaf.size * leaf.dtype.itemsize // split
+        return leaf.size * leaf.dtype.itemsize // math.prod(sharding.axes_size(mesh_sizes, axes) for axes in spec)
 
     weights = sum(jax.tree.leaves(jax.tree.map(per_device, abstract_params(served), specs,
                                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
     layers = cache_layers(served, swiftkv)
-    kv = kv_bytes_per_token(served, layers, as_format(cache_format)) * batch * max_len // tensor
+    per_token = kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor
     return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas, kv_heads_per_device=served.num_key_value_heads
-                // tensor, weight_bytes_per_device=int(weights), kv_cache_bytes_per_device=int(kv),
-                kv_bytes_per_token_per_device=kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor,
-                cache_layers=layers, batch=batch, max_len=max_len)
+                // tensor, weight_bytes_per_device=int(weights), kv_cache_bytes_per_device=int(per_token * batch * max_len),
+                kv_bytes_per_token_per_device=per_token, cache_layers=layers, batch=batch, max_len=max_len)
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
