@@ -13,11 +13,11 @@
 from swiftkv_jax.checkpoints import CheckpointError, detect_format, load, save
 from swiftkv_jax.model import (Model, ModelConfig, RopeConfig, Transformer, abstract_params, cast, check_params,
                                forward, init, intermediates, logical_axes, logits, param_shardings, to_swiftkv)
-from swiftkv_jax.serving import Engine, generate, load_sharded, serving_mesh
+from swiftkv_jax.serving import Engine, EngineConfig, generate, load_sharded, serving_mesh
 from swiftkv_jax.sharding import LOGICAL_AXIS_RULES, make_mesh
 
 __all__ = [
-    "CheckpointError", "Engine", "LOGICAL_AXIS_RULES", "Model", "ModelConfig", "RopeConfig", "Transformer",
+    "CheckpointError", "Engine", "EngineConfig", "LOGICAL_AXIS_RULES", "Model", "ModelConfig", "RopeConfig", "Transformer",
     "abstract_params", "cast", "check_params", "detect_format", "forward", "generate", "init", "intermediates", "load", "load_sharded", "logical_axes",
     "logits", "make_mesh", "param_shardings", "save", "serving_mesh", "to_swiftkv",
 ]

@@ -250,18 +250,18 @@ def layer_leaves(model) -> list:
 
 def test_consumed_weights_exist_once_and_serve_the_same():
     """consume_weights: the model's stacked layer arrays are deleted as the engine copies them, so the engine adds
-    only its pool to what is live (a non-consuming engine adds a second copy of the layers), and serves the same."""
+    only its pool (and block tables) to what is live (a non-consuming engine adds a second copy of the layers), and serves the same."""
     name = "swiftkv-g2"
     model = fresh_copy(name)
     layers = sum(a.nbytes for a in layer_leaves(model))
     before = live_bytes()
     keep = engine(name)  # MODELS' own arrays, not consumed: the engine's layout is a second copy
-    assert live_bytes() - before == layers + keep.pool.nbytes
+    assert live_bytes() - before == layers + keep.state_bytes
     want = run(keep, PROMPTS[:3])
     del keep
     before = live_bytes()
     eng = engine(name, model=model, consume_weights=True)
-    assert live_bytes() - before == eng.pool.nbytes
+    assert live_bytes() - before == eng.state_bytes
     assert all(a.is_deleted() for a in layer_leaves(model))
     got = run(eng, PROMPTS[:3])
     assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in want.items()}
@@ -288,7 +288,7 @@ def test_kv_cache_fraction_is_of_the_memory_left_once_the_engine_holds_its_weigh
     monkeypatch.setattr(paged_cache, "free_memory", lambda devices: limit - live_bytes())
     eng = engine("swiftkv-g2", model=model, consume_weights=consume, num_pages=None, kv_cache_fraction=0.9)
     per_page = eng.pool.nbytes // eng.allocator.num_pages
-    free_after_weights = limit - (live_bytes() - eng.pool.nbytes)
+    free_after_weights = limit - (live_bytes() - eng.state_bytes)
     assert eng.allocator.num_pages == int(0.9 * free_after_weights) // per_page
     assert live_bytes() <= limit
 
@@ -317,8 +317,8 @@ def test_cost_budget_counts_what_a_swiftkv_prompt_token_costs():
 
 def test_warmup_compiles_every_bucket_and_serving_compiles_nothing():
     eng = engine("swiftkv-g1", single_buckets=(2, 4), prompt_buckets=(16, 64))
-    eng.warmup()
-    assert len(eng._compiled) == 3 * 3 - 1
+    eng.warmup()  # decodes only: 2 and 4 singles; with prompt tokens: 16 or 64 of them x 2 or 4 singles; one width
+    assert sorted(eng._compiled) == sorted(eng.programs()) and len(eng.programs()) == 2 + 2 * 2
     before = ragged_step._cache_size()
     done = run(eng, PROMPTS[:5], arrivals=[0, 0, 2, 2, 5])
     assert ragged_step._cache_size() == before
@@ -406,16 +406,8 @@ def test_engine_step_updates_the_pages_in_place(swiftkv):
     scratch than one layer's pool: a copy of any pool array would need at least one."""
     import re
 
-    from swiftkv_jax.model.paged import PagedBatch
-
     eng = engine("swiftkv-g2", swiftkv=swiftkv, num_pages=4000)
-    d, r, u, m = 4, 64, 7, eng.pages_per_seq
-    z = lambda *shape: np.zeros(shape, np.int32)
-    batch = PagedBatch(z(d + r), z(d + r), z(d, m), z(d), np.full(r, -1, np.int32), z(m), np.int32(0))
-    upper = PagedBatch(None, None, z(u, m), z(u), z(0), z(m), np.int32(0))
-    sampled = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
-    compiled = ragged_step.lower(eng.params, eng.pool, z(d + r), z(d + r), batch, z(u), upper, sampled, np.bool_(False),
-                                 config=eng.config, swiftkv=swiftkv).compile()
+    compiled = eng.lower(4, 64, eng.pages_per_seq).compile()
     memory = compiled.memory_analysis()
     layer_bytes = eng.pool.lower[0][0].nbytes
     assert memory.alias_size_in_bytes >= eng.pool.nbytes
@@ -428,10 +420,12 @@ def test_a_callers_stop_ends_a_request_as_finished():
     """abort(reason="stop") (a server's stop string): finish reason "stop", its pages back, not counted as aborted."""
     eng = engine("swiftkv-g1")
     eng.add_request(PROMPTS[0], request_id="s", max_tokens=MAX_TOKENS, stop_token_ids=[])
-    eng.step()
+    seen = []
+    while not seen:  # steps are asynchronous: a step hands out what the one before it sampled
+        seen = [t for o in eng.step() for t in o.new_token_ids]
     eng.abort("s", reason="stop")
-    out = [o for o in eng.step() if o.finished][0]
-    assert out.finish_reason == "stop" and out.token_ids == alone("swiftkv-g1", tuple(PROMPTS[0]))[0][:1]
+    out = [o for o in eng.step() if o.finished][0]  # what it handed out, not the token in flight
+    assert out.finish_reason == "stop" and out.token_ids == seen == alone("swiftkv-g1", tuple(PROMPTS[0]))[0][:1]
     assert eng.stats()["aborted"] == 0 and eng.stats()["finished"] == 1
     assert_pool_full(eng)
     with pytest.raises(ValueError, match="reason must be"):
@@ -492,3 +486,64 @@ def test_quantised_pool_sizes_its_pages_with_the_scales():
         page = 2 * layers * 4 * cfg.num_key_value_heads * width  # page_size 4
         assert eng.allocator.num_pages == (1 << 16) // page
         assert eng.pool.nbytes == eng.allocator.num_pages * page
+
+
+def loop_primitives(jaxpr) -> list[str]:
+    """Names of the loop primitives in a jaxpr and every sub-jaxpr, Pallas kernels' bodies left out (their loops
+    run inside one kernel on a GPU)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name in ("while", "scan"):
+            found.append(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    found += loop_primitives(inner)
+    return found
+
+
+@pytest.mark.parametrize("decode", ["pallas", "xla"])
+def test_gpu_programs_have_no_loop_whose_trip_count_depends_on_the_data(decode):
+    """The engine's programs in the GPU's form (the static XLA loop, or the Pallas kernels; prompts long enough for
+    the blockwise prefill) traced on the CPU: only loops of a trip count known when compiling (scans), since a GPU
+    returns a `while` loop's condition to the host at every iteration. The CPU's form has such a loop."""
+    import functools
+
+    def loops(eng):
+        found = []
+        for d, r, w in eng.programs():
+            inputs = eng._empty_step(d, r)
+            step = functools.partial(ragged_step, sizes=inputs.sizes, **eng._step_options(w))
+            jaxpr = jax.make_jaxpr(step)(eng.params, eng.pool, eng.tables, eng.last_tokens, inputs.pack(),
+                                         np.bool_(False))
+            found += loop_primitives(jaxpr.jaxpr)
+        return found
+
+    model = sk.to_swiftkv(sk.init(MODELS["plain"][0].config.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
+    settings_ = dict(decode_attention_impl=decode, prompt_buckets=(512,), max_num_batched_tokens=512,
+                     table_buckets=(8, 24))
+    gpu = loops(engine("swiftkv-g2", model, xla_loop="static", **settings_))
+    assert "while" not in gpu and "scan" in gpu
+    if decode == "xla":
+        assert "while" in loops(engine("swiftkv-g2", model, xla_loop="dynamic", **settings_))
+
+
+def test_engine_config_and_keywords_are_one_thing():
+    """`Engine(model, EngineConfig(...))` is `Engine(model, **same)`; an unknown setting names the settings there
+    are, and a config with keywords beside it is refused."""
+    cfg = sk.EngineConfig(page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16, cache_dtype="float32",
+                          single_buckets=[4], prompt_buckets=(64,), max_model_len=96)
+    model = MODELS["swiftkv-g2"][0]
+    by_config = Engine(model, cfg)
+    assert by_config.engine_config == cfg and cfg.single_buckets == (4,)
+    by_keywords = engine("swiftkv-g2", max_prompt_seqs=8)
+    assert run(by_config, PROMPTS[:2]).keys() == run(by_keywords, PROMPTS[:2]).keys()
+    with pytest.raises(TypeError, match="Engine settings are: swiftkv, page_size"):
+        Engine(model, num_page=4)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, cfg, page_size=8)
+    with pytest.raises(ValueError, match="xla_loop must be one of"):
+        Engine(model, num_pages=40, xla_loop="sometimes")

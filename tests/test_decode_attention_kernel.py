@@ -31,13 +31,19 @@ class Case:
     dtype: type
     block_k: int
     num_splits: int
-    positions: str = "last"    # "last": the T newest tokens; "random": anywhere in [0, S)
+    positions: str = "last"    # "last": the T newest tokens; "random": anywhere in [0, S); "chunk": see new_tokens
+    new_tokens: tuple[int, ...] = ()  # "chunk": sequence b's new_tokens[b] newest tokens, then rows at -1
+    block_q: int = 64
 
     def __str__(self):
         name = jnp.dtype(self.dtype).name
         return (f"L{'-'.join(map(str, self.lengths))}_S{self.seq_len}_T{self.num_queries}"
                 f"_G{self.heads // self.kv_heads}_H{self.head_dim}_{name}_bk{self.block_k}x{self.num_splits}"
-                f"_{self.positions}")
+                f"_bq{self.block_q}_{self.positions}{'-'.join(map(str, self.new_tokens))}")
+
+    @property
+    def block_sizes(self):
+        return DecodeBlockSizes(block_k=self.block_k, num_splits=self.num_splits, block_q=self.block_q)
 
 
 CASES = [
@@ -51,7 +57,19 @@ CASES = [
     Case((199, 0, 1), 200, 1, 16, 2, 128, jnp.bfloat16, 32, 8),
     # bf16: GQA 4, three queries, S=130 with block 16 and an uneven split.
     Case((130, 77), 130, 3, 4, 1, 64, jnp.bfloat16, 16, 3, "random"),
+    # A prompt chunk of 40 tokens over 5 cached ones, GQA 2 in 5 row blocks of 16; a shorter chunk padded with -1
+    # rows (whole row blocks that see nothing); a sequence of only -1 rows.
+    Case((45, 20, 0), 64, 40, 4, 2, 32, jnp.float32, 16, 3, "chunk", (40, 20, 0), block_q=16),
 ]
+
+
+def chunk_positions(lengths, new_tokens, num_queries: int) -> np.ndarray:
+    """[B, T] int32: sequence b's queries are its new_tokens[b] newest tokens (causal positions up to
+    lengths[b] - 1) and then rows at -1, which must see nothing (a packed batch's rows of other sequences)."""
+    positions = np.full((len(lengths), num_queries), -1, np.int32)
+    for b, (length, new) in enumerate(zip(lengths, new_tokens)):
+        positions[b, :new] = np.arange(length - new, length)
+    return positions
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -67,6 +85,8 @@ def make_inputs(case: Case, seed: int = 0):
     lengths = np.asarray(case.lengths, np.int32)
     if case.positions == "last":
         positions = np.maximum(lengths[:, None] - T + np.arange(T), 0)
+    elif case.positions == "chunk":
+        positions = chunk_positions(lengths, case.new_tokens, T)
     else:
         positions = rng.integers(0, S, size=(B, T))
     return q, k, v, jnp.asarray(lengths), jnp.asarray(positions, jnp.int32)
@@ -122,8 +142,7 @@ class DecodeAttentionChecks:
     @pytest.mark.parametrize("case", CASES, ids=str)
     def test_matches_reference_and_numpy(self, case):
         q, k, v, lengths, positions = make_inputs(case)
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        out = self.attention(q, k, v, lengths, positions, block_sizes)
+        out = self.attention(q, k, v, lengths, positions, case.block_sizes)
         assert out.shape == q.shape and out.dtype == q.dtype
         out = np.asarray(out, np.float32)
         assert np.isfinite(out).all()
@@ -134,6 +153,7 @@ class DecodeAttentionChecks:
         np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
         empty = np.asarray(lengths) == 0
         assert not out[empty].any(), "an empty cache must give zeros"
+        assert not out[np.asarray(positions) < 0].any(), "a query at position -1 must give zeros"
 
     @pytest.mark.parametrize("case, dtype, per_token", [
         (CASES[1], *QUANTIZED[1]), (CASES[3], *QUANTIZED[3]), (CASES[4], *QUANTIZED[0]), (CASES[2], *QUANTIZED[2])],
@@ -144,8 +164,7 @@ class DecodeAttentionChecks:
         q, k, v, lengths, positions = make_inputs(case, seed=3)
         (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
         assert k.dtype == dtype and k_scale.dtype == jnp.float32 and k_scale.ndim == 3 * per_token
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        out = self.attention(q, k, v, lengths, positions, block_sizes, k_scale=k_scale, v_scale=v_scale)
+        out = self.attention(q, k, v, lengths, positions, case.block_sizes, k_scale=k_scale, v_scale=v_scale)
         assert out.shape == q.shape and out.dtype == q.dtype
         out = np.asarray(out, np.float32)
         tol = TOLERANCE[case.dtype]
@@ -158,12 +177,24 @@ class DecodeAttentionChecks:
     @pytest.mark.parametrize("case", CASES[1:3], ids=str)
     def test_residuals_match_reference(self, case):
         q, k, v, lengths, positions = make_inputs(case, seed=1)
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        got = self.attention(q, k, v, lengths, positions, block_sizes, return_residuals=True)
+        got = self.attention(q, k, v, lengths, positions, case.block_sizes, return_residuals=True)
         want = decode_attention_reference(q, k, v, lengths, positions, return_residuals=True)
         assert isinstance(got, AttentionResiduals)
         for name, a, b in zip(AttentionResiduals._fields, got, want):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+
+    def test_queries_that_see_nothing_read_nothing(self):
+        """Rows at position -1 (and empty sequences) give zero output, max MASK_VALUE and sum 0, in the kernel and the
+        reference; the kernel's row blocks of such rows read no key (its cache is NaN, so any load would show)."""
+        case = CASES[5]
+        q, k, v, lengths, _ = make_inputs(case)
+        positions = jnp.full((len(case.lengths), case.num_queries), -1, jnp.int32)
+        nan_k, nan_v = jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan)
+        for got in (self.attention(q, nan_k, nan_v, lengths, positions, case.block_sizes, return_residuals=True),
+                    decode_attention_reference(q, k, v, lengths, positions, return_residuals=True)):
+            np.testing.assert_array_equal(got.out, np.zeros(q.shape))
+            np.testing.assert_array_equal(got.max, np.full(q.shape[:3], MASK_VALUE, np.float32))
+            np.testing.assert_array_equal(got.sum, np.zeros(q.shape[:3]))
 
     @pytest.mark.parametrize("split", [64, 100, 129])
     def test_two_segments_merge_to_the_concatenation(self, split):
@@ -194,8 +225,7 @@ class DecodeAttentionChecks:
     def test_under_jit_with_traced_lengths(self):
         case = CASES[1]
         q, k, v, lengths, positions = make_inputs(case)
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        jitted = jax.jit(lambda *args: self.attention(*args, block_sizes))
+        jitted = jax.jit(lambda *args: self.attention(*args, case.block_sizes))
         np.testing.assert_allclose(jitted(q, k, v, lengths, positions),
                                    decode_attention_reference(q, k, v, lengths, positions), atol=2e-5, rtol=2e-5)
 
@@ -224,6 +254,8 @@ def test_merge_ignores_empty_partials():
 
 @pytest.mark.parametrize("field, value, message", [
     ("block_k", 48, "power of two"),
+    ("block_q", 48, "block_q must be a power of two"),
+    ("block_q", 8, ">= 16"),
     ("block_k", 8, ">= 16"),
     ("block_k", 0, "block_k"),
     ("block_k", 64.0, "block_k"),
@@ -236,6 +268,28 @@ def test_merge_ignores_empty_partials():
 def test_block_sizes_reject_invalid_values(field, value, message):
     with pytest.raises(ValueError, match=message):
         DecodeBlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize("num_queries, group, num_keys, sizes, expected", [
+    # Rows that fit in one block: today's decode launch, padded to a power of two >= 16.
+    (1, 4, 300, DecodeBlockSizes(), (16, 1, 64, 5)),
+    (3, 8, 300, DecodeBlockSizes(), (32, 1, 64, 5)),
+    (16, 4, 300, DecodeBlockSizes(), (64, 1, 64, 5)),
+    (1, 8, 4096, DecodeBlockSizes(block_q=16), (16, 1, 256, 16)),
+    # More rows: blocks of block_q, the last one padded.
+    (17, 4, 300, DecodeBlockSizes(), (64, 2, 64, 5)),
+    (5, 4, 64, DecodeBlockSizes(block_k=16, num_splits=3, block_q=16), (16, 2, 32, 2)),
+    (300, 2, 352, DecodeBlockSizes(block_k=32, num_splits=2), (64, 10, 192, 2)),
+    (2048, 4, 4096, DecodeBlockSizes(), (64, 128, 256, 16)),
+    (2048, 4, 4096, DecodeBlockSizes(num_splits=1, block_q=128), (128, 64, 4096, 1)),
+])
+def test_launch_arithmetic(num_queries, group, num_keys, sizes, expected):
+    """(rows per program, row blocks, keys per split, splits): the grid is (B, K, row blocks, splits)."""
+    from swiftkv_jax.kernels.decode_attention import _launch
+
+    launch = _launch(num_queries * group, num_keys, sizes)
+    assert tuple(launch) == expected
+    assert launch.row_blocks * launch.block_rows >= num_queries * group > (launch.row_blocks - 1) * launch.block_rows
 
 
 def test_block_sizes_frozen_and_hashable():

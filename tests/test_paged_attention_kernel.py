@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode_attention_kernel import QUANTIZED, TOLERANCE, numpy_attention, quantize
+from test_decode_attention_kernel import QUANTIZED, TOLERANCE, chunk_positions, numpy_attention, quantize
 
-from swiftkv_jax.kernels import (AttentionResiduals, DecodeBlockSizes, decode_attention, merge_partials, normalize,
-                                 paged_attention, paged_attention_reference)
+from swiftkv_jax.kernels import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, decode_attention, merge_partials,
+                                 normalize, paged_attention, paged_attention_reference)
 
 GARBAGE = (0, 2**31 - 1, -1, 10**6)  # table entries past a sequence's pages, with the pages of others
 
@@ -36,15 +36,22 @@ class Case:
     dtype: type
     block_k: int
     num_splits: int
-    positions: str = "last"    # "last": the T newest tokens; "random": anywhere in [0, M * page_size)
+    positions: str = "last"    # "last": the T newest; "random": anywhere in [0, M * page_size); "chunk": see new_tokens
     cache_dtype: type | None = None  # the pool's dtype when it differs from q's
     shared_first_page: bool = False  # sequence 1 starts with sequence 0's first page (prefix sharing)
+    new_tokens: tuple[int, ...] = ()  # "chunk": sequence b's new_tokens[b] newest tokens, then rows at -1
+    block_q: int = 64
 
     def __str__(self):
         names = [jnp.dtype(d).name for d in (self.dtype, self.cache_dtype) if d is not None]
         return (f"L{'-'.join(map(str, self.lengths))}_ps{self.page_size}_T{self.num_queries}"
                 f"_G{self.heads // self.kv_heads}_H{self.head_dim}_{'-'.join(names)}_bk{self.block_k}x"
-                f"{self.num_splits}_{self.positions}{'_shared' if self.shared_first_page else ''}")
+                f"{self.num_splits}_bq{self.block_q}_{self.positions}{'-'.join(map(str, self.new_tokens))}"
+                f"{'_shared' if self.shared_first_page else ''}")
+
+    @property
+    def block_sizes(self):
+        return DecodeBlockSizes(block_k=self.block_k, num_splits=self.num_splits, block_q=self.block_q)
 
     @property
     def tolerance(self):
@@ -62,6 +69,17 @@ CASES = [
     Case((129, 0, 16), 16, 1, 8, 2, 128, jnp.bfloat16, 64, 1, "random"),
     # fp32 queries over a bf16 pool (the serving case); a page size that is not a power of two.
     Case((25, 36), 12, 3, 4, 2, 64, jnp.float32, 16, 2, cache_dtype=jnp.bfloat16),
+]
+
+# Prompt chunks over their cached context, GQA, several row blocks; rows at -1 (of other sequences, padding).
+CHUNK_CASES = [
+    # 300 new tokens over 37 cached (positions 37..336) in 10 row blocks of 64; a 40-token prompt, then -1 rows
+    # (whole row blocks that see nothing).
+    Case((337, 40), 16, 300, 4, 2, 32, jnp.float32, 32, 2, "chunk", new_tokens=(300, 40)),
+    # 5 queries x G 4 in 2 row blocks of 16; a chunk of 2 then -1 rows; an empty sequence of only -1 rows.
+    Case((12, 3, 0), 4, 5, 8, 2, 32, jnp.float32, 16, 2, "chunk", new_tokens=(5, 2, 0), block_q=16),
+    # Page size 1, one query x G 4; a sequence whose only query is at -1.
+    Case((9, 1), 1, 1, 4, 1, 32, jnp.float32, 16, 3, "chunk", new_tokens=(1, 0)),
 ]
 
 
@@ -105,6 +123,8 @@ def make_inputs(case: Case, seed: int = 0):
     q = jnp.asarray(rng.standard_normal((B, T, case.heads, case.head_dim)), case.dtype)
     if case.positions == "last":
         positions = np.maximum(lengths[:, None] - T + np.arange(T), 0)
+    elif case.positions == "chunk":
+        positions = chunk_positions(lengths, case.new_tokens, T)
     else:
         positions = rng.integers(0, M * ps, size=(B, T))
     return q, pool(), pool(), jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(positions, jnp.int32)
@@ -141,8 +161,8 @@ class PagedAttentionChecks:
 
     def check_against_reference_and_numpy(self, case: Case):
         inputs = make_inputs(case)
-        out = self.attention(*inputs, DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits))
-        q, lengths = inputs[0], inputs[4]
+        out = self.attention(*inputs, case.block_sizes)
+        q, lengths, positions = inputs[0], inputs[4], inputs[5]
         assert out.shape == q.shape and out.dtype == q.dtype
         out = np.asarray(out, np.float32)
         assert np.isfinite(out).all(), "read a key outside the sequences (the pools are NaN there)"
@@ -150,8 +170,9 @@ class PagedAttentionChecks:
         np.testing.assert_allclose(out, reference, atol=case.tolerance, rtol=case.tolerance)
         np.testing.assert_allclose(out, numpy_paged_attention(*inputs), atol=case.tolerance, rtol=case.tolerance)
         assert not out[np.asarray(lengths) == 0].any(), "an empty sequence must give zeros"
+        assert not out[np.asarray(positions) < 0].any(), "a query at position -1 must give zeros"
 
-    @pytest.mark.parametrize("case", CASES, ids=str)
+    @pytest.mark.parametrize("case", CASES + CHUNK_CASES, ids=str)
     def test_matches_reference_and_numpy(self, case):
         self.check_against_reference_and_numpy(case)
 
@@ -161,7 +182,8 @@ class PagedAttentionChecks:
         self.check_against_reference_and_numpy(case)
 
     @pytest.mark.parametrize("case, dtype, per_token", [
-        (CASES[0], *QUANTIZED[1]), (CASES[1], *QUANTIZED[3]), (CASES[4], *QUANTIZED[2]), (CASES[3], *QUANTIZED[0])],
+        (CASES[0], *QUANTIZED[1]), (CASES[1], *QUANTIZED[3]), (CASES[4], *QUANTIZED[2]), (CASES[3], *QUANTIZED[0]),
+        (CHUNK_CASES[1], *QUANTIZED[1])],
         ids=lambda x: str(x) if isinstance(x, Case) else None)
     def test_quantized_pool_matches_numpy(self, case, dtype, per_token):
         """An int8 / FP8 pool with per-layer or per-token-head [K, P, page_size] scales, gathered through the table:
@@ -170,9 +192,8 @@ class PagedAttentionChecks:
         q, k, v, table, lengths, positions = make_inputs(case, seed=3)
         (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
         assert k.dtype == dtype and k_scale.ndim == 3 * per_token
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
         scales = {"k_scale": k_scale, "v_scale": v_scale}
-        out = self.attention(q, k, v, table, lengths, positions, block_sizes, **scales)
+        out = self.attention(q, k, v, table, lengths, positions, case.block_sizes, **scales)
         assert out.shape == q.shape and out.dtype == q.dtype
         out = np.asarray(out, np.float32)
         assert np.isfinite(out).all(), "read a key outside the sequences (the pools are NaN there)"
@@ -183,15 +204,19 @@ class PagedAttentionChecks:
         np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
         assert not out[np.asarray(lengths) == 0].any(), "an empty sequence must give zeros"
 
-    def test_residuals_match_reference(self):
-        case = CASES[1]
+    @pytest.mark.parametrize("case", [CASES[1], CHUNK_CASES[0]], ids=str)
+    def test_residuals_match_reference(self, case):
+        """Also exactly empty residuals (out 0, max MASK_VALUE, sum 0) for the queries at -1, in both."""
         inputs = make_inputs(case, seed=1)
-        block_sizes = DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits)
-        got = self.attention(*inputs, block_sizes, return_residuals=True)
+        got = self.attention(*inputs, case.block_sizes, return_residuals=True)
         want = paged_attention_reference(*inputs, return_residuals=True)
         assert isinstance(got, AttentionResiduals)
+        unseen = np.asarray(inputs[5]) < 0
         for name, a, b in zip(AttentionResiduals._fields, got, want):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
+            for x in (a, b):
+                empty = np.float32(MASK_VALUE) if name == "max" else 0.0
+                np.testing.assert_array_equal(np.asarray(x)[unseen], empty, err_msg=name)
 
     def test_paged_prompt_and_dense_decode_segment_merge(self):
         """SwiftKV over a paged prompt cache: merge(paged prompt KV, dense decode KV) == attention over both."""
@@ -223,7 +248,7 @@ class PagedAttentionChecks:
 
         def step(*args):
             traces.append(None)
-            return self.attention(*args, DecodeBlockSizes(block_k=case.block_k, num_splits=case.num_splits))
+            return self.attention(*args, case.block_sizes)
 
         jitted = jax.jit(step)
         # The same numbers of pages in all (pool size P) and at most (table width M): the same shapes.
@@ -243,18 +268,20 @@ class TestPagedAttentionCompiled(PagedAttentionChecks):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("per_block", ["loop", "one pass"])
-def test_engine_xla_path_matches_numpy(case, per_block):
-    """The engine's XLA paged path, both forms: the CPU's loop over 4-page blocks, and the GPU's one pass over the
-    whole table (`xla_pages_per_block`), each against the float64 walk of the tables."""
-    from swiftkv_jax.model.paged import PAGES_PER_BLOCK, _paged_xla
+@pytest.mark.parametrize("form", ["dynamic loop", "one pass", "static blocks"])
+def test_engine_xla_path_matches_numpy(case, form):
+    """The engine's XLA paged path, each form: the CPU's loop over 4-page blocks that stops after the longest
+    sequence, and the GPU's fixed number of blocks (`xla_loop="static"`) as one pass over the whole table or as
+    blocks of 2 pages, each against the float64 walk of the tables."""
+    from swiftkv_jax.model.paged import _paged_xla
 
     inputs = list(make_inputs(case))
     # It reads whole blocks and masks the scores, so a pool's unused slots must be finite (the engine's are: zeros
     # or stale K/V); large values there instead of the kernel tests' NaN still show any key let through.
     for i in (1, 2):
         inputs[i] = jnp.where(jnp.isnan(inputs[i]), 1e3, inputs[i]).astype(inputs[i].dtype)
-    out = _paged_xla(*inputs, pages_per_block=PAGES_PER_BLOCK if per_block == "loop" else inputs[3].shape[1])
+    per_block = {"dynamic loop": None, "one pass": inputs[3].shape[1], "static blocks": 2}[form]
+    out = _paged_xla(*inputs, pages_per_block=per_block, loop="dynamic" if form == "dynamic loop" else "static")
     out = np.asarray(out, np.float32)
     np.testing.assert_allclose(out, numpy_paged_attention(*inputs), atol=case.tolerance, rtol=case.tolerance)
 
@@ -323,15 +350,15 @@ def test_empty_table_gives_zeros():
     np.testing.assert_array_equal(out, jnp.zeros_like(q))
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
-def test_compiled_lowers_to_a_triton_kernel(q_dtype):
+@pytest.mark.parametrize("q_dtype, num_queries", [(jnp.bfloat16, 3), (jnp.float32, 3), (jnp.bfloat16, 300)])
+def test_compiled_lowers_to_a_triton_kernel(q_dtype, num_queries):
     """Without a GPU: the compiled path lowers for CUDA to a Triton custom call (not Mosaic GPU), also for fp32
-    queries over a bf16 pool."""
+    queries over a bf16 pool and for a prompt chunk (19 row blocks of 64: the 4-D grid)."""
     from swiftkv_jax.kernels.paged_attention import _paged_attention
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
-        ((2, 3, 8, 128), q_dtype), ((2, 40, 16, 128), jnp.bfloat16), ((2, 40, 16, 128), jnp.bfloat16),
-        ((2, 7), jnp.int32), ((2,), jnp.int32), ((2, 3), jnp.int32)]]
+        ((2, num_queries, 8, 128), q_dtype), ((2, 40, 16, 128), jnp.bfloat16), ((2, 40, 16, 128), jnp.bfloat16),
+        ((2, 7), jnp.int32), ((2,), jnp.int32), ((2, num_queries), jnp.int32)]]
     lowered = _paged_attention.trace(*args, DecodeBlockSizes(block_k=32, num_splits=4), False)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text and "num_warps = 4" in text

@@ -1,25 +1,32 @@
-"""Few-query ("decode") attention over a KV cache: a split-K Pallas kernel, its jnp reference, and exact merges.
+"""Attention of a few ("decode") or many (a prompt chunk) queries over a KV cache: a split-K Pallas kernel, its jnp
+reference, and exact merges.
 
-Shapes (one letter per dimension): q ``[B, T, N, H]`` (T query tokens, small: 1 for decode, a few for
-speculative or SwiftKV steps), k_cache / v_cache ``[B, S, K, H]``, ``lengths [B]`` int32 and
+Shapes (one letter per dimension): q ``[B, T, N, H]`` (T query tokens: 1 for decode, a few for speculative or
+SwiftKV steps, a prompt chunk over its cached context), k_cache / v_cache ``[B, S, K, H]``, ``lengths [B]`` int32 and
 ``q_positions [B, T]`` int32. G = N // K query heads share one KV head (GQA).
 
 Masking: cache index == position. Query token t of sequence b sees key s iff
 ``s < lengths[b]`` and ``s <= q_positions[b, t]``. The mask is built from positions, never from a
 top-left-aligned ``is_causal`` flag, so it is right when T < S. A query that sees no key (empty cache,
-``lengths[b] == 0``) gets an all-zero output, never NaN.
+``lengths[b] == 0``, or ``q_positions[b, t] < 0``: -1 marks a row that must see nothing) gets an all-zero output
+(residuals: out 0, max ``MASK_VALUE``, sum 0), never NaN.
 
 Scale: the scores are ``q . k / sqrt(H)``, applied inside (in fp32, on the scores). Do not pre-scale q.
 
-Kernel layout: one program per (batch b, KV head k, KV split j). It holds the T*G query rows of that KV head
-(padded to a power of two >= 16, the smallest Triton dot) and streams its split of the cache in blocks of
-``block_k`` keys, so every K/V block is read from memory once for the whole GQA group. The cache is indexed
-in place (no transpose or pad of the cache per call). Each split returns its unnormalised output with the
-running max and sum of the softmax (the flash-attention residuals); ``merge_partials`` combines them
-exactly in jnp. The same merge combines two KV segments (SwiftKV: prompt KV + decode KV), see
-``decode_attention(..., return_residuals=True)``. The launch (``_split_k_attention``) and the program body
-(``_attend_split``) are shared with the paged kernel (paged_attention.py): only where a block's keys are read
-from differs.
+Kernel layout: one program per (batch b, KV head k, row block i, KV split j). The query rows of one KV head are
+r = t * G + g, so every K/V block is read from memory once for all G heads of the group. They are cut into blocks of
+``block_q`` rows (each a contiguous range of query tokens), so T may be a whole prompt chunk (hundreds or thousands
+of tokens) as well as 1 for decode: one Triton program cannot hold thousands of rows. T*G rows that fit in one
+block are padded to a power of two >= 16 (the smallest Triton dot) and make one row block, the launch of the
+decode case. A program streams its split of the cache in blocks of ``block_k`` keys, but only up to the largest
+limit of its own rows: with causal positions a chunk's early rows read fewer keys than its late ones, and a row
+block that sees no key (rows of another sequence, ``q_positions == -1``; padding) reads no K/V and runs no
+iteration, so the cost follows each sequence's own context. The cache is indexed in place (no transpose or pad
+of the cache per call). Each split returns its unnormalised output with the running max and sum of the softmax
+(the flash-attention residuals); ``merge_partials`` combines them exactly in jnp. The same merge combines two KV
+segments (SwiftKV: prompt KV + decode KV), see ``decode_attention(..., return_residuals=True)``. The launch
+(``_split_k_attention``) and the program body (``_attend_split``) are shared with the paged kernel
+(paged_attention.py): only where a block's keys are read from differs.
 
 Backend decision: the kernel is a Triton-style ``pl.pallas_call`` (BlockSpecs over a grid, fori_loop over
 key blocks, masked ``load``). That style is the one that runs in ``interpret=True`` on CPU (so CI checks
@@ -81,16 +88,22 @@ class DecodeBlockSizes:
     num_splits: how many programs split the cache along S (parallelism when B * K is small). The split
       length is rounded up to a multiple of block_k, so a short cache uses fewer splits.
     num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
+    block_q: query rows (tokens x the G heads of a KV head) per program at most; a power of two >= 16. T*G rows
+      that fit are one row block padded to a power of two >= 16 (decode); more are cut into ceil(T*G / block_q)
+      blocks, each its own program, which reads keys only up to its own rows' positions.
     """
 
     block_k: int = 64
     num_splits: int = 16
     num_warps: int = 4
     num_stages: int = 2
+    block_q: int = 64
 
     def __post_init__(self):
-        if not _is_power_of_two(self.block_k) or self.block_k < 16:
-            raise ValueError(f"DecodeBlockSizes.block_k must be a power of two >= 16, got {self.block_k!r}")
+        for name in ("block_k", "block_q"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < _MIN_ROWS:
+                raise ValueError(f"DecodeBlockSizes.{name} must be a power of two >= 16, got {value!r}")
         if not isinstance(self.num_splits, int) or isinstance(self.num_splits, bool) or self.num_splits < 1:
             raise ValueError(f"DecodeBlockSizes.num_splits must be an integer >= 1, got {self.num_splits!r}")
         if not _is_power_of_two(self.num_warps) or self.num_warps > 32:
@@ -183,7 +196,8 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, ret
 
 def _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
                   dequantize: bool = False):
-    """One (b, kv head, split) program, for any layout of the keys. limit_ref [R]: row r sees keys < limit[r].
+    """One (b, kv head, row block, split) program, for any layout of the keys. limit_ref [R]: row r of this block
+    sees keys < limit[r]; the program iterates key blocks only up to its rows' largest limit (none if it is 0).
 
     q_ref [R, H]; refs: o_ref [R, H], m_ref [R], l_ref [R] fp32, preceded by k_scale_ref and v_scale_ref (laid out
     as k_ref minus H) for per-token-head scales. ``key_index(i, idx, in_range)`` gives the indexers of block i's
@@ -194,12 +208,13 @@ def _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: 
     """
     *scale_refs, o_ref, m_ref, l_ref = refs
     rows, head_dim = q_ref.shape
-    split_start = pl.program_id(2) * split_len
+    split_start = pl.program_id(3) * split_len
     limit = limit_ref[...]
     # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case).
     dot_dtype = jnp.float32 if dequantize else jnp.promote_types(q_ref.dtype, k_ref.dtype)
     q = q_ref[...].astype(dot_dtype)
-    # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S).
+    # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S): a row
+    # block of rows that see nothing runs no iteration.
     split_end = jnp.minimum(jnp.max(limit), split_start + split_len)
     num_blocks = (jnp.maximum(split_end - split_start, 0) + block_k - 1) // block_k
 
@@ -284,6 +299,23 @@ def _scale_inputs(k_scale, v_scale):
     return (True, scales, None) if scales[0].ndim else (True, (), scales)
 
 
+class _Launch(NamedTuple):
+    """The launch arithmetic of ``_split_k_attention`` (pure Python, static): grid (B, K, row_blocks, num_splits)."""
+
+    block_rows: int   # query rows per program: a power of two >= 16
+    row_blocks: int   # ceil(T*G / block_rows)
+    split_len: int    # keys per split: a multiple of block_k
+    num_splits: int   # ceil(num_keys / split_len) <= block_sizes.num_splits
+
+
+def _launch(rows: int, num_keys: int, block_sizes: DecodeBlockSizes) -> _Launch:
+    """How ``rows`` (T*G) query rows of a KV head and ``num_keys`` keys of a sequence are cut into programs. Rows
+    that fit in one block are padded to a power of two >= 16 (the decode launch); more make blocks of block_q."""
+    block_rows = min(block_sizes.block_q, max(_MIN_ROWS, pl.next_power_of_2(rows)))
+    split_len = pl.cdiv(pl.cdiv(num_keys, block_sizes.num_splits), block_sizes.block_k) * block_sizes.block_k
+    return _Launch(block_rows, pl.cdiv(rows, block_rows), split_len, pl.cdiv(num_keys, split_len))
+
+
 def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, num_kv_heads: int, num_keys: int,
                        block_sizes: DecodeBlockSizes, interpret: bool, name: str, dequantize: bool = False,
                        static_scales=None) -> AttentionResiduals:
@@ -291,8 +323,9 @@ def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, 
 
     kernel: ``(limit_ref, q_ref, *kv_refs, o_ref, m_ref, l_ref, *, scale, block_k, split_len)`` (and
     ``dequantize`` when it is set); kv_inputs: what kv_refs come from; kv_specs(split_len): their BlockSpecs over the
-    grid (b, kv head k, split j). num_keys: the key capacity of one sequence (S), split in ``num_splits`` pieces of
-    a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see ``_scale_inputs``.
+    grid (b, kv head k, row block i, split j). num_keys: the key capacity of one sequence (S), split in
+    ``num_splits`` pieces of a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see
+    ``_scale_inputs``.
     """
     if dequantize:
         kernel = functools.partial(kernel, dequantize=True)
@@ -302,30 +335,29 @@ def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, 
     K = num_kv_heads
     G = N // K
     rows = T * G
-    padded_rows = max(_MIN_ROWS, pl.next_power_of_2(rows))
-    block_k = block_sizes.block_k
-    split_len = pl.cdiv(pl.cdiv(num_keys, block_sizes.num_splits), block_k) * block_k
-    num_splits = pl.cdiv(num_keys, split_len)
+    block_rows, row_blocks, split_len, num_splits = _launch(rows, num_keys, block_sizes)
+    padded_rows = row_blocks * block_rows
 
-    # Rows of one KV head: r = t * G + g (a copy of q only: small). Padded rows see no key.
+    # Rows of one KV head: r = t * G + g (a copy of q only), so a row block is a contiguous range of tokens.
+    # Padded rows see no key; nor does a query at a negative position (limit 0).
     q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, H)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, lengths.astype(jnp.int32)[:, None])
     limit = jnp.clip(limit, 0, num_keys)
     limit = jnp.pad(jnp.repeat(limit, G, axis=1), ((0, 0), (0, padded_rows - rows)))
 
-    stat_spec = pl.BlockSpec((None, None, None, padded_rows), lambda b, k, j: (j, b, k, 0))
+    stat_spec = pl.BlockSpec((None, None, None, block_rows), lambda b, k, i, j: (j, b, k, i))
     stat_shape = jax.ShapeDtypeStruct((num_splits, B, K, padded_rows), jnp.float32)
     outs, maxes, sums = pl.pallas_call(
-        functools.partial(kernel, scale=1.0 / math.sqrt(H), block_k=block_k, split_len=split_len),
-        grid=(B, K, num_splits),
+        functools.partial(kernel, scale=1.0 / math.sqrt(H), block_k=block_sizes.block_k, split_len=split_len),
+        grid=(B, K, row_blocks, num_splits),
         in_specs=[
-            pl.BlockSpec((None, padded_rows), lambda b, k, j: (b, 0)),
-            pl.BlockSpec((None, None, padded_rows, H), lambda b, k, j: (b, k, 0, 0)),
+            pl.BlockSpec((None, block_rows), lambda b, k, i, j: (b, i)),
+            pl.BlockSpec((None, None, block_rows, H), lambda b, k, i, j: (b, k, i, 0)),
             *kv_specs(split_len),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, padded_rows, H), lambda b, k, j: (j, b, k, 0, 0)),
+            pl.BlockSpec((None, None, None, block_rows, H), lambda b, k, i, j: (j, b, k, i, 0)),
             stat_spec,
             stat_spec,
         ],
@@ -353,8 +385,8 @@ def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: De
     dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
 
     def kv_specs(split_len):  # this split of the cache, in place (the last one may run past S: masked loads)
-        spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, j: (b, j, k, 0))
-        scale_spec = pl.BlockSpec((None, split_len, None), lambda b, k, j: (b, j, k))  # [B, S, K] scales
+        spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, i, j: (b, j, k, 0))
+        scale_spec = pl.BlockSpec((None, split_len, None), lambda b, k, i, j: (b, j, k))  # [B, S, K] scales
         return [spec, spec] + [scale_spec] * len(token_scales)
 
     kernel = functools.partial(_attend_split, key_index=_dense_key_index)
@@ -394,13 +426,13 @@ def _no_keys(q) -> AttentionResiduals:
 
 def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: DecodeBlockSizes | None = None,
                      interpret: bool | None = None, return_residuals: bool = False, k_scale=None, v_scale=None):
-    """Attention of a few query tokens over a KV cache, by the split-K Pallas kernel.
+    """Attention of a few or many query tokens over a KV cache, by the split-K Pallas kernel.
 
     Args:
       q: ``[B, T, N, H]`` queries (not pre-scaled: the kernel applies 1/sqrt(H)).
       k_cache, v_cache: ``[B, S, K, H]``, N % K == 0, H a power of two >= 16.
       lengths: ``[B]`` int, keys with index < lengths[b] are valid.
-      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t].
+      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t] (none if negative).
       block_sizes: ``DecodeBlockSizes``; default ``DecodeBlockSizes()``.
       interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
       return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,

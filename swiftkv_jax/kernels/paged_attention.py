@@ -1,4 +1,5 @@
-"""Few-query attention over a PAGED KV cache: the split-K decode kernel following a block table, and its reference.
+"""Attention of a few or many queries over a PAGED KV cache: the split-K kernel following a block table, and its
+reference.
 
 Shapes (one letter per dimension): q ``[B, T, N, H]``, k_pages / v_pages ``[K, P, page_size, H]`` (a pool of P
 pages of one layer, KV heads first as in jax's TPU paged attention: a gather of one sequence's pages is then
@@ -9,17 +10,19 @@ never read. Masking, scale, GQA, empty rows and residuals are exactly those of `
 decode_attention.py): query t of sequence b sees key s iff ``s < lengths[b]`` and ``s <= q_positions[b, t]``.
 
 Kernel: the dense kernel's launch and program body (``_split_k_attention``, ``_attend_split``), with only the
-addressing of a block's keys changed. One program per (b, kv head k, split j) holds the T*G query rows of its KV
-head and the row of the block table of sequence b (an ordinary input block: Pallas' Triton backend has no
-scalar prefetch, and an input block is what both interpret mode and the Triton lowering index). For each block
-of ``block_k`` keys it loads the page id of every key from that row (``table[s // page_size]``) and then the
-keys themselves as one gather ``pool[page, s % page_size, :]`` from the pool of its KV head, read in place:
-the cache is never copied into a dense layout. So a block may span several small pages or part of a large one
-(any page size works with any ``block_k``), each K/V page is read once for the whole GQA group, and keys past
-the split's last needed key are masked out of the loads. Blocks past ``lengths[b]`` (and past every row's
-position) are not iterated at all, so their table entries and pages cost nothing and are not touched. The
-splits (``num_splits`` pieces of the table's key capacity ``M * page_size``, in whole blocks) are merged
-exactly with ``merge_partials``, so a long sequence still spreads over many programs.
+addressing of a block's keys changed. One program per (b, kv head k, row block i, split j) holds up to ``block_q``
+of the T*G query rows of its KV head (T may be a prompt chunk attending over its cached context: each row block
+reads keys only up to its own rows' positions, none if they see nothing, e.g. ``q_positions == -1`` for rows of
+another sequence) and the row of the block table of sequence b, the same for every row block and split (an ordinary
+input block: Pallas' Triton backend has no scalar prefetch, and an input block is what both interpret mode and the
+Triton lowering index). For each block of ``block_k`` keys it loads the page id of every key from that row
+(``table[s // page_size]``) and then the keys themselves as one gather ``pool[page, s % page_size, :]`` from the
+pool of its KV head, read in place: the cache is never copied into a dense layout. So a block may span several small
+pages or part of a large one (any page size works with any ``block_k``), each K/V page is read once for the whole
+GQA group, and keys past the split's last needed key are masked out of the loads. Blocks past ``lengths[b]`` (and
+past every row's position) are not iterated at all, so their table entries and pages cost nothing and are not
+touched. The splits (``num_splits`` pieces of the table's key capacity ``M * page_size``, in whole blocks) are
+merged exactly with ``merge_partials``, so a long sequence still spreads over many programs.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
 
 
 def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size: int, **kwargs):
-    """One (b, kv head, split) program. table_ref [M]: the block table of sequence b; k_ref, v_ref
+    """One (b, kv head, row block, split) program. table_ref [M]: the block table of sequence b; k_ref, v_ref
     [P, page_size, H]: the pool of this KV head (indexed in place); refs: the outputs of ``_attend_split``, after
     the [P, page_size] scales of this KV head when they are per token and head."""
     last_entry = table_ref.shape[0] - 1
@@ -82,9 +85,10 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, bl
     K, P, page_size, H = k_pages.shape
     M = block_tables.shape[1]
     dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
-    table_spec = pl.BlockSpec((None, M), lambda b, k, j: (b, 0))
-    pool_spec = pl.BlockSpec((None, P, page_size, H), lambda b, k, j: (k, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, P, page_size), lambda b, k, j: (k, 0, 0))  # [K, P, page_size] scales
+    # The same table row and pool of the KV head for every row block i and split j.
+    table_spec = pl.BlockSpec((None, M), lambda b, k, i, j: (b, 0))
+    pool_spec = pl.BlockSpec((None, P, page_size, H), lambda b, k, i, j: (k, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, P, page_size), lambda b, k, i, j: (k, 0, 0))  # [K, P, page_size] scales
     specs = [table_spec, pool_spec, pool_spec] + [scale_spec] * len(token_scales)
     kernel = functools.partial(_paged_kernel, page_size=page_size)
     return _split_k_attention(kernel, q, lengths, q_positions,
@@ -116,7 +120,7 @@ def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
                     block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
                     return_residuals: bool = False, k_scale=None, v_scale=None):
-    """Attention of a few query tokens over a paged KV cache, by the split-K Pallas kernel.
+    """Attention of a few or many query tokens over a paged KV cache, by the split-K Pallas kernel.
 
     Args:
       q: ``[B, T, N, H]`` queries (not pre-scaled: the kernel applies 1/sqrt(H)).
@@ -125,9 +129,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
       block_tables: ``[B, M]`` int, the page ids of sequence b in order; entries past its
         ``ceil(lengths[b] / page_size)`` pages are never read (any value).
       lengths: ``[B]`` int, keys with index < lengths[b] are valid (at most ``M * page_size`` are used).
-      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t].
+      q_positions: ``[B, T]`` int, query t sees keys with index <= q_positions[b, t] (none if negative).
       block_sizes: ``DecodeBlockSizes`` (block_k keys per block, whatever the page size; num_splits pieces of
-        the table's ``M * page_size`` keys); default ``DecodeBlockSizes()``.
+        the table's ``M * page_size`` keys; block_q query rows per program); default ``DecodeBlockSizes()``.
       interpret: None = interpret mode on CPU, compiled on GPU. Compiled on any other backend fails loudly.
       return_residuals: return ``AttentionResiduals`` (fp32, unnormalised; merge with ``merge_partials``,
         finish with ``normalize``) instead of the output.

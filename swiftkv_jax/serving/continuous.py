@@ -7,9 +7,13 @@
             ...
     engine.generate([[1, 2, 3], [4, 5]], max_tokens=32)   # blocking, for offline batches
 
-Each `step` schedules (`scheduler.Scheduler`), builds the host arrays of one ragged batch, runs the jitted step
-(`ragged_step`) for its (singles, prompt tokens) bucket, and hands out the sampled tokens. `add_request` and `abort`
-may be called from any thread: they only enqueue, and `step` (one thread) applies them first.
+Each `step` schedules (`scheduler.Scheduler`), builds the host arrays of one ragged batch, launches the jitted step
+(`ragged_step`) for its bucket, and only then waits for the previous step's tokens (vLLM V1's asynchronous
+scheduling): while the device runs step N + 1 the host hands out step N's tokens, and the step after is scheduled
+before they are back. Sampled tokens stay on the device and feed the next step; the block tables live there too and
+change only where a page was added. So `step` returns the outputs of the step launched by the call before it.
+`add_request` and `abort` may be called from any thread: they only enqueue, and `step` (one thread) applies them
+first.
 """
 
 from __future__ import annotations
@@ -28,15 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
-from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
-from swiftkv_jax.serving.paged_cache import PageAllocator, init_pool, pages_for_budget
-from swiftkv_jax.serving.ragged_step import Sampled, ragged_step
+from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
+from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget
+from swiftkv_jax.serving.pages import PageAllocator, pages_for
+from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
-from swiftkv_jax.serving.scheduler import (RequestParams, Schedule, Scheduler, Sequence, Status,
-                                           prompt_token_cost)
+from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
 
 log = logging.getLogger(__name__)
 BUDGET_UNITS = ("tokens", "cost")
@@ -58,90 +63,193 @@ class RequestOutput:
     top_logprobs: Optional[list[dict]] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
 
 
-def _doubling(low: int, high: int) -> tuple[int, ...]:
+def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     sizes, size = [], low
     while size < high:
         sizes.append(size)
-        size *= 2
+        size *= factor
     return tuple(sizes) + (high,)
 
 
-class Engine:
-    """Continuous batching with a paged KV cache (see the module docstring).
+def _bucket(n: int, buckets: tuple) -> int:
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of an `Engine`, checked once (`check`). The keyword form `Engine(model, page_size=...)` builds one.
 
     swiftkv: None serves a SwiftKV model in SwiftKV wiring, a plain model as is; False serves a SwiftKV model as its
     teacher. The pool: `page_size` tokens a page, sized by exactly one of `num_pages`, `kv_cache_bytes` or
     `kv_cache_fraction` (of the device memory free once the engine holds its weights). A step runs at most
     `max_num_seqs` sequences and `max_num_batched_tokens` of budget, in `budget_unit` "tokens" or "cost" (a SwiftKV
-    prompt token costs about l/L); at most `max_prompt_seqs` prompts are packed in one step. Shapes are bucketed: `single_buckets` (single
-    tokens) x `prompt_buckets` (packed prompt tokens); `warmup()` compiles them all. The engine holds the weights
-    in its own layout (per-layer arrays); `consume_weights=True` deletes the model's stacked layer arrays as they
-    are copied, so that the weights exist once (`infer.py serve` does; `model` is unusable afterwards).
+    prompt token costs about l/L); at most `max_prompt_seqs` prompts are packed in one step. The defaults are
+    sized for a GPU of 80 GB serving an 8B model (vLLM's on an H100: 256 sequences, 8192 tokens).
+
+    Shapes are bucketed, and `warmup()` compiles every program: a step of decodes only pads its count to one of
+    `single_buckets`; a step with prompt tokens pads them to one of `prompt_buckets` and its decodes to one of
+    `mixed_single_buckets` (few: such a step is large anyway). The XLA paged path's tables are read `table_buckets`
+    pages wide (the step's longest sequence, bucketed) where its cost follows the width (`xla_loop="static"`, the
+    form off the CPU); elsewhere one width. attention_impl / decode_attention_impl: None keeps the model config's,
+    except on a GPU, where the engine serves prompts with cuDNN (bf16 / fp16 models) and few queries with the Pallas
+    paged kernel.
     """
 
-    def __init__(self, model: Model, *, swiftkv: Optional[bool] = None, page_size: int = 16,
-                 num_pages: Optional[int] = None, kv_cache_bytes: Optional[int] = None,
-                 kv_cache_fraction: Optional[float] = None, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, budget_unit: str = "tokens", max_model_len: Optional[int] = None,
-                 max_prompt_seqs: int = 8, cache_dtype="bfloat16", attention_impl: Optional[str] = None,
-                 decode_attention_impl: Optional[str] = None, single_buckets: Optional[Seq[int]] = None,
-                 prompt_buckets: Optional[Seq[int]] = None, warmup: bool = False, kv_scales: Optional[str] = None,
-                 mesh: Optional[Mesh] = None, consume_weights: bool = False):
-        self.mesh = mesh
-        model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
-        cfg = model.config
-        overrides = {"attention_impl": attention_impl, "decode_attention_impl": decode_attention_impl}
-        self.config = cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
-        self.swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
-        if budget_unit not in BUDGET_UNITS:
-            raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {budget_unit!r}")
-        for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_prompt_seqs", max_prompt_seqs)):
+    swiftkv: Optional[bool] = None
+    page_size: int = 16
+    num_pages: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    kv_cache_fraction: Optional[float] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    budget_unit: str = "tokens"
+    max_model_len: Optional[int] = None
+    max_prompt_seqs: int = 8
+    cache_dtype: object = "bfloat16"
+    kv_scales: Optional[str] = None
+    attention_impl: Optional[str] = None
+    decode_attention_impl: Optional[str] = None
+    xla_loop: Optional[str] = None
+    single_buckets: Optional[tuple] = None
+    mixed_single_buckets: Optional[tuple] = None
+    prompt_buckets: Optional[tuple] = None
+    table_buckets: Optional[tuple] = None
+    mesh: Optional[Mesh] = None
+    consume_weights: bool = False
+    warmup: bool = False
+
+    def __post_init__(self):
+        for name in ("single_buckets", "mixed_single_buckets", "prompt_buckets", "table_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(sorted(value)))
+
+    def check(self) -> None:
+        """Raise ValueError naming the setting and what it takes."""
+        if self.budget_unit not in BUDGET_UNITS:
+            raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {self.budget_unit!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prompt_seqs"):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
-                             f"({max_num_seqs}), so that every running sequence can decode in every step")
-        self.cache_format = as_format(cache_dtype, kv_scales)  # first: a bad dtype or scale setting names the choices
-        budget = dict(num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}), so that every running sequence can decode in every step")
+        if self.xla_loop is not None and self.xla_loop not in XLA_LOOPS:
+            raise ValueError(f"xla_loop must be one of {XLA_LOOPS} (or None: by backend), got {self.xla_loop!r}")
+        for name in ("single_buckets", "mixed_single_buckets", "prompt_buckets", "table_buckets"):
+            value = getattr(self, name)
+            if value is not None and (not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                                       for v in value)):
+                raise ValueError(f"{name} must be positive integers, got {value!r}")
+        as_format(self.cache_dtype, self.kv_scales)  # a bad dtype or scale setting names the choices
+
+
+def _serving_impls(config, options: EngineConfig) -> dict:
+    """The attention implementations the engine serves with (see `EngineConfig`)."""
+    gpu = jax.default_backend() == "gpu"
+    prefill = options.attention_impl or ("cudnn" if gpu and config.dtype in ("bfloat16", "float16")
+                                         else config.attention_impl)
+    return dict(attention_impl=prefill, decode_attention_impl=options.decode_attention_impl
+                or ("pallas" if gpu else config.decode_attention_impl))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: what it ran, and its outputs on the device."""
+
+    schedule: Schedule
+    token: jax.Array
+    logprob: jax.Array
+    top: Optional[tuple]   # (values, ids) when a row asked for top logprobs
+
+
+class Engine:
+    """Continuous batching with a paged KV cache (see the module docstring and `EngineConfig` for the settings,
+    given as an `EngineConfig` or as keywords). The engine holds the weights in its own layout (per-layer arrays);
+    `consume_weights=True` deletes the model's stacked layer arrays as they are copied, so that the weights exist
+    once (`infer.py serve` does; `model` is unusable afterwards).
+    """
+
+    def __init__(self, model: Model, engine_config: Optional[EngineConfig] = None, **settings):
+        if engine_config is not None and settings:
+            raise ValueError("pass an EngineConfig or keyword settings, not both")
+        try:
+            options = engine_config or EngineConfig(**settings)
+        except TypeError as e:
+            names = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
+            raise TypeError(f"{e}; Engine settings are: {names}") from None
+        options.check()
+        self.engine_config = options
+        self.mesh = mesh = options.mesh
+        model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
+        self.config = cfg = model.config.replace(**_serving_impls(model.config, options))
+        self.swiftkv = cfg.is_swiftkv if options.swiftkv is None else bool(options.swiftkv)
+        self.cache_format = as_format(options.cache_dtype, options.kv_scales)
+        page_size = self.page_size = options.page_size
+        budget = dict(num_pages=options.num_pages, kv_cache_bytes=options.kv_cache_bytes,
+                      kv_cache_fraction=options.kv_cache_fraction,
                       devices=None if mesh is None else list(mesh.devices.flat))
         pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)  # a bad budget fails here
-        self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if budget_unit == "cost" else 1.0
-        max_prompt_tokens = int(max_num_batched_tokens / self.prompt_cost + 1e-9)
-        self.single_buckets = tuple(sorted(single_buckets or _doubling(1, max_num_seqs)))
-        self.prompt_buckets = tuple(sorted(prompt_buckets or _doubling(min(32, max_prompt_tokens), max_prompt_tokens)))
-        if self.single_buckets[-1] < max_num_seqs or self.prompt_buckets[-1] < max_prompt_tokens:
+        self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if options.budget_unit == "cost" else 1.0
+        max_num_seqs = options.max_num_seqs
+        max_prompt_tokens = int(options.max_num_batched_tokens / self.prompt_cost + 1e-9)
+        self.single_buckets = options.single_buckets or _growing(min(8, max_num_seqs), max_num_seqs)
+        self.mixed_single_buckets = options.mixed_single_buckets or tuple(sorted(
+            {_bucket(max(1, max_num_seqs // 8), self.single_buckets), self.single_buckets[-1]}))
+        self.prompt_buckets = options.prompt_buckets or _growing(
+            min(max_prompt_tokens, max(32, max_prompt_tokens // 64)), max_prompt_tokens)
+        if (self.single_buckets[-1] < max_num_seqs or self.mixed_single_buckets[-1] < max_num_seqs
+                or self.prompt_buckets[-1] < max_prompt_tokens):
             raise ValueError(f"the largest buckets must hold max_num_seqs={max_num_seqs} single tokens and "
-                             f"{max_prompt_tokens} prompt tokens, got {self.single_buckets} and {self.prompt_buckets}")
+                             f"{max_prompt_tokens} prompt tokens, got single_buckets {self.single_buckets}, "
+                             f"mixed_single_buckets {self.mixed_single_buckets} and prompt_buckets "
+                             f"{self.prompt_buckets}")
         # The serving layout (once, not per step) before the pool is sized: a kv_cache_fraction is of the memory
         # free once the engine's weights exist, and, consumed, the stacked copy is gone (no second copy to OOM).
-        self.params = unstack_layers(model.params, cfg, consume=consume_weights)
+        self.params = unstack_layers(model.params, cfg, consume=options.consume_weights)
         del model
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
-        self.page_size = page_size
-        # default: what the model and the pool can hold (the continued prompt's context gather costs this many keys)
-        self.max_model_len = int(max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
-        self.pages_per_seq = -(-self.max_model_len // page_size)
+        # default: what the model and the pool can hold; work follows each sequence's length, not this limit
+        self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
+        self.pages_per_seq = pages_for(self.max_model_len, page_size)
+        self.xla_loop = options.xla_loop or default_xla_loop()
+        if options.table_buckets:
+            self.table_buckets = tuple(min(w, self.pages_per_seq) for w in options.table_buckets)
+        elif cfg.decode_attention_impl == "xla" and self.xla_loop == "static":  # cost follows the width: a handful
+            self.table_buckets = _growing(min(self.pages_per_seq, pages_for(1024, page_size)), self.pages_per_seq, 4)
+        else:  # the kernel and the dynamic loop stop at each length: one width
+            self.table_buckets = (self.pages_per_seq,)
+        if self.table_buckets[-1] < self.pages_per_seq:
+            raise ValueError(f"the largest table bucket must hold max_model_len={self.max_model_len} tokens "
+                             f"({self.pages_per_seq} pages), got table_buckets {options.table_buckets}")
         self.allocator = PageAllocator(num_pages)
         self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format, mesh=mesh)
-        self.max_prompt_seqs = max_prompt_seqs
+        self.tables, self.last_tokens = replicated(mesh, (np.zeros((max_num_seqs, self.pages_per_seq), np.int32),
+                                                          np.zeros(max_num_seqs, np.int32)))
+        self.max_prompt_seqs = options.max_prompt_seqs
+        # per slot: temperature, top_p, top_k, seed, top_logprobs of the sequence that holds it
+        self._slot_settings = np.zeros((max_num_seqs, 5), np.float64)
         self.scheduler = Scheduler(self.allocator, page_size=page_size, max_num_seqs=max_num_seqs,
-                                   budget=float(max_num_batched_tokens), max_prompt_tokens=max_prompt_tokens,
-                                   max_prompt_seqs=max_prompt_seqs, prompt_cost=self.prompt_cost)
+                                   budget=float(options.max_num_batched_tokens), max_prompt_tokens=max_prompt_tokens,
+                                   max_prompt_seqs=options.max_prompt_seqs, prompt_cost=self.prompt_cost,
+                                   max_model_len=self.max_model_len)
         self.default_stop_ids = tuple(cfg.eos_token_id or ())
         self._sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._id_lock = threading.Lock()
+        self._in_flight: Optional[_InFlight] = None
         self._compiled: set = set()
         self.counters = dict(steps=0, prompt_tokens=0, generated_tokens=0, finished=0, aborted=0, busy_s=0.0)
-        log.info("paged KV cache: %d pages of %d tokens = %d tokens, %.1f MiB (%s wiring, %d cached layers)%s",
-                 self.allocator.capacity, page_size, self.allocator.capacity * page_size,
+        log.info("paged KV cache: %d pages of %d tokens = %d tokens, %.1f MiB (%s wiring, %d cached layers)%s; "
+                 "attention %s / %s", self.allocator.capacity, page_size, self.allocator.capacity * page_size,
                  self.pool.nbytes / 2**20, "SwiftKV" if self.swiftkv else "teacher",
                  len(self.pool.lower) + len(self.pool.upper or ()),
-                 "" if mesh is None else f", split over {mesh.size} devices by KV heads")
-        if warmup:
+                 "" if mesh is None else f", split over {mesh.size} devices by KV heads", cfg.attention_impl,
+                 cfg.decode_attention_impl + (f" ({self.xla_loop} loop)" if cfg.decode_attention_impl == "xla" else ""))
+        if options.warmup:
             self.warmup()
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -213,49 +321,52 @@ class Engine:
                 outputs.append(self._finish(self._sequences[request_id], reason))
                 self.counters["aborted"] += reason == "abort"
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens."""
+        return self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes
+
     def has_unfinished(self) -> bool:
-        return bool(self._sequences) or not self._inbox.empty()
+        return bool(self._sequences) or not self._inbox.empty() or self._in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step: the new token of every request that sampled one, and the finished requests."""
+        """Launch the next engine step, then return the outputs of the one before it: the new token of every
+        request that sampled one there, and the finished (or aborted) requests."""
+        start = time.perf_counter()
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         schedule = self.scheduler.schedule()
-        if schedule.empty:
-            return outputs
-        start = time.perf_counter()
-        key, arrays, rows = self._build(schedule)
+        launched = None if schedule.empty else self._launch(schedule)
+        if self._in_flight is not None:
+            outputs += self._collect(self._in_flight)
+        self._in_flight = launched
+        if launched is not None or outputs:
+            self.counters["busy_s"] += time.perf_counter() - start
+        return outputs
+
+    def _launch(self, schedule: Schedule) -> _InFlight:
+        key, step, want_top = self._build(schedule)
         if key not in self._compiled:
-            log.info("compiling the engine step for %d single and %d prompt tokens (not warmed up)", *key)
+            log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
+                     "warmed up)", *key)
             self._compiled.add(key)
-        want_top = np.bool_(any(seq.params.top_logprobs for _, seq in rows))  # one dtype: no recompile
-        token, logprob, top, self.pool = ragged_step(self.params, self.pool, *arrays, want_top, config=self.config,
-                                                     swiftkv=self.swiftkv, mesh=self.mesh)
-        token, logprob, (top_values, top_ids) = jax.device_get((token, logprob, top))
-        now = time.perf_counter()
+        token, logprob, top = self._run_step(step, want_top, key[2])
         self.counters["steps"] += 1
-        self.counters["busy_s"] += now - start
         self.counters["prompt_tokens"] += sum(c.length for c in schedule.prompts)
-        for chunk in schedule.singles + schedule.prompts:
-            chunk.seq.num_computed += chunk.length
-        for row, seq in rows:
-            seq.output.append(int(token[row]))
-            seq.logprobs.append(float(logprob[row]))
-            k = seq.params.top_logprobs
-            if k:
-                seq.top_logprobs.append({int(i): float(v) for i, v in zip(top_ids[row, :k], top_values[row, :k])})
-            seq.token_times.append(now)
-            self.counters["generated_tokens"] += 1
-            reason = None
-            if token[row] in seq.stop_ids:
-                reason = "stop"
-            elif len(seq.output) >= seq.params.max_tokens or len(seq.tokens) >= self.max_model_len:
-                reason = "length"
+        return _InFlight(schedule, token, logprob, top if want_top else None)
+
+    def _collect(self, flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and hand them to their requests."""
+        token, logprob, top = jax.device_get((flight.token, flight.logprob, flight.top))
+        outputs = []
+        joined = self.scheduler.update(flight.schedule, token, logprob, top)
+        self.counters["generated_tokens"] += len(joined)
+        for seq, reason in joined:
             lp = [seq.logprobs[-1]] if seq.params.logprobs else []
             top_lp = seq.top_logprobs[-1:]
             if reason:
-                done = self._finish(seq, reason)
+                done = self._finished(seq)
                 done.new_token_ids, done.new_logprobs, done.new_top_logprobs = [seq.output[-1]], lp, top_lp
                 outputs.append(done)
             else:
@@ -263,8 +374,12 @@ class Engine:
         return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
-        self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.scheduler.finish(seq, reason)
+        return self._finished(seq)
+
+    def _finished(self, seq: Sequence) -> RequestOutput:
+        """The whole result of a sequence the scheduler has finished."""
+        reason = seq.finish_reason
         del self._sequences[seq.request_id]
         self.counters["finished"] += reason != "abort"
         times = seq.token_times
@@ -277,94 +392,115 @@ class Engine:
                              list(seq.logprobs) if seq.params.logprobs else None, metrics,
                              top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None)
 
-    def _bucket(self, n: int, buckets: tuple) -> int:
-        return 0 if n == 0 else buckets[bisect.bisect_left(buckets, n)]
+    def _shape(self, num_single: int, num_prompt: int, num_pages: int) -> tuple[int, int, int]:
+        """The program (single tokens, prompt tokens, table width) a step of these sizes runs in."""
+        if num_prompt:
+            return (_bucket(num_single, self.mixed_single_buckets), _bucket(num_prompt, self.prompt_buckets),
+                    _bucket(num_pages, self.table_buckets))
+        return _bucket(num_single, self.single_buckets), 0, _bucket(num_pages, self.table_buckets)
 
-    def _table(self, seq: Sequence) -> np.ndarray:
-        table = np.zeros(self.pages_per_seq, np.int32)
-        table[: len(seq.pages)] = seq.pages
-        return table
+    def programs(self) -> list[tuple[int, int, int]]:
+        """Every (single tokens, prompt tokens, table width) program the engine may run."""
+        steps = [(d, 0) for d in self.single_buckets]
+        steps += [(d, r) for d in self.mixed_single_buckets for r in self.prompt_buckets]
+        return [(d, r, w) for d, r in steps for w in self.table_buckets]
 
     def _build(self, schedule: Schedule):
-        """(the bucket, the step's arrays, [(logit row, sequence)] of the rows that sample)."""
-        d = self._bucket(len(schedule.singles), self.single_buckets)
-        r = self._bucket(sum(c.length for c in schedule.prompts), self.prompt_buckets)
-        u = d + (min(self.max_prompt_seqs, r) if r else 0)
-        m, ps = self.pages_per_seq, self.page_size
-        tokens, positions = np.zeros(d + r, np.int32), np.zeros(d + r, np.int32)
-        write_pages, write_offsets = np.full(d + r, NULL_PAGE, np.int32), np.zeros(d + r, np.int32)
-        tables, lengths = np.zeros((d, m), np.int32), np.zeros(d, np.int32)
-        segments, context_table = np.full(r, -1, np.int32), np.zeros(m, np.int32)
-        context_length = 0
-        upper_index, upper_tables, upper_lengths = np.zeros(u, np.int32), np.zeros((u, m), np.int32), np.zeros(u, np.int32)
-        sampled = dict(temperature=np.zeros(u, np.float32), top_k=np.zeros(u, np.int32), top_p=np.ones(u, np.float32),
-                       seed=np.zeros(u, np.int32), count=np.zeros(u, np.int32))
-        rows = []
-
-        def place(i, seq, start, n):
-            pos = np.arange(start, start + n)
-            tokens[i:i + n] = seq.tokens[start:start + n]
-            positions[i:i + n] = pos
-            write_pages[i:i + n] = np.asarray(seq.pages, np.int32)[pos // ps]
-            write_offsets[i:i + n] = pos % ps
-
-        def sample_row(row, index, seq, position):
-            upper_index[row], upper_tables[row], upper_lengths[row] = index, self._table(seq), position + 1
+        """(the program, the step's StepInput, whether any row wants top logprobs): numpy over the step's rows, with
+        each slot's sampling settings kept on the host from its admission on (as vLLM's persistent batch)."""
+        singles, prompts, sampling_chunks = schedule.singles, schedule.prompts, schedule.sampling
+        for seq in schedule.admitted:
             p = seq.params
-            for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
-                                ("seed", p.seed), ("count", len(seq.output))):
-                sampled[name][row] = value
-            rows.append((row, seq))
-
-        for i, chunk in enumerate(schedule.singles):
-            place(i, chunk.seq, chunk.start, 1)
-            tables[i], lengths[i] = self._table(chunk.seq), chunk.start + 1
-            sample_row(i, i, chunk.seq, chunk.start)
-        offset = row = d
-        for segment, chunk in enumerate(schedule.prompts):
-            place(offset, chunk.seq, chunk.start, chunk.length)
-            segments[offset - d:offset - d + chunk.length] = segment
+            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs)
+        num_prompt = sum(c.length for c in prompts)
+        widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
+                                                                               default=0))
+        key = d, r, _ = self._shape(len(singles), num_prompt, widest)
+        u = d + (min(self.max_prompt_seqs, r) if r else 0)
+        a = d + r // self.page_size + (min(self.max_prompt_seqs, r) if r else 0)  # pages a step can add, at most
+        tokens, positions, slots = np.zeros(d + r, np.int32), np.zeros(d + r, np.int32), np.full(d + r, -1, np.int32)
+        segments = np.full(r, -1, np.int32)
+        n = len(singles)
+        tokens[:n] = [c.seq.token_ids(c.start, 1)[0] for c in singles]
+        positions[:n] = [c.start for c in singles]
+        slots[:n] = [c.seq.slot for c in singles]
+        upper_index = np.full(u, -1, np.int32)
+        upper_index[:n] = np.arange(n)
+        rows, offset, context_slot, context_length = n, d, -1, 0
+        for segment, chunk in enumerate(prompts):
+            end = offset + chunk.length
+            tokens[offset:end] = chunk.seq.token_ids(chunk.start, chunk.length)
+            positions[offset:end] = np.arange(chunk.start, chunk.start + chunk.length)
+            slots[offset:end] = chunk.seq.slot
+            segments[offset - d:end - d] = segment
             if chunk.start:
                 assert segment == 0, "only the first packed prompt may continue a cached one"
-                context_table, context_length = self._table(chunk.seq), chunk.start
+                context_slot, context_length = chunk.seq.slot, chunk.start
             if chunk.samples:
-                sample_row(row, offset + chunk.length - 1, chunk.seq, chunk.start + chunk.length - 1)
-                row += 1
-            offset += chunk.length
-        batch = PagedBatch(write_pages, write_offsets, tables, lengths, segments, context_table,
-                           np.int32(context_length))
-        upper = PagedBatch(None, None, upper_tables, upper_lengths, np.zeros(0, np.int32), context_table, np.int32(0))
-        arrays = (tokens, positions, batch, upper_index, upper, Sampled(**sampled))
-        # a transfer (jnp.asarray would compile a conversion per shape), to every device of a tensor-parallel mesh
-        return (d, r), replicated(self.mesh, arrays), rows
+                upper_index[rows] = end - 1
+                rows += 1
+            offset = end
+        settings = np.zeros((u, 5), np.float64)
+        settings[:, 1] = 1.0  # padding rows: greedy, top_p off
+        settings[:rows] = self._slot_settings[slots[upper_index[:rows]]]
+        count = np.zeros(u, np.int32)
+        count[:rows] = [c.count for c in sampling_chunks]
+        sampling = Sampled(settings[:, 0].astype(np.float32), settings[:, 2].astype(np.int32),
+                           settings[:, 1].astype(np.float32), settings[:, 3].astype(np.int32), count)
+        new = schedule.new_pages
+        assert len(new) <= a, (len(new), a)
+        table = np.zeros((3, a), np.int32)
+        table[0] = self.scheduler.max_num_seqs  # out of range: no entry
+        if new:
+            table[:, :len(new)] = np.array(new, np.int32).T
+        step = StepInput(tokens, positions, slots, segments, np.int32(context_slot), np.int32(context_length),
+                         upper_index, sampling, *table)
+        return key, step, bool(settings[:rows, 4].any())
+
+    def _run_step(self, step: StepInput, want_top: bool, width: int):
+        """Launch the step (asynchronously): its outputs on the device; the engine's state moves on."""
+        # one transfer each of the step's ints and floats (jnp.asarray would compile a conversion per shape), to
+        # every device of a tensor-parallel mesh
+        token, logprob, top, self.pool, self.tables, self.last_tokens = ragged_step(
+            self.params, self.pool, self.tables, self.last_tokens, replicated(self.mesh, step.pack()),
+            np.bool_(want_top), sizes=step.sizes, **self._step_options(width))
+        return token, logprob, top
 
     # ---- convenience ----------------------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile the step for every (single, prompt) bucket now, so that serving never compiles. Returns seconds."""
+        """Compile every program now (`programs()`), so that serving never compiles. Returns seconds."""
         start = time.perf_counter()
-        for d in (0,) + self.single_buckets:
-            for r in (0,) + self.prompt_buckets:
-                if d == 0 and r == 0:
-                    continue
-                t0 = time.perf_counter()
-                self._run_empty(d, r)
-                self._compiled.add((d, r))
-                log.info("compiled the engine step for %d single and %d prompt tokens in %.1f s", d, r,
-                         time.perf_counter() - t0)
+        for key in self.programs():
+            t0 = time.perf_counter()
+            self._run_empty(*key)
+            self._compiled.add(key)
+            log.info("compiled the engine step for %d single and %d prompt tokens, tables %d pages wide, in %.1f s",
+                     *key, time.perf_counter() - t0)
         return time.perf_counter() - start
 
-    def _run_empty(self, d: int, r: int) -> None:
-        """Run a step of padding only (every write goes to the null page): compiles the bucket, changes nothing."""
+    def _empty_step(self, d: int, r: int) -> StepInput:
+        """A step of padding only: every write goes to the null page, no table entry or last token changes."""
         u = d + (min(self.max_prompt_seqs, r) if r else 0)
-        m = self.pages_per_seq
-        z = lambda *shape: jnp.zeros(shape, jnp.int32)
-        batch = PagedBatch(z(d + r), z(d + r), z(d, m), z(d), jnp.full((r,), -1, jnp.int32), z(m), jnp.int32(0))
-        upper = PagedBatch(None, None, z(u, m), z(u), z(0), z(m), jnp.int32(0))
-        sampled = Sampled(jnp.zeros(u), z(u), jnp.ones(u), z(u), z(u))
-        arrays = replicated(self.mesh, (z(d + r), z(d + r), batch, z(u), upper, sampled))
-        token, _, _, self.pool = ragged_step(self.params, self.pool, *arrays, np.bool_(False), config=self.config,
-                                             swiftkv=self.swiftkv, mesh=self.mesh)
-        token.block_until_ready()
+        a = d + r // self.page_size + (min(self.max_prompt_seqs, r) if r else 0)
+        z = lambda n, fill=0: np.full(n, fill, np.int32)
+        sampling = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
+        return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), np.int32(-1), np.int32(0), z(u, -1), sampling,
+                         z(a, self.scheduler.max_num_seqs), z(a), z(a))
+
+    def _step_options(self, width: int) -> dict:
+        return dict(config=self.config, swiftkv=self.swiftkv, width=width, xla_loop=self.xla_loop, mesh=self.mesh)
+
+    def lower(self, d: int, r: int, width: int):
+        """The program (d single tokens, r prompt tokens, tables `width` pages wide), lowered (`jax.stages.Lowered`):
+        for its HLO, cost and memory analyses."""
+        step = self._empty_step(d, r)
+        return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens,
+                                 replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
+                                 **self._step_options(width))
+
+    def _run_empty(self, d: int, r: int, width: int) -> None:
+        """Run a step of padding only: compiles the program, changes nothing."""
+        self._run_step(self._empty_step(d, r), False, width)[0].block_until_ready()
 
     def generate(self, prompts: Seq[Seq[int]], **request) -> list[RequestOutput]:
         """Run `prompts` to completion (blocking), with the same `add_request` options for all; finished outputs in

@@ -1,4 +1,5 @@
-"""The paged KV cache: a pool of fixed-size pages per cached layer, and the host-side allocator of page ids.
+"""The paged KV cache's device side: a pool of fixed-size pages per cached layer, and its size from a budget (the
+host side, page ids and their allocator, is `serving.pages`).
 
 Layers held are those of the static cache (`cache_layers`): l + (L - l) / g in SwiftKV wiring, where the layers of
 an AcrossKV group share one set of pages, L in teacher wiring. Every cached layer has its own pool arrays (so a
@@ -17,7 +18,6 @@ from jax.sharding import Mesh
 
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import as_format, init_scales, kv_bytes_per_token
-from swiftkv_jax.model.paged import NULL_PAGE
 from swiftkv_jax.serving.cache import cache_layers
 from swiftkv_jax.serving.tensor_parallel import build_sharded
 
@@ -92,34 +92,3 @@ def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool
                                       config.num_hidden_layers - config.num_lower_layers)
     build = lambda: PagePool(pairs(config.num_lower_layers), pairs(upper) if upper else None)
     return build_sharded(build, lambda shape: POOL_AXES[len(shape)], mesh)
-
-
-class PageAllocator:
-    """Page ids 1..P-1, handed out and taken back by the scheduler (host side; the device never sees the free list).
-    Freed pages are reused first (last in, first out), which keeps the pages in use few and recently touched."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
-
-    @property
-    def capacity(self) -> int:
-        """Pages that sequences can hold (the null page excluded)."""
-        return self.num_pages - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free / self.capacity
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"{n} pages asked, {len(self._free)} free")
-        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
-        return taken[::-1]
-
-    def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))

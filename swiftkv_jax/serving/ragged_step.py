@@ -6,7 +6,9 @@ only the U tokens whose logits are wanted (the singles and each completed prompt
 through the layers >= l, reading the group pages. Teacher wiring: every token runs every layer, and the U rows are
 gathered before the head. Then the head and per-row sampling for those U rows only.
 
-Shapes are static per (D, R) bucket; everything that varies per step is an array argument.
+Shapes are static per (D, R) bucket and table width; everything that varies per step is an array argument. The
+block tables and the last sampled token of each sequence live on the device (see `ragged_step`), so a step's
+inputs are O(tokens), whatever the tables' width, and sampled tokens feed the next step without the host.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import cached_lower, cached_upper, head, swiftkv_cache_kv
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.paged import PagedBatch
+from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
 from swiftkv_jax.serving.paged_cache import PagePool
+from swiftkv_jax.serving.scheduler import MAX_TOP_LOGPROBS
 from swiftkv_jax.serving.tensor_parallel import activation_sharding
 
 
@@ -58,25 +62,84 @@ def sample_rows(logits, s: Sampled):
     return jnp.where(s.temperature > 0, sampled, greedy)
 
 
-MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
+@struct.dataclass
+class StepInput:
+    """One step's host-built arrays (bucketed shapes, int32 unless noted). Rows: D single tokens, then R packed
+    prompt tokens; U logit rows; A block-table entries added by this step."""
+
+    tokens: jax.Array           # [D + R] token ids; -1: the token its sequence sampled in the previous step
+    positions: jax.Array        # [D + R]
+    slots: jax.Array            # [D + R] the token's sequence's slot (row of the block table); -1 padding
+    segments: jax.Array         # [R] prompt segment of each prompt token, -1 padding
+    context_slot: jax.Array     # [] slot of segment 0's sequence when it continues a cached prompt, else -1
+    context_length: jax.Array   # [] keys cached for it before this step (0: none)
+    upper_index: jax.Array      # [U] rows run to the head (into the D + R tokens); -1 padding
+    sampling: Sampled           # [U]
+    table_slots: jax.Array      # [A] block-table entries to write: slot (out of range: none), index, page id
+    table_indices: jax.Array
+    table_pages: jax.Array
+
+    def pack(self) -> tuple:
+        """(int32 [n], float32 [2U]): the host arrays as two, so that a step costs two transfers, not fifteen."""
+        ints = [self.tokens, self.positions, self.slots, self.segments, self.context_slot, self.context_length,
+                self.upper_index, self.sampling.top_k, self.sampling.seed, self.sampling.count, self.table_slots,
+                self.table_indices, self.table_pages]
+        return (np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ints]),
+                np.concatenate([np.asarray(self.sampling.temperature, np.float32),
+                                np.asarray(self.sampling.top_p, np.float32)]))
+
+    @classmethod
+    def unpack(cls, ints, floats, sizes: tuple) -> "StepInput":
+        """The inverse of `pack` for a step of sizes (D + R tokens, R prompt tokens, U rows, A table entries)."""
+        t, r, u, a = sizes
+        parts = np.cumsum([0, t, t, t, r, 1, 1, u, u, u, u, a, a, a])
+        (tokens, positions, slots, segments, context_slot, context_length, upper_index, top_k, seed, count,
+         table_slots, table_indices, table_pages) = (ints[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
+        sampling = Sampled(floats[:u], top_k, floats[u:], seed, count)
+        return cls(tokens, positions, slots, segments, context_slot[0], context_length[0], upper_index, sampling,
+                   table_slots, table_indices, table_pages)
+
+    @property
+    def sizes(self) -> tuple:
+        return (self.tokens.shape[0], self.segments.shape[0], self.upper_index.shape[0], self.table_slots.shape[0])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "swiftkv", "mesh"), donate_argnames=("pool",))
-def ragged_step(params, pool: PagePool, tokens, positions, batch: PagedBatch, upper_index, upper: PagedBatch,
-                sampling: Sampled, want_top, *, config: ModelConfig, swiftkv: bool, mesh: Optional[Mesh] = None):
-    """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool). params in serving
-    layout (`unstack_layers`, done once by the engine).
+@functools.partial(jax.jit, static_argnames=("sizes", "config", "swiftkv", "width", "xla_loop", "mesh"),
+                   donate_argnames=("pool", "tables", "last_tokens"))
+def ragged_step(params, pool: PagePool, tables, last_tokens, packed: tuple, want_top, *, sizes: tuple,
+                config: ModelConfig, swiftkv: bool, width: int, xla_loop: str = "dynamic", mesh: Optional[Mesh] = None):
+    """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens).
+    params in serving layout (`unstack_layers`, done once by the engine).
 
-    tokens, positions [D + R]; upper_index [U] the rows to run to the head (into the D + R tokens); `upper` the
-    PagedBatch of those U rows as single tokens (read only), used by SwiftKV's later layers. want_top []: whether
-    any row asked for its top logprobs (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel
-    mesh of params and pool, None for one device."""
+    The device keeps the engine's state between steps, donated and updated in place: the pool, the block tables
+    [S, M] (a row per slot; this step writes its new entries) and last_tokens [S] (the token each slot's sequence
+    sampled last, which a decode whose token is still on its way to the host reads). Attention reads the first
+    `width` entries of each table (the engine's bucket of the step's longest sequence); `xla_loop` is the XLA
+    paged path's form (`model.paged.default_xla_loop`). want_top []: whether any row asked for its top logprobs
+    (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel mesh of params and pool, None for
+    one device. packed: `StepInput.pack()` of the step's inputs, whose `sizes` are static."""
     with activation_sharding(config, mesh):
-        return _ragged_step(params, pool, tokens, positions, batch, upper_index, upper, sampling, want_top, config,
-                            swiftkv)
+        return _ragged_step(params, pool, tables, last_tokens, StepInput.unpack(*packed, sizes), want_top, config,
+                            swiftkv, width, xla_loop)
 
 
-def _ragged_step(params, pool, tokens, positions, batch, upper_index, upper, sampling, want_top, config, swiftkv):
+def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swiftkv, width, xla_loop):
+    num_slots, page_size = tables.shape[0], pool.lower[0][0].shape[2]
+    tables = tables.at[step.table_slots, step.table_indices].set(step.table_pages, mode="drop")
+    table = lambda slots: tables[jnp.maximum(slots, 0), :width]
+    length = lambda slots, positions: jnp.where(slots >= 0, positions + 1, 0)
+    slots, positions = step.slots, step.positions
+    tokens = jnp.where(step.tokens < 0, last_tokens[jnp.maximum(slots, 0)], step.tokens)
+    d = tokens.shape[0] - step.segments.shape[0]
+    page = tables[jnp.maximum(slots, 0), positions // page_size]
+    batch = PagedBatch(jnp.where(slots >= 0, page, NULL_PAGE), positions % page_size, table(slots[:d]),
+                       length(slots[:d], positions[:d]), step.segments, table(step.context_slot),
+                       jnp.where(step.context_slot >= 0, step.context_length, 0), xla_loop)
+    upper_index = jnp.maximum(step.upper_index, 0)
+    upper_slots = jnp.where(step.upper_index >= 0, slots[upper_index], -1)
+    upper = PagedBatch(None, None, table(upper_slots), length(upper_slots, positions[upper_index]),
+                       jnp.zeros(0, jnp.int32), batch.context_table, jnp.int32(0), xla_loop)
+    sampling = step.sampling
     tokens, positions = tokens[None], positions[None]
     h, lower = cached_lower(params, config, tokens, positions, batch, pool.lower)
     upper_positions = positions[:, upper_index]
@@ -94,4 +157,5 @@ def _ragged_step(params, pool, tokens, positions, batch, upper_index, upper, sam
     top = jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(log_probs, k)),
                        lambda: (jnp.zeros((logits.shape[0], k), log_probs.dtype), jnp.zeros((logits.shape[0], k),
                                                                                             jnp.int32)))
-    return token, logprob, top, PagePool(lower, upper_pool)
+    last_tokens = last_tokens.at[jnp.where(upper_slots >= 0, upper_slots, num_slots)].set(token, mode="drop")
+    return token, logprob, top, PagePool(lower, upper_pool), tables, last_tokens

@@ -1,4 +1,5 @@
-"""Continuous batching: which tokens of which sequences the next engine step runs (host side, no JAX).
+"""Continuous batching: which tokens of which sequences the next engine step runs, and every change of a
+sequence's state (host side: plain Python, no JAX program imported).
 
 Each step has a budget. Running decodes come first (one token each), then the prompt being prefilled in chunks
 (at most one is ever cut short, see `swiftkv_jax.model.paged`), then waiting requests first come, first served,
@@ -10,6 +11,12 @@ recompute preemption): its next tokens do not change, since the recomputed K/V a
 The budget counts `tokens` (as vLLM does) or `cost`: a token that runs every layer costs 1, a SwiftKV prompt token
 only `prompt_token_cost` (layers < l and the owners' K/V projection, about half for l = L/2), so a step of the same
 cost holds about twice as many of them.
+
+Asynchronous steps: `schedule` counts what it schedules as computed at once (as vLLM V1 does), and a chunk that
+samples adds a *pending* token, which the device holds until `update` hands it over. So step N + 1 is scheduled while
+step N runs: a decode whose input token is still pending reads it on the device. A sequence that will finish on its
+pending token (max_tokens, max_model_len) is not scheduled again; one that stops on a stop id gets one decode too many,
+whose token `update` drops. Each active sequence holds a slot (its row of the device's block table).
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ import time
 from collections import deque
 from typing import Optional
 
+import numpy as np
+
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.serving.paged_cache import PageAllocator
-from swiftkv_jax.serving.ragged_step import MAX_TOP_LOGPROBS
+from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
 
 class Status(enum.Enum):
@@ -73,7 +83,8 @@ class RequestParams:
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One request's state. tokens = prompt + output; the first `num_computed` have their K/V in the pages."""
+    """One request's state. Its tokens are prompt + output + `num_pending` sampled tokens not yet back from the
+    device; the first `num_computed` have their K/V in the pages (or are being written by a step in flight)."""
 
     request_id: str
     arrival: int                # order of arrival (FCFS and the preemption victim's choice)
@@ -84,7 +95,9 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # per token {id: logprob}, when asked
     pages: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1              # row of the device block table while active
     num_computed: int = 0
+    num_pending: int = 0
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
@@ -94,12 +107,28 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """The tokens known on the host."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output) + self.num_pending
 
     @property
     def remaining(self) -> int:
         """Tokens to run before the next one can be sampled."""
-        return len(self.prompt) + len(self.output) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    def token_ids(self, start: int, length: int) -> list[int]:
+        """Tokens [start, start + length), -1 for one still pending (the device has it)."""
+        prompt, known = self.prompt, len(self.prompt) + len(self.output)
+        if start >= known:  # a decode of its pending token: the common case
+            return [-1] * length
+        if start + length <= len(prompt):
+            return prompt[start:start + length]
+        known = (prompt[start:] if start < len(prompt) else []) + self.output[max(0, start - len(prompt)):
+                                                                             start + length - len(prompt)]
+        return known + [-1] * (length - len(known))
 
 
 @dataclasses.dataclass
@@ -108,6 +137,7 @@ class Chunk:
     start: int        # first position run
     length: int       # tokens run
     samples: bool     # reaches the end of the sequence's tokens: its last token's logits give the next token
+    count: int = 0    # tokens the sequence sampled before this one (its sampling key)
 
 
 @dataclasses.dataclass
@@ -115,10 +145,17 @@ class Schedule:
     singles: list[Chunk]   # one token each, attending over pages
     prompts: list[Chunk]   # packed prompt chunks; only prompts[0] may have cached context
     preempted: list[Sequence]
+    new_pages: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (slot, index, page)
+    admitted: list[Sequence] = dataclasses.field(default_factory=list)  # given a slot by this step
 
     @property
     def empty(self) -> bool:
         return not (self.singles or self.prompts)
+
+    @property
+    def sampling(self) -> list[Chunk]:
+        """The chunks that sample, in the order of the step's logit rows."""
+        return self.singles + [c for c in self.prompts if c.samples]
 
 
 def prompt_token_cost(config: ModelConfig, swiftkv: bool) -> float:
@@ -135,7 +172,7 @@ def prompt_token_cost(config: ModelConfig, swiftkv: bool) -> float:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, *, page_size: int, max_num_seqs: int, budget: float,
-                 max_prompt_tokens: int, max_prompt_seqs: int, prompt_cost: float):
+                 max_prompt_tokens: int, max_prompt_seqs: int, prompt_cost: float, max_model_len: int):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -143,29 +180,41 @@ class Scheduler:
         self.max_prompt_tokens = max_prompt_tokens  # tokens of the packed prompt part of one step
         self.max_prompt_seqs = max_prompt_seqs
         self.prompt_cost = prompt_cost
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []          # in arrival order
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a sequence wherever it is (finished or aborted) and give its pages back."""
+        """Drop a sequence wherever it is (finished or aborted): its pages and slot go back."""
         if seq in self.active:
             self.active.remove(seq)
+            self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
-        seq.pages = []
+        self._free_slots.append(seq.slot)
+        seq.pages, seq.slot = [], -1
 
     def _pages_short(self, seq: Sequence, end: int) -> int:
-        return max(0, -(-end // self.page_size) - len(seq.pages))
+        return max(0, pages_for(end, self.page_size) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, end: int, new_pages: list) -> None:
+        """Pages for the first `end` tokens of an active sequence, recorded as block-table entries to write."""
+        pages = self.allocator.allocate(self._pages_short(seq, end))
+        new_pages.extend((seq.slot, len(seq.pages) + i, page) for i, page in enumerate(pages))
+        seq.pages += pages
 
     def _preempt(self, seq: Sequence, out: list) -> None:
         self.active.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages, seq.num_computed, seq.status = [], 0, Status.WAITING
+        self._release(seq)
+        seq.num_computed, seq.status = 0, Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         # back to the front, in arrival order among the preempted
@@ -175,39 +224,60 @@ class Scheduler:
         self.waiting.insert(index, seq)
         out.append(seq)
 
+    def _run(self, seq: Sequence, n: int, out: list) -> None:
+        chunk = Chunk(seq, seq.num_computed, n, n == seq.remaining, len(seq.output) + seq.num_pending)
+        seq.num_computed += n
+        seq.num_pending += chunk.samples
+        out.append(chunk)
+
     def schedule(self) -> Schedule:
         budget = self.budget
-        singles, prompts, preempted = [], [], []
+        singles, prompts, preempted, new_pages = [], [], [], []
         scheduled = set()
+        continuing = []  # active sequences with more than one token to run: being prefilled
+        page_size, max_model_len, active = self.page_size, self.max_model_len, Status.ACTIVE
 
-        # 1. decodes of the active sequences, oldest first; pages by preempting the newest when none is free
+        # 1. decodes of the active sequences, oldest first; pages by preempting the newest when none is free. Inlined
+        # arithmetic: this loop runs over every running sequence at every step.
         for seq in list(self.active):
-            if seq not in self.active or seq.remaining != 1 or budget < 1:
+            if seq.status is not active:
                 continue
-            while self._pages_short(seq, seq.num_computed + 1) > self.allocator.num_free:
-                victims = [s for s in self.active if s not in scheduled]
-                self._preempt(victims[-1], preempted)
-                if victims[-1] is seq:
-                    break
-            if seq not in self.active:
+            pending, generated = seq.num_pending, len(seq.output)
+            num_tokens = len(seq.prompt) + generated + pending
+            position = seq.num_computed
+            if num_tokens - position != 1:
+                if num_tokens - position > 1:
+                    continuing.append(seq)
                 continue
-            seq.pages += self.allocator.allocate(self._pages_short(seq, seq.num_computed + 1))
-            singles.append(Chunk(seq, seq.num_computed, 1, True))
+            if budget < 1 or pending and (generated + pending >= seq.params.max_tokens or num_tokens >= max_model_len):
+                continue  # no budget left, or its pending token will end it
+            if position >= len(seq.pages) * page_size:  # its next token starts a page
+                while not self.allocator.num_free:
+                    victims = [s for s in self.active if s not in scheduled]
+                    self._preempt(victims[-1], preempted)
+                    if victims[-1] is seq:
+                        break
+                if seq.status is not active:
+                    continue
+                self._grow(seq, position + 1, new_pages)
+            singles.append(Chunk(seq, position, 1, True, generated + pending))
+            seq.num_computed, seq.num_pending = position + 1, pending + 1
             scheduled.add(seq)
             budget -= 1
 
         # 2. the prompt being prefilled, then waiting requests, first come first served
-        prompt_tokens = 0
-        candidates = [s for s in self.active if s not in scheduled and s.remaining > 1] + list(self.waiting)
+        prompt_tokens, admitted = 0, []
+        candidates = [s for s in continuing if s.status is active] + list(self.waiting)
         for seq in candidates:
             new = seq.status is Status.WAITING
-            if seq in preempted or (new and len(self.active) >= self.max_num_seqs):
-                break
+            if seq in preempted or seq.num_pending or (new and len(self.active) >= self.max_num_seqs):
+                break  # a sequence waiting for its pending token comes back once it has it
             if seq.remaining == 1:  # a one-token prompt: a single token over its (first) page
                 if budget < 1 or self._pages_short(seq, seq.num_computed + 1) > self.allocator.num_free:
                     break
-                self._admit(seq, 1)
-                singles.append(Chunk(seq, seq.num_computed, 1, True))
+                self._admit(seq, admitted)
+                self._grow(seq, seq.num_computed + 1, new_pages)
+                self._run(seq, 1, singles)
                 budget -= 1
                 continue
             if len(prompts) >= self.max_prompt_seqs or (prompts and seq.num_computed):
@@ -217,20 +287,60 @@ class Scheduler:
                     room)
             if n < 1:
                 break
-            self._admit(seq, n)
-            prompts.append(Chunk(seq, seq.num_computed, n, n == seq.remaining))
+            self._admit(seq, admitted)
+            self._grow(seq, seq.num_computed + n, new_pages)
+            self._run(seq, n, prompts)
             prompt_tokens += n
             budget -= n * self.prompt_cost
-            if n < seq.remaining:  # cut short: it continues first in the next step
+            if not prompts[-1].samples:  # cut short: it continues first in the next step
                 break
-        return Schedule(singles, prompts, preempted)
+        return Schedule(singles, prompts, preempted, new_pages, admitted)
 
-    def _admit(self, seq: Sequence, n: int) -> None:
+    def _admit(self, seq: Sequence, admitted: list) -> None:
         if seq.status is Status.WAITING:
+            admitted.append(seq)
             self.waiting.remove(seq)
             self.active.append(seq)
             self.active.sort(key=lambda s: s.arrival)
             seq.status = Status.ACTIVE
+            seq.slot = self._free_slots.pop()
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
-        seq.pages += self.allocator.allocate(self._pages_short(seq, seq.num_computed + n))
+
+    def update(self, schedule: Schedule, tokens, logprobs, top: Optional[tuple] = None,
+               now: Optional[float] = None) -> list[tuple[Sequence, Optional[str]]]:
+        """Hand over what the step of `schedule` sampled: tokens and logprobs per row of `schedule.sampling` (and
+        `top` = (values, ids) [rows, k] when any row asked for its top logprobs). Each token joins its sequence
+        (rows of a sequence finished since are dropped); a stop id, max_tokens or max_model_len finishes it (its
+        pages go back). Returns (sequence, finish reason or None) per token that joined, in row order."""
+        now = time.perf_counter() if now is None else now
+        tokens, logprobs = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()  # Python numbers, once
+        max_model_len, finished = self.max_model_len, Status.FINISHED
+        out = []
+        for row, chunk in enumerate(schedule.sampling):
+            seq = chunk.seq
+            if seq.status is finished:
+                continue
+            token = tokens[row]
+            seq.num_pending -= 1
+            seq.output.append(token)
+            seq.logprobs.append(logprobs[row])
+            k = seq.params.top_logprobs
+            if k:
+                values, ids = top
+                seq.top_logprobs.append(dict(zip(ids[row, :k].tolist(), values[row, :k].tolist())))
+            seq.token_times.append(now)
+            reason = None
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif len(seq.output) >= seq.params.max_tokens or len(seq.prompt) + len(seq.output) >= max_model_len:
+                reason = "length"
+            if reason:
+                self.finish(seq, reason)
+            out.append((seq, reason))
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (finished, or aborted): out of the queues, its pages and slot back."""
+        self.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
