@@ -34,6 +34,13 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
                         "the weights load straight onto them")
 
 
+def _compilation_cache_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="JAX's persistent compilation cache: a restart loads the compiled programs instead of "
+                        "compiling them (default: $SWIFTKV_JAX_COMPILATION_CACHE, else $JAX_COMPILATION_CACHE_DIR, "
+                        "else $XDG_CACHE_HOME/swiftkv-jax/xla or ~/.cache/swiftkv-jax/xla; off: none)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -53,6 +60,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=None, help="KV-cache length (default: prompt + max-new-tokens)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     _model_options(g)
+    _compilation_cache_option(g)
 
     e = sub.add_parser("eval", help="accuracy / perplexity on benchmark tasks, optionally against a second model")
     e.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
@@ -68,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--output", help="write the results as JSON here")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     _model_options(e)
+    _compilation_cache_option(e)
 
     b = sub.add_parser("bench", help="TTFT, TPOT, tokens/s and KV-cache bytes: SwiftKV vs its teacher wiring")
     which = b.add_mutually_exclusive_group(required=True)
@@ -128,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     _model_options(s)
+    _compilation_cache_option(s)
     return p
 
 
@@ -143,6 +153,10 @@ def main(argv=None) -> int:
     from swiftkv_jax.checkpoints import CheckpointError
 
     try:
+        if hasattr(args, "compilation_cache"):  # before anything is compiled
+            from swiftkv_jax.serving.compile_cache import enable_compilation_cache
+
+            enable_compilation_cache(args.compilation_cache)
         return {"generate": _generate, "eval": _eval, "bench": _bench, "analyze": _analyze,
                 "serve": _serve}[args.command](args)
     except (ValueError, CheckpointError, FileNotFoundError) as e:  # DataError and TaskError are ValueErrors

@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32, and no hub access."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32, no hub access and no compilation cache."""
 
 import os
 
@@ -6,6 +6,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# infer.py (in this process and in the suite's subprocesses) writes no compilation cache into the home directory:
+# tests/test_compile_cache.py gives it its own
+os.environ.setdefault("SWIFTKV_JAX_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 

@@ -2,6 +2,7 @@
 
     app = make_app(engine, tokenizer, "my-model", max_waiting=256)      # a FastAPI app, for tests and embedding
     serve(model, tokenizer, "my-model", port=8000, engine_options=...)  # what the CLI runs: warm up, then listen
+    engine, startup = start_engine(model, engine_options)             # build + warm up, counting XLA programs
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with `stream: true`),
 GET /v1/models, /health (200 while the engine loop runs, 503 otherwise) and /metrics (Prometheus text).
@@ -94,12 +95,32 @@ class _EngineCollector:
                   ("swiftkv_engine_healthy", "1 while the engine loop runs", int(self.server.loop.alive)))
         for name, text, value in gauges:
             yield GaugeMetricFamily(name, text, value=value)
+        yield from _startup_gauges(self.server.startup)
         counters = (("swiftkv_num_preemptions", "preemptions (a request gave its pages back)", s["preemptions"]),
                     ("swiftkv_prompt_tokens", "prompt tokens run (recomputed ones again)", s["prompt_tokens"]),
                     ("swiftkv_generation_tokens", "tokens generated", s["generated_tokens"]),
                     ("swiftkv_engine_steps", "engine steps", s["steps"]))
         for name, text, value in counters:
             yield CounterMetricFamily(name, text, value=value)
+
+
+def _startup_gauges(startup: Optional[dict]):
+    """The start-up's figures (`start_engine`), when the app was given them."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if startup is None:
+        return
+    yield GaugeMetricFamily("swiftkv_startup_seconds", "engine build and warm-up, wall clock", value=startup["seconds"])
+    yield GaugeMetricFamily("swiftkv_startup_compile_seconds", "seconds in XLA building the programs of the engine "
+                            "build and warm-up (compiling, or loading from the compilation cache)",
+                            value=startup["compile_seconds"])
+    programs = GaugeMetricFamily("swiftkv_startup_programs", "XLA programs of the engine build and warm-up: compiled, "
+                                 "or loaded from the persistent compilation cache", labels=["source"])
+    programs.add_metric(["compiled"], startup["compiled"])
+    programs.add_metric(["cache"], startup["loaded"])
+    yield programs
+    yield GaugeMetricFamily("swiftkv_compilation_cache_enabled", "1 when JAX's persistent compilation cache is on",
+                            value=int(startup["compilation_cache"] is not None))
 
 
 class _CountRequests:
@@ -175,8 +196,8 @@ class _Choice:
 class _Server:
     """What the handlers share: the engine loop, the tokenizer and the limits."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None):
+        self.engine, self.tokenizer, self.model_name, self.startup = engine, tokenizer, model_name, startup
         self.created = int(time.time())
         self.max_model_len = engine.max_model_len
         self.capacity_tokens = (engine.allocator.capacity) * engine.page_size
@@ -377,19 +398,21 @@ def _sse(data) -> str:
 
 
 # ---- the app -----------------------------------------------------------------------------------------------------
-def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None):
+def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None,
+             startup: Optional[dict] = None):
     """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
 
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
-    its own `stop_token_ids` and drops the defaults with `ignore_eos`. app.state.server holds the shared state
-    (app.state.server.loop.stats: the engine's last stats)."""
+    its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `start_engine`'s figures, shown in
+    /metrics (swiftkv_startup_*). app.state.server holds the shared state (app.state.server.loop.stats: the engine's
+    last stats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
         raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
-    server = _Server(engine, tokenizer, model_name, max_waiting, stop_token_ids)
+    server = _Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -569,28 +592,49 @@ def _uvicorn_server(config, engine_loop: EngineLoop, grace: float):
     return Server(config)
 
 
+def start_engine(model, engine_options: Optional[dict] = None):
+    """Build the engine and compile every step bucket (or load it from JAX's persistent compilation cache, when
+    `compile_cache.enable_compilation_cache` turned it on). Returns (engine, startup): startup holds `seconds` (build
+    and warm-up, wall clock), `warmup_seconds`, `buckets`, the XLA programs of both (`programs` = `compiled` +
+    `loaded` from the cache; `written` to it), `compile_seconds` (in XLA) and `compilation_cache` (its directory or
+    None)."""
+    from swiftkv_jax.serving.compile_cache import active_cache_dir, count_compiles
+    from swiftkv_jax.serving.continuous import Engine
+
+    start = time.perf_counter()
+    with count_compiles() as counts:
+        engine = Engine(model, **(engine_options or {}))
+        warmup_seconds = engine.warmup()
+    startup = dict(seconds=time.perf_counter() - start, warmup_seconds=warmup_seconds,
+                   buckets=engine.stats()["compiled_buckets"], compile_seconds=counts.seconds,
+                   programs=counts.programs, compiled=counts.compiled, loaded=counts.loaded, written=counts.written,
+                   compilation_cache=active_cache_dir())
+    log.info("warm-up: compiled %d step buckets (singles %s x prompts %s) in %.1f s", startup["buckets"],
+             engine.single_buckets, engine.prompt_buckets, warmup_seconds)
+    log.info("start-up: %d XLA programs compiled, %d loaded from the compilation cache (%s); %.1f s in XLA, %.1f s "
+             "in all", counts.compiled, counts.loaded, startup["compilation_cache"] or "off", counts.seconds,
+             startup["seconds"])
+    return engine, startup
+
+
 def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           engine_options: Optional[dict] = None, max_waiting: int = 256, shutdown_grace: float = 10.0,
           stop_token_ids=None) -> int:
-    """Build the engine, compile every step bucket, then listen until SIGTERM/SIGINT: new connections are refused at
-    once, requests in flight get `shutdown_grace` seconds to finish, the rest are aborted. Returns 0."""
+    """Build the engine, compile every step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new
+    connections are refused at once, requests in flight get `shutdown_grace` seconds to finish, the rest are aborted.
+    Returns 0."""
     import uvicorn
-
-    from swiftkv_jax.serving.continuous import Engine
 
     if shutdown_grace < 0:
         raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
-    engine = Engine(model, **(engine_options or {}))
-    start = time.perf_counter()
-    seconds = engine.warmup()
-    stats = engine.stats()
-    log.info("warm-up: compiled %d step buckets (singles %s x prompts %s) in %.1f s", stats["compiled_buckets"],
-             engine.single_buckets, engine.prompt_buckets, seconds)
-    app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids)
+    began = time.perf_counter()
+    engine, startup = start_engine(model, engine_options)
+    app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids,
+                   startup=startup)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace, access_log=False,
                             log_level="info", lifespan="on")
-    log.info("serving %s on http://%s:%d (ready %.1f s after the engine was built)", model_name, host, port,
-             time.perf_counter() - start)
+    log.info("serving %s on http://%s:%d (ready %.1f s after the engine build began)", model_name, host, port,
+             time.perf_counter() - began)
     _uvicorn_server(config, app.state.server.loop, shutdown_grace).run()
     log.info("stopped")
     return 0
