@@ -133,9 +133,11 @@ def host(student, counts=(32, 128, 256), steps: int = 60) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checks", nargs="*", default=["context", "cost", "host"], choices=["context", "cost", "host"])
+    parser.add_argument("checks", nargs="*", help="context, cost and/or host (default: all three)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
+    if set(args.checks) - {"context", "cost", "host"}:
+        parser.error(f"unknown checks {args.checks}: choose from context, cost, host")
 
     import jax
 
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
 
     student = model()
     results = {"device": jax.devices()[0].device_kind, "platform": jax.default_backend()}
-    for name in args.checks:
+    for name in args.checks or ["context", "cost", "host"]:
         results[name] = globals()[name](student)
     write_results(args.out, "benchmarks/engine_scaling.py", argv, results)
     return 0
