@@ -34,6 +34,33 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
+def timed(fn, *inputs, repeats: int) -> tuple[float, float]:
+    """(median seconds, compile seconds) of jit(fn)(*inputs): compiled first, run once, then timed `repeats` times,
+    each waited for with block_until_ready."""
+    import jax
+
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(compiled(*inputs))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), compile_s
+
+
+def copy_bandwidth(gib: float, dtype="bfloat16", repeats: int = 20) -> dict:
+    """The device's copy bandwidth: a jitted `x + 1` over `gib` GiB, bytes read + written / time (the median of
+    `repeats`). {"bytes", "time_s", "bandwidth"} (bytes of the array, seconds, bytes/s)."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * 2**30) // jnp.dtype(dtype).itemsize,), dtype)
+    seconds, _ = timed(lambda a: a + 1, x, repeats=repeats)
+    return {"bytes": x.nbytes, "time_s": seconds, "bandwidth": 2 * x.nbytes / seconds}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU: checks the script")
@@ -80,25 +107,12 @@ def main(argv=None) -> int:
     keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
     normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
 
-    def timed(fn, *inputs):
-        """(median seconds, compile seconds) of jit(fn)(*inputs)."""
-        start = time.perf_counter()
-        compiled = jax.jit(fn).lower(*inputs).compile()
-        compile_s = time.perf_counter() - start
-        jax.block_until_ready(compiled(*inputs))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*inputs))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times), compile_s
-
     def measure(row: dict, error, fn, inputs, derived) -> dict:
         """row + timings and derived(seconds), or + the error that kept it from being timed. Each row is logged
         to stderr as it is measured, so a run stopped by a time limit still leaves what it measured."""
         if error is None:
             try:
-                seconds, compile_s = timed(fn, *inputs)
+                seconds, compile_s = timed(fn, *inputs, repeats=repeats)
                 row = {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
             except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
                 row = {**row, "error": _error(e)}
@@ -119,11 +133,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
             return _error(e)
 
-    # Device copy bandwidth.
-    x = jnp.ones((int(copy_gib * 2**30) // 2,), dtype)
-    copy_s, _ = timed(lambda a: a + 1, x)
-    copy_bw = 2 * x.nbytes / copy_s
-    del x
+    copy = copy_bandwidth(copy_gib, dtype, repeats)  # the device's copy bandwidth
+    copy_s, copy_bw = copy["time_s"], copy["bandwidth"]
     if args.smoke:
         print("SMOKE RUN: tiny shapes" + (", kernels interpreted on the CPU" if interpret else "")
               + "; the numbers below check that the script runs, they measure nothing")
@@ -261,7 +272,7 @@ def main(argv=None) -> int:
     write_results(out, "benchmarks/kernels.py", argv, {
         "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
         "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-        "dtype": "bfloat16", "copy": {"bytes": int(copy_gib * 2**30), "time_s": copy_s, "bandwidth": copy_bw},
+        "dtype": "bfloat16", "copy": copy,
         "parts": sorted(parts), "page_size": page_size,
         "decode": decode_rows, "paged": paged_rows, "prefill": prefill_rows})
     return 0

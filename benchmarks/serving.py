@@ -1,57 +1,89 @@
-"""Serving under load: the continuous-batching `sk.Engine` in SwiftKV wiring against the teacher wiring of the same
-weights, side by side in one run (in-process, like vLLM's benchmark_serving.py without the HTTP server).
+"""Serving throughput and latency on one device: the continuous-batching `sk.Engine` in SwiftKV and teacher wiring of
+the same weights, the static `sk.generate` on the same requests (our own upper bound) and transformers' continuous
+batching (the same-device peer), in one run, against the roofline of the workload (in-process, like vLLM's
+benchmark_serving.py without the HTTP server; ArcticInference's workload on the 8b preset).
 
-    python benchmarks/serving.py [--preset cpu|8b] [--num-requests 64] [--rates 0.75,1.25,2,inf]
-                                 [--prompt-len 384 --output-len 38] [--layers 12 --hidden 768 --vocab 8192]
-                                 [--out benchmarks/results/serving_<platform>.json] [--plot PATH.png]
-    python benchmarks/serving.py --quick --out /tmp/serving_quick.json     # tiny model, seconds: the script runs
-    python benchmarks/serving.py --http [--smoke]   # also through `infer.py serve`: the HTTP overhead
+    python benchmarks/serving.py [--preset cpu|8b|quick] [--part all|offline|sweep|peer] [--configs A,B,...]
+                                 [--num-requests N] [--sweep 0.5,0.7,0.85,0.95 | --rates 1,2] [--sweep-requests N]
+                                 [--deadline S] [--out benchmarks/results/serving_<platform>.json] [--plot PATH.png]
+    python benchmarks/serving.py --preset 8b --part offline --out OUT.json   # one GPU pack call (`pack.py run
+                                                                             # --steps serving --serving-parts offline`)
+    python benchmarks/serving.py --smoke --out /tmp/serving_smoke.json       # a tiny model, seconds: the script runs
+    python benchmarks/serving.py --http [--smoke]   # also through `infer.py serve`: the HTTP overhead (serving_http.py)
 
-Model: one random Llama made SwiftKV with l = L/2, g = 1 (`sk.to_swiftkv`), fp32 on a CPU (`--preset cpu`, the
-default there: 12 layers, hidden 768, 12 heads of 64, 4 KV heads, MLP 2048, vocab 8192, ~94M parameters), or
-Llama-3.1-8B's shape in bf16 (`--preset 8b`, the default on a GPU: prompts ~2000, outputs ~250 tokens).
-Workload: `--num-requests` requests, the same at every rate and for every configuration: prompt lengths uniform in
-[0.5, 1.5] x `--prompt-len`, output lengths in [0.5, 1.5] x `--output-len`, random token ids (`--seed`); greedy,
-`stop_token_ids=[]` and `max_tokens` = the output length, so every request generates exactly its output length.
-Arrivals: Poisson at each of `--rates` requests/s (one draw of unit-exponential gaps, scaled by 1/rate, so every
-rate sees the same pattern; "inf": all at t = 0).
+Model: one random Llama made SwiftKV with l = L/2, g = 1; fp32 on a CPU (`--preset cpu`, the default there: 12 layers,
+hidden 768, 12 heads of 64, 4 KV heads, MLP 2048, vocab 8192, ~94M parameters; 32 requests), or Llama-3.1-8B's shape
+in bf16 (`--preset 8b`, the default on a GPU: `bench.random_model("llama-3.1-8b")`; 1000 requests).
+Workload: random token ids; prompt lengths uniform in [1 - r, 1 + r] x `--prompt-len`, outputs likewise around
+`--output-len` (r = `--range-ratio`: 0 on 8b, i.e. every prompt 2000 tokens and every output 250, as ArcticInference's
+benchmark; 0.5 on cpu); greedy, `stop_token_ids=[]`, `max_tokens` = the output length, so every request generates
+exactly its output length. Every run takes the first n of one list of requests (`--seed`).
 
-Configurations, each on a fresh engine per rate with the same settings (`--max-num-seqs`,
-`--max-num-batched-tokens`, `--page-size`, the pool): swiftkv-tokens (SwiftKV wiring, step budget in tokens),
-swiftkv-cost (SwiftKV wiring, budget in compute cost: a SwiftKV prompt token costs about l/L, so a step packs about
-twice as many of them), and teacher (teacher wiring; its prompt tokens cost 1, so its "tokens" and "cost" budgets
-are the same engine: it runs once). The pool holds `--max-num-seqs` requests of the longest length by default, so
-nothing is preempted unless `--num-pages` is lowered. Rate by rate (lowest first), the configurations run in turn.
-Before anything is timed, `warmup()` compiles every (single, prompt) bucket of each configuration (compile seconds
-and bucket counts are reported); later engines reuse the compiled programs (the jit cache), and each run counts the
-XLA compilations made while it was timed (expected 0, flagged otherwise).
+Configurations (`--configs`), on the same weights:
+- teacher, swiftkv-tokens, swiftkv-fp8, swiftkv-cost: `sk.Engine` in teacher wiring, SwiftKV wiring with the step
+  budget in tokens, SwiftKV (tokens) over an FP8 pool (`cache_dtype=float8_e4m3fn`, per-token-head scales; left out of
+  the cpu preset, where XLA's CPU float8 conversions make it 3.5x slower than bf16: GPU-only there, though --configs
+  can name it), and SwiftKV with the budget in compute cost (a SwiftKV prompt token costs about l/L, so a step packs
+  about twice as many). Engine settings are passed
+  explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is
+  `--kv-cache-fraction` (0.9: 90% of the memory free beside the weights, on 8b) or, where the device reports no
+  memory (a CPU), `--num-pages` (default: max-num-seqs requests of the longest length). Each configuration's programs
+  are compiled by `warmup()` before its first timed run (seconds reported); every timed run counts the XLA
+  compilations it made (expected 0, flagged otherwise).
+- static-teacher, static-swiftkv: `sk.generate` on the same requests in batches (sorted by length, each padded to its
+  longest prompt and run for its longest output; only full batches, at most `--static-batches`) of as many sequences
+  as the engine's pool holds at the longest length (at most max-num-seqs); each batch runs once, the first one's
+  compile (JAX's tracing, lowering and compile events) subtracted from its time. Its tokens/s is the upper bound the
+  engine is compared with (the same wiring).
+- transformers: transformers' continuous batching (`generate_batch`'s manager, attention "paged|sdpa", the KV cache at
+  90% of the free memory) on the teacher wiring of the same weights, the first `--peer-requests` requests at t = 0:
+  the same-device peer, labelled so. It runs first, in processes of its own (`serving_peer.py`: a JAX one writes the
+  weights as a Llama checkpoint, a torch one runs transformers), before this one touches the accelerator, within
+  `--peer-timeout`. Recorded as skipped, with the reason, where that transformers has no `generate_batch` or torch
+  cannot reach the GPU.
 
-Driver, one thread: add the requests whose arrival time has come, `engine.step()`, stamp each new token with the
-wall time the step returned; when the engine is idle, sleep until the next arrival. TTFT = first token - scheduled
-arrival (not the time `add_request` was called); TPOT = (last - first token) / (n - 1); ITL = the gaps between
-one request's consecutive tokens (pooled). Per run: requests/s, output and total tokens/s (over the duration from
-t = 0 to the last token), TTFT/TPOT/ITL p50/p90/p99 and mean, preemptions, peak pages in use (after each step).
+Phases: rate inf (every request at t = 0: offline throughput) for every configuration, `--run-timeout` at most a run;
+then the Poisson sweep for `--sweep-configs` (engines): rates at `--sweep` multiples of each configuration's own
+measured rate-inf requests/s (or the absolute `--rates`), ascending, `--sweep-requests` a run and at most
+`--sweep-timeout` seconds (fewer requests where they would not arrive within 3/4 of it); a configuration's sweep stops
+at its first rate not sustained. Every SwiftKV engine also runs at the teacher's highest sustained rate (the teacher is
+swept first; its lowest rate if it sustains none), for the latency comparison. Arrivals: one draw of unit-exponential
+gaps, scaled by 1/rate. No run starts after `--deadline` (seconds from the start), nor an engine's first run where its
+compile would not fit before it, and every run is cut at it; a cut-off run reports what it measured (`cut_off`: the
+prompt tokens of the requests that got a first token, and every generated token, over the time it ran).
 
-A configuration *sustains* a finite rate when (a) it completes requests at >= 90% of the rate they arrived
-(completion rate (n - 1) / (last - first finish) against the realised arrival rate (n - 1) / (last - first
-arrival): unlike n / duration, neither is biased by the first request's TTFT or the last one's decode), and (b) its
-TTFT p50 is at most `--ttft-factor` (4) x its TTFT p50 at the lowest rate (the queue does not grow). Summary, for
-each SwiftKV configuration (targets for the CPU preset; a miss is printed as FAIL, the exit status stays 0):
-- at the highest rate the teacher sustains: TTFT p50 swiftkv / teacher (<= 0.6) and TPOT p50 (<= 1.0);
-- sustainable throughput: the highest requests/s achieved at any rate (rate inf, in practice), swiftkv /
-  teacher (>= 1.5).
-Also a PNG (`--plot`, default beside the JSON) of TTFT p50 and TPOT p50 against the rate, a line a configuration.
-`--http`: after the in-process runs, the same weights (saved once to a temporary HF directory with a word-level
-tokenizer of one word per token id) are served by `python infer.py serve` in a subprocess per configuration
-(SwiftKV wiring with either budget unit, then `--teacher-mode`), with the same engine settings, warmed up before
-anything is timed; one streaming client per request sends its token ids as the prompt (`ignore_eos`, greedy) at its
-arrival time and stamps each streamed chunk (one token) as it arrives. The same figures are reported for these
-runs, and the HTTP overhead against the in-process run of the same rate and configuration (throughput ratios,
-added TTFT/TPOT/ITL milliseconds); the JSON gets an "http" entry. On a GPU, run it with
-XLA_PYTHON_CLIENT_PREALLOCATE=false so the server process finds memory beside this one.
+Driver, one thread: add the requests whose arrival time has come, `engine.step()`, stamp each new token with the wall
+time the step returned; when the engine is idle, sleep until the next arrival. TTFT = first token - scheduled arrival;
+TPOT = (last - first token) / (n - 1); ITL = the gaps between one request's consecutive tokens (pooled). Per run:
+requests/s, output and total tokens/s (over the duration from t = 0 to the last token), TTFT/TPOT/ITL p50/p90/p99 and
+mean, preemptions, peak pages in use. A finite rate is *sustained* when the run was not cut off, it completes
+requests at >= 95% of the rate they arrived ((n - 1) / (last - first finish) against (n - 1) / (last - first
+arrival)), and its TTFT p50 is at most `--ttft-factor` (4) x the configuration's TTFT p50 at its lowest rate.
 
-The JSON is rewritten after every run, so a run cut short (`--deadline`, 400 s for the 8b preset, or a kill)
-keeps what it measured; runs after the deadline are recorded as not run.
+Roofline, per configuration and run (printed with its inputs): seconds = prefill FLOPs / R + max(decode FLOPs / R,
+decode bytes / BW) over the run's requests. Prefill FLOPs of a prompt of p tokens = 2 c P p + 2 A N H p^2 (P the
+matmul parameters of the L layers, c the prompt-token cost of `scheduler.prompt_token_cost`: 1 in teacher wiring,
+l layers + the owners' K/V projections in SwiftKV's; A the layers whose attention the prompt runs: L, or l);
+decode FLOPs of a token at context t = 2 (P + lm_head) + 4 L N H t; decode bytes = W / B + t x (KV bytes a token):
+the weights W (layers + lm_head) read once per step, shared by the B sequences of a step (max-num-seqs, or what the
+pool holds at the workload's mean length; the static batch), and every cached K/V read. R is a `--matmul-size`^3
+matmul in the model's dtype timed on the device, BW the copy bandwidth of `benchmarks/kernels.py`. A configuration's
+share = its total tokens/s / its roofline's.
+
+Targets (a miss prints FAIL; the exit status stays 0). 8b: teacher >= 19k total tokens/s at rate inf and >= 70% of its
+roofline; SwiftKV >= 1.35x the teacher at rate inf; SwiftKV TPOT p50 <= the teacher's at the teacher's highest
+sustained rate; the engine >= 0.9x the static engine (same wiring); >= 5x transformers; the FP8 pool >= the bf16 one.
+cpu: at the teacher's highest sustained rate SwiftKV's TTFT p50 <= 0.6x and TPOT p50 <= 1.0x the teacher's; at rate
+inf its throughput >= 1.5x. `--part` (8b): one GPU pack call's share of the configurations (offline: teacher,
+swiftkv-tokens and both static, 1000 requests; sweep: teacher and swiftkv-tokens, 256 requests at rate inf, then the
+sweep; peer: transformers, teacher, swiftkv-tokens, swiftkv-fp8, swiftkv-cost on 192 requests), each under a
+deadline of 500 s; `all` (the default) is everything in one run (about 25 minutes on an H100).
+
+The JSON (rewritten after every run, so a run cut short keeps what it measured) has per run: config, rate,
+total_tokens_per_s, output_tokens_per_s, requests_per_s, ttft_ms / tpot_ms {p50, p99}, roofline_total_tokens_per_s,
+roofline_share, sustained, the ratios, and more (rate: requests/s, or "inf"); plus the device's measured rates,
+the engine settings, the targets and a Markdown table. A PNG (`--plot`, default beside the JSON): TTFT and TPOT p50
+against the rate, and each configuration's rate-inf throughput against its roofline.
 """
 
 from __future__ import annotations
@@ -60,46 +92,81 @@ import argparse
 import gc
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from results_file import write_results
 
 SCRIPT = "benchmarks/serving.py"
+PEER_SCRIPT = Path(__file__).resolve().with_name("serving_peer.py")
 PRESETS = {
-    # ~94M parameters, fp32: the whole run ~15-20 min on 2 CPU cores. 64 sequences: a step's budget of 512 tokens
-    # holds ~46 decodes at a prompt/output ratio of 10, more with the cost budget, so the batch slots seldom bind
+    # ~94M parameters, fp32, on 2 CPU cores: the whole run ~10 min (the engine does ~300-500 tokens/s there,
+    # transformers' continuous batching ~140); the FP8 pool is left out (see CPU_LEFT_OUT), only the teacher is
+    # swept (SwiftKV runs at its highest sustained rate: the cpu targets)
     "cpu": dict(layers=12, hidden=768, vocab=8192, head_dim=64, dtype="float32", prompt_len=384, output_len=38,
-                num_requests=64, rates="0.75,1.25,2,inf", max_num_seqs=64, max_num_batched_tokens=512,
-                single_buckets="8,32", prompt_buckets="256,512", deadline=None),
-    # Llama-3.1-8B's shape (SwiftKV l = 16, g = 1), bf16, for a GPU: sized for the GPU pack's 9-minute step
-    # (few buckets: each compile of the 32 unrolled layers takes a while)
+                range_ratio=0.5, num_requests=24, sweep="0.6,0.9", sweep_requests=24, sweep_configs="teacher",
+                max_num_seqs=64,
+                max_num_batched_tokens=512, single_buckets="8,32", mixed_single_buckets="8", prompt_buckets="256,512",
+                kv_cache_fraction=None, matmul_size=1024, copy_gib=0.125, static_batches=None,
+                static_chunk_tokens=8192, run_timeout=300.0, sweep_timeout=200.0, peer_timeout=400.0),
+    # Llama-3.1-8B's shape (SwiftKV l = 16, g = 1), bf16, for one GPU, with ArcticInference's workload. Few buckets
+    # (each engine program of the 32 layers compiles in ~15 s): decode-only steps pad to 256 rows, which costs no
+    # time while a step reads the weights and the KV cache (memory-bound); prompt parts of 2048 or the budget.
     "8b": dict(layers=None, hidden=None, vocab=None, head_dim=None, dtype="bfloat16", prompt_len=2000,
-               output_len=250, num_requests=48, rates="1.5,3,6,inf", max_num_seqs=32, max_num_batched_tokens=2048,
-               single_buckets="16", prompt_buckets="2048", deadline=400.0),
+               output_len=250, range_ratio=0.0, num_requests=1000, sweep="0.5,0.7,0.85,0.95", sweep_requests=128,
+               sweep_configs="teacher,swiftkv-tokens",
+               max_num_seqs=256, max_num_batched_tokens=8192, single_buckets="", mixed_single_buckets="",
+               prompt_buckets="2048", kv_cache_fraction=0.9, matmul_size=8192, copy_gib=2.0, static_batches=2,
+               static_chunk_tokens=16384, run_timeout=150.0, sweep_timeout=60.0, peer_timeout=260.0),
     # seconds: checks that the script runs
     "quick": dict(layers=2, hidden=64, vocab=256, head_dim=16, dtype="float32", prompt_len=48, output_len=6,
-                  num_requests=8, rates="4,inf", max_num_seqs=8, max_num_batched_tokens=64, single_buckets="",
-                  prompt_buckets="", deadline=None),
+                  range_ratio=0.5, num_requests=8, sweep="0.5", sweep_requests=8,
+                  sweep_configs="teacher,swiftkv-tokens", max_num_seqs=8,
+                  max_num_batched_tokens=64, single_buckets="", mixed_single_buckets="", prompt_buckets="",
+                  kv_cache_fraction=None, matmul_size=128, copy_gib=1 / 256, static_batches=None,
+                  static_chunk_tokens=256, run_timeout=120.0, sweep_timeout=60.0, peer_timeout=240.0),
 }
-CONFIGS = {  # name -> (swiftkv wiring, budget unit)
-    "swiftkv-tokens": (True, "tokens"),
-    "swiftkv-cost": (True, "cost"),
-    "teacher": (False, "tokens"),  # a teacher prompt token costs 1: "cost" would be the same engine
+CONFIGS = {  # name -> kind, wiring, budget unit, KV cache dtype (None: the model's)
+    "teacher": dict(kind="engine", swiftkv=False, budget_unit="tokens"),  # its prompt token costs 1 in either unit
+    "swiftkv-tokens": dict(kind="engine", swiftkv=True, budget_unit="tokens"),
+    "swiftkv-fp8": dict(kind="engine", swiftkv=True, budget_unit="tokens", cache_dtype="float8_e4m3fn"),
+    "swiftkv-cost": dict(kind="engine", swiftkv=True, budget_unit="cost"),
+    "static-teacher": dict(kind="static", swiftkv=False),
+    "static-swiftkv": dict(kind="static", swiftkv=True),
+    "transformers": dict(kind="peer", swiftkv=False),
 }
-SUSTAIN_COMPLETION = 0.9  # completion rate / realised arrival rate, at least
-TARGETS = {"ttft_p50": 0.6, "tpot_p50": 1.0, "throughput": 1.5}
+PEER_LABEL = "transformers continuous batching (same {device} peer)"
+# --part: one GPU pack call's configurations; on 8b the sweep and peer parts run 256 requests at rate inf
+PARTS = {"all": ",".join(CONFIGS), "offline": "teacher,swiftkv-tokens,static-teacher,static-swiftkv",
+         "sweep": "teacher,swiftkv-tokens", "peer": "transformers,teacher,swiftkv-tokens,swiftkv-fp8,swiftkv-cost"}
+PART_8B = {"offline": dict(sweep=""), "sweep": dict(num_requests=256), "peer": dict(num_requests=192, sweep="")}
+PART_DEADLINE_8B = 500.0
+# On a CPU the FP8 pool is a GPU configuration: XLA's CPU backend converts float8 element by element (the cpu preset's
+# rate-inf run takes 3.5x the bf16 pool's time, its compile 46 s); --configs can still name it (the quick preset
+# runs it)
+CPU_LEFT_OUT = ("swiftkv-fp8",)
+SUSTAIN_COMPLETION = 0.95  # completion rate / realised arrival rate, at least
+GPU_TARGETS = {"teacher_total_tokens_per_s": 19000.0, "teacher_roofline_share": 0.70, "swiftkv_vs_teacher": 1.35,
+               "swiftkv_tpot_vs_teacher": 1.0, "engine_vs_static": 0.9, "engine_vs_transformers": 5.0,
+               "fp8_vs_bf16": 1.0}
+CPU_TARGETS = {"ttft_p50": 0.6, "tpot_p50": 1.0, "throughput": 1.5}
+INF = math.inf
 
 
-def _rates(text: str) -> list:
-    rates = []
+def _floats(text: str) -> list:
+    values = []
     for item in text.split(","):
-        rate = float(item)  # "inf" parses
-        if not rate > 0:
-            raise ValueError(f"a request rate must be > 0 (or inf), got {item!r}")
-        rates.append(rate)
-    return sorted(set(rates))
+        if not item.strip():
+            continue
+        value = float(item)  # "inf" parses
+        if not value > 0:
+            raise ValueError(f"a rate must be > 0 (or inf), got {item!r}")
+        values.append(value)
+    return sorted(set(values))
 
 
 def _ints(text: str) -> list:
@@ -107,7 +174,11 @@ def _ints(text: str) -> list:
 
 
 def _rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
+    return "inf" if math.isinf(rate) else f"{rate:.3g}"
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
 
 
 def _stats(values) -> dict:
@@ -126,14 +197,16 @@ def _kv_heads(heads: int) -> int:
 
 
 class CompileCounter:
-    """Counts XLA compilations (every jitted program and eager op compiled), through jax.monitoring."""
+    """Counts XLA compilations (every jitted program and eager op compiled), through jax.monitoring; `overhead`
+    also sums the tracing and lowering before them (seconds a first call spends before it runs)."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
+    BEFORE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 
     def __init__(self):
         import jax
 
-        self.count, self.seconds, self.names = 0, 0.0, []
+        self.count, self.seconds, self.overhead, self.names = 0, 0.0, 0.0, []
         jax.monitoring.register_event_duration_secs_listener(self)
 
     def __call__(self, event, duration, **kwargs):
@@ -141,27 +214,152 @@ class CompileCounter:
             self.count += 1
             self.seconds += duration
             self.names.append(str(kwargs.get("fun_name", "?")))
+        if event == self.EVENT or event in self.BEFORE:
+            self.overhead += duration
 
     def snapshot(self):
-        return self.count, self.seconds, len(self.names)
+        return self.count, self.seconds, len(self.names), self.overhead
 
     def since(self, snap) -> dict:
         return dict(compilations=self.count - snap[0], compile_s=self.seconds - snap[1],
                     compiled=sorted(set(self.names[snap[2]:])))
 
 
-def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter) -> dict:
-    """Drive `engine` through one workload (arrivals in seconds from t = 0, sorted): per-request token times."""
+# ---- model, workload, device ----------------------------------------------------------------------------------------
+
+def resolved_args(values: dict) -> argparse.Namespace:
+    """The arguments of a run (`vars(args)` after the preset's defaults), e.g. as serving_peer.py receives them."""
+    return argparse.Namespace(**values)
+
+
+def build_model(args):
+    """The benchmark's weights (stacked layers): the same for the same arguments on the same platform."""
+    import swiftkv_jax as sk
+
+    if args.preset == "8b":
+        from swiftkv_jax.serving import bench
+
+        return bench.random_model("llama-3.1-8b", dtype=args.dtype, seed=args.seed)
+    heads = args.hidden // args.head_dim
+    config = sk.ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                            intermediate_size=64 * max(1, round(8 / 3 * args.hidden / 64)),
+                            num_hidden_layers=args.layers, num_attention_heads=heads,
+                            num_key_value_heads=_kv_heads(heads), head_dim=args.head_dim,
+                            param_dtype=args.dtype, dtype=args.dtype)
+    return sk.to_swiftkv(sk.init(config, args.seed), args.layers // 2, 1)
+
+
+def weights_digest(params) -> int:
+    """A checksum of the weights' bits (integer sums, so exact in any order of summation)."""
+    import jax
+    import jax.numpy as jnp
+
+    def bits(x):
+        wide = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        return jnp.sum(jax.lax.bitcast_convert_type(x, wide).astype(jnp.uint32), dtype=jnp.uint32)
+
+    total = 0
+    for leaf in jax.tree.leaves(params):
+        total = (total + int(jax.jit(bits)(leaf))) % 2**32
+    return total
+
+
+def make_workload(args) -> dict:
+    """The requests (token ids, lengths) and unit-rate Poisson gaps; every run takes a prefix."""
+    import numpy as np
+
+    n = max(args.num_requests, args.sweep_requests or 0, args.peer_requests or 0)
+    rng = np.random.default_rng(args.seed)
+    r = args.range_ratio
+    draw = lambda mean: rng.integers(max(1, round((1 - r) * mean)), max(1, round((1 + r) * mean)) + 1, n)
+    prompt_lens, output_lens = draw(args.prompt_len), draw(args.output_len)
+    if args.preset == "8b":
+        from swiftkv_jax.serving.bench import preset_config
+
+        vocab = preset_config("llama-3.1-8b").vocab_size
+    else:
+        vocab = args.vocab
+    prompts = [rng.integers(0, vocab, int(k)).tolist() for k in prompt_lens]
+    unit_gaps = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0, n - 1))])  # Poisson at rate 1
+    return dict(prompts=prompts, prompt_lens=prompt_lens, output_lens=output_lens, unit_gaps=unit_gaps)
+
+
+def measure_device(args) -> dict:
+    """The matmul rate (a `--matmul-size`^3 matmul in the model's dtype) and the copy bandwidth, on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import copy_bandwidth, timed
+
+    n = args.matmul_size
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), args.dtype) for i in (1, 2))
+    seconds, _ = timed(jnp.matmul, a, b, repeats=10)
+    copy = copy_bandwidth(args.copy_gib, args.dtype, repeats=10)
+    return dict(matmul=dict(size=n, dtype=args.dtype, time_s=seconds, flops_per_s=2 * n**3 / seconds), copy=copy)
+
+
+def platform_of_a_fresh_process() -> str:
+    """JAX's default backend, asked of a child process: this one must not take the accelerator before the peer ran."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    if out.returncode:
+        raise RuntimeError(f"could not ask JAX for its backend:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+# ---- roofline -------------------------------------------------------------------------------------------------------
+
+def roofline(cfg, *, swiftkv: bool, prompt_lens, output_lens, kv_bytes_per_token: float, batch: int,
+             flops_per_s: float, bytes_per_s: float) -> dict:
+    """The workload's best time on this device (see the module docstring) and its tokens/s."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from swiftkv_jax.serving.scheduler import prompt_token_cost
+
+    d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layers = cfg.num_hidden_layers * (d * (2 * n * h + 2 * k * h) + 3 * d * cfg.intermediate_size)
+    head = d * cfg.vocab_size
+    weight_bytes = (layers + head) * jnp.dtype(cfg.param_dtype).itemsize
+    cost = prompt_token_cost(cfg, swiftkv)
+    attention_layers = cfg.num_lower_layers if swiftkv else cfg.num_hidden_layers
+    p, o = np.asarray(prompt_lens, np.float64), np.asarray(output_lens, np.float64)
+    prefill_flops = float(np.sum(2 * cost * layers * p + 2 * attention_layers * n * h * p**2))
+    context = float(np.sum(o * p + o * (o + 1) / 2))  # summed over every generated token
+    decode_flops = 2 * (layers + head) * float(o.sum()) + 4 * cfg.num_hidden_layers * n * h * context
+    decode_bytes = weight_bytes * float(o.sum()) / batch + kv_bytes_per_token * context
+    prefill_s = prefill_flops / flops_per_s
+    decode_s = max(decode_flops / flops_per_s, decode_bytes / bytes_per_s)
+    seconds = prefill_s + decode_s
+    return dict(total_tokens_per_s=float(p.sum() + o.sum()) / seconds, output_tokens_per_s=float(o.sum()) / seconds,
+                requests_per_s=len(p) / seconds, prefill_s=prefill_s, decode_s=decode_s,
+                decode_bound="compute" if decode_flops / flops_per_s > decode_bytes / bytes_per_s else "memory",
+                prefill_flops=prefill_flops, decode_flops=decode_flops, decode_bytes=decode_bytes,
+                matmul_params=layers, head_params=head, weight_bytes=weight_bytes, prompt_token_cost=cost,
+                attention_layers=attention_layers, kv_bytes_per_token=kv_bytes_per_token, batch=batch)
+
+
+# ---- runs -----------------------------------------------------------------------------------------------------------
+
+def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter, time_limit=None) -> dict:
+    """Drive `engine` through one workload (arrivals in seconds from t = 0, sorted): per-request token times. Stops
+    at `time_limit` seconds (cut_off) if given."""
+    import jax
+
     n = len(arrivals)
     times = [[] for _ in range(n)]
     added = [None] * n
     engine_metrics = [None] * n
     finish_reasons = [None] * n
-    peak_pages, following, done, idle_steps = 0, 0, 0, 0
+    peak_pages, following, done, idle_steps, cut_off = 0, 0, 0, 0, False
     compiled_before = compiles.snapshot()
     start = time.perf_counter()
     while done < n:
         now = time.perf_counter() - start
+        if time_limit is not None and now > time_limit:
+            cut_off = True
+            break
         while following < n and arrivals[following] <= now:
             engine.add_request(prompts[following], request_id=str(following), max_tokens=int(output_lens[following]),
                                temperature=0.0, stop_token_ids=[])
@@ -170,11 +368,13 @@ def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter) -> d
         if not engine.has_unfinished():
             if following == n:
                 raise RuntimeError(f"the engine has nothing left to run but finished {done} of {n} requests")
-            time.sleep(max(0.0, arrivals[following] - (time.perf_counter() - start)))
+            time.sleep(max(0.0, min(arrivals[following] - (time.perf_counter() - start),
+                                    math.inf if time_limit is None else time_limit - now)))
             continue
         outputs = engine.step()
         stamp = time.perf_counter() - start
-        peak_pages = max(peak_pages, engine.allocator.capacity - engine.allocator.num_free)
+        stats = engine.stats()
+        peak_pages = max(peak_pages, stats["pages_total"] - stats["pages_free"])
         idle_steps = 0 if outputs else idle_steps + 1
         if idle_steps > 100_000:
             raise RuntimeError(f"the engine made no progress in {idle_steps} steps: {engine.stats()}")
@@ -185,126 +385,315 @@ def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter) -> d
             if out.finished:
                 done += 1
                 engine_metrics[i], finish_reasons[i] = out.metrics, out.finish_reason
+    elapsed = time.perf_counter() - start
+    jax.block_until_ready(jax.live_arrays())  # a step still in flight ends before the next run's pool is sized
     return dict(times=times, added=added, engine_metrics=engine_metrics, finish_reasons=finish_reasons,
-                peak_pages=peak_pages, **compiles.since(compiled_before),
+                peak_pages=peak_pages, cut_off=cut_off, elapsed_s=elapsed, **compiles.since(compiled_before),
                 stats=engine.stats())
 
 
+def _rounded(values, digits=5) -> list:
+    return [None if v is None else round(float(v), digits) for v in values]
+
+
 def summarise(rate, arrivals, prompt_lens, output_lens, served) -> dict:
-    """One run's figures and its per-request rows (no token times)."""
+    """One run's figures, and per-request columns (no token times). A cut-off run counts the prompts of the requests
+    that got a first token and every token generated, over the time it ran."""
     import numpy as np
 
     times, n = served["times"], len(arrivals)
-    requests, itl = [], []
+    cut_off = bool(served.get("cut_off"))
+    added = served.get("added") or [None] * n
+    metrics = served.get("engine_metrics") or [None] * n
+    ttft, tpot, e2e, lag, queue, itl, finishes = [], [], [], [], [], [], []
     for i in range(n):
         t = times[i]
-        metrics = served["engine_metrics"][i] or {}
-        lag = served["added"][i] - arrivals[i]
-        requests.append(dict(
-            id=i, prompt_tokens=int(prompt_lens[i]), output_tokens=len(t), max_tokens=int(output_lens[i]),
-            arrival_s=float(arrivals[i]), add_lag_s=lag, ttft_s=t[0] - arrivals[i] if t else None,
-            tpot_s=(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None, e2e_s=t[-1] - arrivals[i] if t else None,
-            queue_s=lag + metrics["queue_s"] if "queue_s" in metrics else None,
-            preemptions=metrics.get("preemptions"), finish_reason=served["finish_reasons"][i]))
+        ttft.append(t[0] - arrivals[i] if t else None)
+        tpot.append((t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None)
+        finished = bool(t) and len(t) >= int(output_lens[i])
+        e2e.append(t[-1] - arrivals[i] if finished else None)
+        if finished:
+            finishes.append(t[-1])
+        lag.append(None if added[i] is None else added[i] - arrivals[i])
+        m = metrics[i] or {}
+        queue.append(lag[i] + m["queue_s"] if "queue_s" in m and lag[i] is not None else None)
         itl.extend(np.diff(t).tolist())
-    finishes = sorted(r["e2e_s"] + r["arrival_s"] for r in requests)
-    duration = finishes[-1]
-    generated = sum(r["output_tokens"] for r in requests)
-    prompt_total = int(sum(prompt_lens))
-    span = float(arrivals[-1] - arrivals[0])
+    finishes.sort()
+    served_prompts = [int(prompt_lens[i]) for i in range(n) if times[i]]
+    generated = sum(len(t) for t in times)
+    duration = served["elapsed_s"] if cut_off else max(max(finishes, default=0.0), 1e-9)
+    arrived = [a for a in arrivals if a <= duration]
+    span = float(arrived[-1] - arrived[0]) if arrived else 0.0
+    ms = lambda s: {q: None if s[q] is None else s[q] * 1e3 for q in ("p50", "p99")}
     stats = served["stats"]
-    return dict(
-        rate=rate, num_requests=n, duration_s=duration, request_throughput=n / duration,
-        output_token_throughput=generated / duration, total_token_throughput=(prompt_total + generated) / duration,
-        completion_rate=(n - 1) / (finishes[-1] - finishes[0]) if n > 1 and finishes[-1] > finishes[0] else None,
-        arrival_rate=(n - 1) / span if n > 1 and span > 0 else None,  # None: all at once
-        ttft_s=_stats(r["ttft_s"] for r in requests), tpot_s=_stats(r["tpot_s"] for r in requests),
-        itl_s=_stats(itl), e2e_s=_stats(r["e2e_s"] for r in requests), queue_s=_stats(r["queue_s"] for r in requests),
-        add_lag_s=_stats(r["add_lag_s"] for r in requests),
-        preemptions=stats["preemptions"], peak_pages=served["peak_pages"], pages_total=stats["pages_total"],
-        peak_page_usage=served["peak_pages"] / stats["pages_total"], steps=stats["steps"], busy_s=stats["busy_s"],
-        generated_tokens=generated, prompt_tokens=prompt_total,
-        all_generated=all(r["output_tokens"] == r["max_tokens"] for r in requests),
-        compilations=served["compilations"], compile_s=served["compile_s"], compiled=served["compiled"],
-        requests=requests)
+    run = dict(
+        rate=rate, num_requests=n, cut_off=cut_off, finished=len(finishes), duration_s=duration,
+        requests_per_s=len(finishes) / duration, output_tokens_per_s=generated / duration,
+        total_tokens_per_s=(sum(served_prompts) + generated) / duration,
+        completion_rate=((len(finishes) - 1) / (finishes[-1] - finishes[0])
+                         if len(finishes) > 1 and finishes[-1] > finishes[0] else None),
+        arrival_rate=(len(arrived) - 1) / span if len(arrived) > 1 and span > 0 else None,  # None: all at once
+        ttft_s=_stats(ttft), tpot_s=_stats(tpot), itl_s=_stats(itl), e2e_s=_stats(e2e), queue_s=_stats(queue),
+        add_lag_s=_stats(lag), generated_tokens=generated, prompt_tokens=sum(served_prompts),
+        all_generated=not cut_off and all(len(times[i]) == int(output_lens[i]) for i in range(n)),
+        per_request=dict(prompt_tokens=[int(x) for x in prompt_lens], output_tokens=[len(t) for t in times],
+                         ttft_s=_rounded(ttft), tpot_s=_rounded(tpot), e2e_s=_rounded(e2e)))
+    run["ttft_ms"], run["tpot_ms"] = ms(run["ttft_s"]), ms(run["tpot_s"])
+    if stats:
+        run.update(preemptions=stats.get("preemptions"), pages_total=stats.get("pages_total"),
+                   peak_pages=served.get("peak_pages"), steps=stats.get("steps"), busy_s=stats.get("busy_s"))
+        if stats.get("pages_total"):
+            run["peak_page_usage"] = served["peak_pages"] / stats["pages_total"]
+    for key in ("compilations", "compile_s", "compiled"):
+        if key in served:
+            run[key] = served[key]
+    return run
 
 
-def mark_sustained(runs: dict, configs, rates, factor: float) -> None:
-    """Set run["sustained"] (see the module docstring) for every finished run."""
-    for name in configs:
-        done = [runs[(rate, name)] for rate in rates if runs.get((rate, name), {}).get("status") == "ok"]
-        if not done:
+def static_run(model, workload, n, *, swiftkv: bool, batch: int, args, attention_impl, time_left, compiles,
+               estimate_tokens_per_s=None) -> dict:
+    """`sk.generate` over the first n requests in batches (see the module docstring): the static engine's tokens/s.
+    Each batch runs once; the first one's compile (JAX's tracing, lowering and XLA compile events) is subtracted."""
+    import swiftkv_jax as sk
+
+    p, o = workload["prompt_lens"][:n], workload["output_lens"][:n]
+    order = sorted(range(n), key=lambda i: (int(p[i]), int(o[i])))
+    batch = min(batch, n)
+    batches = [order[i:i + batch] for i in range(0, n - batch + 1, batch)][:args.static_batches or None]
+    chunk = max(16, 1 << max(0, (args.static_chunk_tokens // batch).bit_length() - 1))
+    chunk = None if chunk >= int(p.max()) else chunk
+    info = dict(batch=batch, prefill_chunk=chunk, attention_impl=attention_impl)
+    batch_tokens = int(sum(p[i] + o[i] for i in batches[0]))
+    if estimate_tokens_per_s and time_left() < 2 * batch_tokens / estimate_tokens_per_s + 30:
+        return dict(status="not run", reason=f"too little time left for a batch (~"
+                                             f"{batch_tokens / estimate_tokens_per_s:.0f} s) and its compile", **info)
+    seconds, compile_s = [], []
+    for rows in batches:
+        if seconds and time_left() < 1.2 * max(seconds):
+            break
+        before = compiles.overhead
+        start = time.perf_counter()
+        out = sk.generate(model, [workload["prompts"][i] for i in rows], int(max(o[i] for i in rows)),
+                          stop_token_ids=[], swiftkv=swiftkv, cache_dtype=args.dtype, prefill_chunk=chunk,
+                          attention_impl=attention_impl, decode_attention_impl=args.decode_attention_impl)
+        wall = time.perf_counter() - start
+        assert all(len(t) >= o[i] for t, i in zip(out.tokens, rows)), "a static row stopped short"
+        compile_s.append(compiles.overhead - before)
+        seconds.append(wall - compile_s[-1])
+    rows = [i for b in batches[:len(seconds)] for i in b]
+    prompt_tokens, output_tokens, total_s = int(sum(p[i] for i in rows)), int(sum(o[i] for i in rows)), sum(seconds)
+    padded = sum(len(b) * (int(max(p[i] for i in b)) + int(max(o[i] for i in b))) for b in batches[:len(seconds)])
+    return dict(status="ok", rate=INF, num_requests=len(rows), cut_off=False, duration_s=total_s,
+                requests_per_s=len(rows) / total_s, output_tokens_per_s=output_tokens / total_s,
+                total_tokens_per_s=(prompt_tokens + output_tokens) / total_s, prompt_tokens=prompt_tokens,
+                generated_tokens=output_tokens, batches=len(seconds), batch_s=seconds, compile_s_subtracted=compile_s,
+                padding_overhead=padded / (prompt_tokens + output_tokens) - 1, ttft_ms=dict(p50=None, p99=None),
+                tpot_ms=dict(p50=None, p99=None), **info)
+
+
+def peer_run(args, workload, n: int, limit_s: float, cpu_num_pages: int) -> dict:
+    """The transformers peer (serving_peer.py: the weights written by a JAX process, then transformers in a torch
+    one), summarised like an engine run."""
+    start = time.perf_counter()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", TOKENIZERS_PARALLELISM="false")
+    with tempfile.TemporaryDirectory(prefix="serving_peer_") as tmp:
+        spec, weights, out = Path(tmp) / "spec.json", Path(tmp) / "weights", Path(tmp) / "out.json"
+        weights.mkdir()
+        results = {}
+        for mode in ("weights", "run"):
+            left = limit_s - (time.perf_counter() - start)
+            spec.write_text(json.dumps(dict(
+                args=vars(args), num_requests=n, memory_fraction=args.kv_cache_fraction or 0.9,
+                cpu_num_pages=cpu_num_pages, time_limit_s=args.run_timeout, total_limit_s=left,
+                platform=results.get("weights", {}).get("platform"))))
+            try:
+                code = subprocess.run([sys.executable, str(PEER_SCRIPT), mode, str(spec), str(weights), str(out)],
+                                      env=env, timeout=max(1.0, left)).returncode
+            except subprocess.TimeoutExpired:
+                code = "killed at the time limit"
+            results[mode] = result = json.loads(out.read_text()) if out.exists() else {}
+            out.unlink(missing_ok=True)
+            if result.get("status") != "ok":
+                break
+    weights_step = results["weights"]
+    wall = time.perf_counter() - start
+    if not result:
+        return dict(status="failed", reason=f"serving_peer.py {mode} wrote nothing (exit {code})", wall_s=wall)
+    info = {k: result[k] for k in ("versions", "device", "settings", "resolved", "attention", "attention_in_use",
+                                   "startup_s", "errors") if k in result}
+    info["weights_digest"] = weights_step.get("weights_digest")
+    if result["status"] != "ok":
+        return dict(status=result["status"], reason=f"{mode}: {result.get('reason')}", wall_s=wall, **info)
+    served = dict(times=result["times"], cut_off=result["cut_off"], elapsed_s=result["elapsed_s"], stats={})
+    run = summarise(INF, [0.0] * n, workload["prompt_lens"][:n], workload["output_lens"][:n], served)
+    label = PEER_LABEL.format(device="GPU" if result["device"] == "cuda" else "CPU")
+    return dict(status="ok", label=label, wall_s=wall, weights_s=weights_step.get("seconds"), **run, **info)
+
+
+# ---- judging --------------------------------------------------------------------------------------------------------
+
+def ok(run) -> bool:
+    return bool(run) and run.get("status") == "ok"
+
+
+def judge(run: dict, base_ttft_p50: float, factor: float) -> bool:
+    """Sustained (see the module docstring): a finite rate kept up with, TTFT bounded, not cut off."""
+    if math.isinf(run["rate"]) or run["cut_off"]:
+        return False
+    keeps_up = (run["completion_rate"] is None or run["arrival_rate"] is None
+                or run["completion_rate"] >= SUSTAIN_COMPLETION * run["arrival_rate"])
+    return bool(keeps_up and run["ttft_s"]["p50"] is not None and run["ttft_s"]["p50"] <= factor * base_ttft_p50)
+
+
+def highest_sustained(runs: dict, name: str):
+    rates = [rate for (n, rate), run in runs.items() if n == name and ok(run) and run.get("sustained")]
+    return max(rates) if rates else None
+
+
+def static_of(name: str) -> str:
+    return "static-swiftkv" if CONFIGS[name]["swiftkv"] else "static-teacher"
+
+
+def add_ratios(runs: dict) -> None:
+    """Each run's ratios: at rate inf its total tokens/s against the teacher's, the static engine's of its wiring and
+    transformers'; at a finite rate its TTFT and TPOT p50 against the teacher's at the same rate."""
+    for (name, rate), run in runs.items():
+        if not ok(run):
             continue
-        base = done[0]["ttft_s"]["p50"]
-        for run in done:
-            if math.isinf(run["rate"]):
-                run["sustained"] = False  # an infinite rate is never kept up with
-                continue
-            keeps_up = (run["completion_rate"] is None or run["arrival_rate"] is None
-                        or run["completion_rate"] >= SUSTAIN_COMPLETION * run["arrival_rate"])
-            run["sustained"] = bool(keeps_up and run["ttft_s"]["p50"] <= factor * base)
+        ratios = {}
+        if math.isinf(rate):
+            for key, other in (("vs_teacher", "teacher"), ("vs_static", static_of(name)),
+                               ("vs_transformers", "transformers")):
+                peer = runs.get((other, INF))
+                if other != name and ok(peer) and peer["total_tokens_per_s"]:
+                    ratios[key] = run["total_tokens_per_s"] / peer["total_tokens_per_s"]
+                    if peer["num_requests"] != run["num_requests"]:
+                        ratios[key + "_note"] = f"{run['num_requests']} requests against {peer['num_requests']}"
+        elif name != "teacher" and ok(runs.get(("teacher", rate))):
+            teacher = runs[("teacher", rate)]
+            for key in ("ttft", "tpot"):
+                mine, theirs = run[f"{key}_s"]["p50"], teacher[f"{key}_s"]["p50"]
+                if mine is not None and theirs:
+                    ratios[f"{key}_p50_vs_teacher"] = mine / theirs
+        run["ratios"] = ratios
 
 
-def compare(runs: dict, configs, rates) -> dict:
-    """The summary ratios of each SwiftKV configuration against the teacher."""
-    ok = lambda rate, name: runs.get((rate, name), {}).get("status") == "ok"
-    out = {}
-    if "teacher" not in configs:
-        return out
-    teacher_rates = [r for r in rates if ok(r, "teacher")]
-    sustained = [r for r in teacher_rates if runs[(r, "teacher")].get("sustained")]
-    at = sustained[-1] if sustained else (teacher_rates[0] if teacher_rates else None)
-    out["teacher_max_sustained_rate"] = sustained[-1] if sustained else None
-    out["compared_at_rate"] = None if at is None else _rate_label(at)
-    out["compared_at_note"] = ("the highest rate the teacher sustains" if sustained else
-                               "the teacher sustains none of the rates: compared at the lowest" if at is not None
-                               else "no teacher run finished")
-    best = lambda name: max((runs[(r, name)]["request_throughput"] for r in rates if ok(r, name)), default=None)
-    for name in configs:
-        if name == "teacher":
+def targets(runs: dict, preset: str) -> list:
+    """The issue's targets (8b) or the CPU preset's, each with its value and verdict (None: not measured)."""
+    at = lambda name, rate=INF: runs.get((name, rate)) if ok(runs.get((name, rate))) else None
+    swiftkv = [n for n in ("swiftkv-tokens", "swiftkv-cost", "swiftkv-fp8") if at(n)]
+    rows = []
+
+    def row(name, value, op, target, note=""):
+        verdict = None if value is None else (value >= target if op == ">=" else value <= target)
+        rows.append(dict(target=name, value=value, op=op, goal=target, passed=verdict, note=note))
+
+    teacher_max = highest_sustained(runs, "teacher")
+    if preset == "8b":
+        t = at("teacher")
+        row("teacher total tokens/s at rate inf", t and t["total_tokens_per_s"], ">=",
+            GPU_TARGETS["teacher_total_tokens_per_s"])
+        row("teacher share of its roofline", t and t.get("roofline_share"), ">=", GPU_TARGETS["teacher_roofline_share"])
+        for n in swiftkv:
+            row(f"{n} / teacher, total tokens/s at rate inf", at(n)["ratios"].get("vs_teacher"), ">=",
+                GPU_TARGETS["swiftkv_vs_teacher"])
+            s = at(n, teacher_max) if teacher_max else None
+            row(f"{n} / teacher, TPOT p50 at the teacher's highest sustained rate",
+                s and s["ratios"].get("tpot_p50_vs_teacher"), "<=", GPU_TARGETS["swiftkv_tpot_vs_teacher"],
+                "" if teacher_max else "the teacher sustained no rate (or was not swept)")
+        for n in ["teacher"] + swiftkv:
+            row(f"{n} / {static_of(n)}", at(n) and at(n)["ratios"].get("vs_static"), ">=",
+                GPU_TARGETS["engine_vs_static"])
+        for n in ["teacher"] + swiftkv:
+            row(f"{n} / transformers", at(n) and at(n)["ratios"].get("vs_transformers"), ">=",
+                GPU_TARGETS["engine_vs_transformers"])
+        fp8, bf16 = at("swiftkv-fp8"), at("swiftkv-tokens")
+        row("swiftkv-fp8 / swiftkv-tokens (bf16 pool), total tokens/s", fp8 and bf16 and
+            fp8["total_tokens_per_s"] / bf16["total_tokens_per_s"], ">=", GPU_TARGETS["fp8_vs_bf16"])
+    elif preset == "cpu":
+        rates = sorted(r for (n, r), run in runs.items() if n == "teacher" and ok(run) and not math.isinf(r))
+        compare_at = teacher_max or (rates[0] if rates else None)
+        note = "at the teacher's highest sustained rate" if teacher_max else "at the teacher's lowest rate"
+        for n in ("swiftkv-tokens", "swiftkv-cost"):
+            s = at(n, compare_at) if compare_at else None
+            row(f"{n} / teacher, TTFT p50 ({note})", s and s["ratios"].get("ttft_p50_vs_teacher"), "<=",
+                CPU_TARGETS["ttft_p50"])
+            row(f"{n} / teacher, TPOT p50 ({note})", s and s["ratios"].get("tpot_p50_vs_teacher"), "<=",
+                CPU_TARGETS["tpot_p50"])
+            row(f"{n} / teacher, throughput at rate inf", at(n) and at(n)["ratios"].get("vs_teacher"), ">=",
+                CPU_TARGETS["throughput"])
+    return rows
+
+
+# ---- reporting ------------------------------------------------------------------------------------------------------
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def table(runs: dict, order: list) -> str:
+    """Markdown: a row per run, rate inf first."""
+    lines = ["| config | rate req/s | requests | total tok/s | output tok/s | req/s | TTFT ms p50 / p99 | "
+             "TPOT ms p50 / p99 | of roofline | vs teacher | vs static | vs transformers | sustained |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    ms = lambda value: "-" if value is None else f"{value:.0f}"
+    keys = sorted(runs, key=lambda k: (not math.isinf(k[1]), order.index(k[0]), k[1]))
+    for name, rate in keys:
+        run = runs[(name, rate)]
+        label = run.get("label", name) if name == "transformers" else name
+        if not ok(run):
+            lines.append(f"| {label} | {_rate_label(rate)} | {run.get('status')}: {run.get('reason', '')} |"
+                         + " |" * 10)
             continue
-        row = {}
-        if at is not None and ok(at, name):
-            s, t = runs[(at, name)], runs[(at, "teacher")]
-            row["ttft_p50"] = s["ttft_s"]["p50"] / t["ttft_s"]["p50"]
-            if s["tpot_s"]["p50"] and t["tpot_s"]["p50"]:
-                row["tpot_p50"] = s["tpot_s"]["p50"] / t["tpot_s"]["p50"]
-        if best(name) and best("teacher"):
-            row["throughput"] = best(name) / best("teacher")
-            row["throughput_swiftkv"], row["throughput_teacher"] = best(name), best("teacher")
-        sustained_here = [r for r in rates if ok(r, name) and runs[(r, name)].get("sustained")]
-        row["max_sustained_rate"] = sustained_here[-1] if sustained_here else None
-        row["pass"] = {k: bool(row[k] <= TARGETS[k] if k != "throughput" else row[k] >= TARGETS[k])
-                       for k in TARGETS if k in row}
-        out[name] = row
-    return out
-
-
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
-
-
-def table(runs: dict, configs, rates) -> str:
-    lines = ["| rate | config | req/s | out tok/s | total tok/s | TTFT ms p50 / p90 / p99 (mean) | "
-             "TPOT ms p50 / p90 / p99 (mean) | ITL ms p50 / p90 / p99 (mean) | duration s | preempt | peak pages | "
-             "sustained |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
-    fig = lambda s: f"{_ms(s['p50'])} / {_ms(s['p90'])} / {_ms(s['p99'])} ({_ms(s['mean'])})"
-    for rate in rates:
-        for name in configs:
-            run = runs.get((rate, name))
-            if run is None or run["status"] != "ok":
-                lines.append(f"| {_rate_label(rate)} | {name} | not run |" + " |" * 9)
-                continue
-            lines.append(
-                f"| {_rate_label(rate)} | {name} | {run['request_throughput']:.3f} | "
-                f"{run['output_token_throughput']:.1f} | {run['total_token_throughput']:.1f} | {fig(run['ttft_s'])} | "
-                f"{fig(run['tpot_s'])} | {fig(run['itl_s'])} | {run['duration_s']:.1f} | {run['preemptions']} | "
-                f"{run['peak_pages']}/{run['pages_total']} | {'yes' if run.get('sustained') else 'no'} |")
+        r = run.get("ratios", {})
+        vs_teacher = (_ratio(r.get("vs_teacher")) if math.isinf(rate) else
+                      f"TTFT {_ratio(r.get('ttft_p50_vs_teacher'))}, TPOT {_ratio(r.get('tpot_p50_vs_teacher'))}"
+                      if "tpot_p50_vs_teacher" in r or "ttft_p50_vs_teacher" in r else "-")
+        share = run.get("roofline_share")
+        cut = " (cut off)" if run.get("cut_off") else ""
+        lines.append(
+            f"| {label} | {_rate_label(rate)}{cut} | {run['num_requests']} | {run['total_tokens_per_s']:,.0f} | "
+            f"{run['output_tokens_per_s']:,.0f} | {run['requests_per_s']:.3f} | "
+            f"{ms(run['ttft_ms']['p50'])} / {ms(run['ttft_ms']['p99'])} | "
+            f"{ms(run['tpot_ms']['p50'])} / {ms(run['tpot_ms']['p99'])} | "
+            f"{'-' if share is None or not math.isinf(rate) else f'{share:.0%}'} | {vs_teacher} | "
+            f"{_ratio(r.get('vs_static'))} | {_ratio(r.get('vs_transformers'))} | "
+            f"{'-' if math.isinf(rate) else 'yes' if run.get('sustained') else 'no'} |")
     return "\n".join(lines)
 
 
-def plot(path: Path, runs: dict, configs, rates, title: str) -> bool:
+def roofline_header(device: dict, rooflines: dict) -> str:
+    """The roofline's formula and inputs, and each configuration's roofline at rate inf."""
+    m, c = device["matmul"], device["copy"]
+    any_roof = next(iter(rooflines.values()), None)
+    lines = [f"roofline: seconds = prefill FLOPs / R + max(decode FLOPs / R, decode bytes / BW); R = "
+             f"{m['flops_per_s'] / 1e12:.3g} TFLOP/s ({m['dtype']} {m['size']}^3 matmul, measured), BW = "
+             f"{c['bandwidth'] / 1e9:.4g} GB/s (copy of {c['bytes'] / 2**30:.3g} GiB, measured)"]
+    if any_roof:
+        lines.append(f"  prefill FLOPs = 2 c P p + 2 A N H p^2 a prompt; decode FLOPs = 2 (P + head) + 4 L N H t a "
+                     f"token; decode bytes = W / B + t KV; P = {any_roof['matmul_params'] / 1e9:.4g}B matmul "
+                     f"params, head {any_roof['head_params'] / 1e6:.4g}M, W = {any_roof['weight_bytes'] / 1e9:.4g} GB")
+    lines.append("| config | c (prompt-token cost) | A (prompt attention layers) | KV bytes / token | B (sequences "
+                 "a step) | roofline total tok/s | decode bound |")
+    lines.append("|---|---:|---:|---:|---:|---:|:---:|")
+    for name, r in rooflines.items():
+        lines.append(f"| {name} | {r['prompt_token_cost']:.3f} | {r['attention_layers']} | "
+                     f"{r['kv_bytes_per_token']:,.0f} | {r['batch']} | {r['total_tokens_per_s']:,.0f} | "
+                     f"{r['decode_bound']} |")
+    return "\n".join(lines)
+
+
+def targets_text(rows: list) -> str:
+    lines = []
+    for t in rows:
+        verdict = "not measured" if t["passed"] is None else "PASS" if t["passed"] else "FAIL"
+        value = "-" if t["value"] is None else f"{t['value']:,.3f}" if t["value"] < 100 else f"{t['value']:,.0f}"
+        lines.append(f"- {t['target']}: {value} ({t['op']} {t['goal']:g}): {verdict}"
+                     + (f" ({t['note']})" if t["note"] else ""))
+    return "\n".join(lines)
+
+
+def plot(path: Path, runs: dict, order: list, title: str) -> bool:
     try:
         import matplotlib
     except ImportError:
@@ -313,29 +702,33 @@ def plot(path: Path, runs: dict, configs, rates, title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not any(run.get("status") == "ok" for run in runs.values()):
+    if not any(ok(run) for run in runs.values()):
         print("no run finished: no plot")
         return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    positions = range(len(rates))
-    for name in configs:
-        xs, ttft, tpot = [], [], []
-        for x, rate in zip(positions, rates):
-            run = runs.get((rate, name))
-            if run and run["status"] == "ok":
-                xs.append(x)
-                ttft.append(run["ttft_s"]["p50"])
-                tpot.append((run["tpot_s"]["p50"] or math.nan) * 1e3)
-        left.plot(xs, ttft, marker="o", label=name)
-        right.plot(xs, tpot, marker="o", label=name)
-    for ax, label in ((left, "TTFT p50 (s)"), (right, "TPOT p50 (ms)")):
-        ax.set_xticks(list(positions), [_rate_label(r) for r in rates])
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name in order:
+        finite = sorted((rate, run) for (n, rate), run in runs.items() if n == name and ok(run)
+                        and not math.isinf(rate))
+        if finite:
+            xs = [rate for rate, _ in finite]
+            left.plot(xs, [run["ttft_s"]["p50"] for _, run in finite], marker="o", label=name)
+            middle.plot(xs, [(run["tpot_s"]["p50"] or math.nan) * 1e3 for _, run in finite], marker="o", label=name)
+    for ax, label in ((left, "TTFT p50 (s)"), (middle, "TPOT p50 (ms)")):
         ax.set_xlabel("request rate (requests/s)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     left.set_yscale("log")
-    right.set_ylim(bottom=0)
-    left.legend()
+    middle.set_ylim(bottom=0)
+    if left.get_legend_handles_labels()[0]:
+        left.legend(fontsize=8)
+    offline = [(name, runs[(name, INF)]) for name in order if ok(runs.get((name, INF)))]
+    xs = range(len(offline))
+    right.bar(xs, [run["total_tokens_per_s"] for _, run in offline], label="measured")
+    right.scatter(xs, [run.get("roofline_total_tokens_per_s") or math.nan for _, run in offline], color="k",
+                  marker="_", s=400, label="roofline")
+    right.set_xticks(list(xs), [name for name, _ in offline], rotation=30, ha="right", fontsize=8)
+    right.set_ylabel("total tokens/s, rate inf")
+    right.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -345,449 +738,421 @@ def plot(path: Path, runs: dict, configs, rates, title: str) -> bool:
     return True
 
 
-# ---- --http: the same workload through `infer.py serve` ------------------------------------------------------------
-HTTP_CONFIG_FLAGS = {"swiftkv-tokens": [], "swiftkv-cost": [], "teacher": ["--teacher-mode"]}
+# ---- the command ----------------------------------------------------------------------------------------------------
 
-
-def save_for_http(model, directory: Path) -> Path:
-    """The benchmark's weights as an HF checkpoint that `infer.py serve` reads, with a word-level tokenizer that has
-    one word per token id (so every generated id decodes to text: one streamed chunk per token)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    import swiftkv_jax as sk
-    from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
-
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    staging = directory / "tokenizer"
-    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(staging)
-    sk.save(model, directory / "model", "hf", extra_files=read_sidecar_files(staging))
-    return directory / "model"
-
-
-def _server_argv(model_dir: Path, port: int, name: str, settings: dict, max_waiting: int, args) -> list:
-    s = settings
-    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "infer.py"), "serve", "--model", str(model_dir),
-            "--port", str(port), "--served-model-name", "bench", "--cache-dtype", str(s["cache_dtype"]),
-            "--page-size", str(s["page_size"]), "--num-pages", str(s["num_pages"]),
-            "--max-num-seqs", str(s["max_num_seqs"]), "--max-num-batched-tokens", str(s["max_num_batched_tokens"]),
-            "--budget-unit", s["budget_unit"], "--max-model-len", str(s["max_model_len"]),
-            "--max-prompt-seqs", str(s["max_prompt_seqs"]), "--single-buckets", ",".join(map(str, s["single_buckets"])),
-            "--prompt-buckets", ",".join(map(str, s["prompt_buckets"])), "--max-waiting", str(max_waiting)]
-    for flag, value in (("--attention-impl", args.attention_impl), ("--decode-attention-impl",
-                                                                     args.decode_attention_impl)):
-        if value:
-            argv += [flag, value]
-    return argv + HTTP_CONFIG_FLAGS[name]
-
-
-def start_server(argv: list, url: str, log_path: Path, timeout: float):
-    """`infer.py serve` in a subprocess; returns it once /health answers 200 (after its warm-up)."""
-    import os
-    import subprocess
-
-    import httpx
-
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # on a GPU the server takes only what it uses
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.perf_counter() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"infer.py serve exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
-        if time.perf_counter() > deadline:
-            proc.kill()
-            raise RuntimeError(f"infer.py serve was not ready in {timeout:.0f} s:\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-
-
-def _server_metrics(url: str) -> dict:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-
-
-async def _http_workload(url: str, prompts, output_lens, arrivals) -> dict:
-    """Streaming clients, one per request, each sent at its arrival time: per-request token times (one chunk per
-    token, stamped as it arrives), like `serve` does in-process."""
-    import asyncio
-
-    import httpx
-
-    n = len(arrivals)
-    times, added, reasons, usage = [[] for _ in range(n)], [None] * n, [None] * n, [None] * n
-    peak = {"pages": 0}
-    start = time.perf_counter()
-
-    async def one(i, http):
-        await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-        body = dict(model="bench", prompt=list(prompts[i]), max_tokens=int(output_lens[i]), temperature=0,
-                    ignore_eos=True, stream=True, stream_options={"include_usage": True})
-        added[i] = time.perf_counter() - start
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"request {i}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage[i] = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    if choice["text"]:
-                        times[i].append(time.perf_counter() - start)
-                    reasons[i] = choice["finish_reason"] or reasons[i]
-
-    async def watch_pages(done):
-        while not done.is_set():
-            m = await asyncio.to_thread(_server_metrics, url)
-            peak["pages"] = max(peak["pages"], int(m["swiftkv_kv_pages_total"] - m["swiftkv_kv_pages_free"]))
-            await asyncio.sleep(0.25)
-
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
-        done = asyncio.Event()
-        watcher = asyncio.create_task(watch_pages(done))
-        try:
-            await asyncio.gather(*[one(i, http) for i in range(n)])
-        finally:
-            done.set()
-            await watcher
-    return dict(times=times, added=added, finish_reasons=reasons, usage=usage, peak_pages=peak["pages"])
-
-
-def http_runs(model_dir: Path, configs, settings: dict, rates, arrivals_at, prompts, prompt_lens, output_lens, args,
-              log_dir: Path) -> dict:
-    """Each configuration's server started once (warm-up included, not timed), then every rate through it."""
-    import asyncio
-    import socket
-
-    runs, startup = {}, {}
-    for name in configs:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
-        argv = _server_argv(model_dir, port, name, settings[name], len(prompts), args)
-        t0 = time.perf_counter()
-        proc = start_server(argv, url, log_dir / f"serve_{name}.log", timeout=900.0)
-        startup[name] = time.perf_counter() - t0
-        print(f"http {name}: infer.py serve ready in {startup[name]:.1f} s (warm-up included)", flush=True)
-        try:
-            for rate in rates:
-                before = _server_metrics(url)
-                arrivals = arrivals_at(rate).tolist()
-                workload = asyncio.run(_http_workload(url, prompts, output_lens, arrivals))
-                after = _server_metrics(url)
-                delta = lambda key: after.get(key, 0) - before.get(key, 0)
-                served = dict(times=workload["times"], added=workload["added"],
-                              engine_metrics=[None] * len(prompts), finish_reasons=workload["finish_reasons"],
-                              peak_pages=workload["peak_pages"], compilations=int(delta("swiftkv_compiled_buckets")),
-                              compile_s=None, compiled=[],
-                              stats=dict(preemptions=int(delta("swiftkv_num_preemptions_total")),
-                                         pages_total=int(after["swiftkv_kv_pages_total"]),
-                                         steps=int(delta("swiftkv_engine_steps_total")), busy_s=None))
-                run = dict(status="ok", **summarise(rate, arrivals, prompt_lens, output_lens, served))
-                run["usage_completion_tokens"] = sum((u or {}).get("completion_tokens", 0) for u in workload["usage"])
-                runs[(rate, name)] = run
-                print(f"http rate {_rate_label(rate):>5} {name:<15} {run['duration_s']:7.1f} s  "
-                      f"{run['request_throughput']:.3f} req/s  TTFT p50 {run['ttft_s']['p50'] * 1e3:.0f} ms  "
-                      f"TPOT p50 {_ms(run['tpot_s']['p50'])} ms"
-                      + ("" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"), flush=True)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
-    return dict(runs=runs, startup_s=startup)
-
-
-def http_overhead(runs: dict, http: dict, configs, rates) -> list:
-    """Per (rate, config): the HTTP run against the in-process run of the same workload."""
-    rows = []
-    for rate in rates:
-        for name in configs:
-            a, b = runs.get((rate, name), {}), http.get((rate, name), {})
-            if a.get("status") != "ok" or b.get("status") != "ok":
-                continue
-            diff = lambda key, q: (None if a[key][q] is None or b[key][q] is None else b[key][q] - a[key][q])
-            rows.append(dict(rate=_rate_label(rate), config=name,
-                             request_throughput=b["request_throughput"] / a["request_throughput"],
-                             output_token_throughput=b["output_token_throughput"] / a["output_token_throughput"],
-                             ttft_p50_s=diff("ttft_s", "p50"), ttft_p99_s=diff("ttft_s", "p99"),
-                             tpot_p50_s=diff("tpot_s", "p50"), itl_p50_s=diff("itl_s", "p50"),
-                             itl_p99_s=diff("itl_s", "p99")))
-    return rows
-
-
-def overhead_table(rows: list) -> str:
-    lines = ["| rate | config | req/s http / in-process | out tok/s http / in-process | TTFT p50 +ms | TTFT p99 +ms | "
-             "TPOT p50 +ms | ITL p50 +ms | ITL p99 +ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['rate']} | {r['config']} | {r['request_throughput']:.3f} | "
-                     f"{r['output_token_throughput']:.3f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
-                     f"{_ms(r['tpot_p50_s'])} | {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} |")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=("auto",) + tuple(PRESETS), default="auto",
                         help="model and workload defaults: auto = 8b on a GPU, cpu otherwise")
     parser.add_argument("--quick", "--smoke", action="store_true", help="the quick preset: a tiny model, seconds")
+    parser.add_argument("--part", choices=tuple(PARTS), default="all",
+                        help="which configurations (see the docstring): one GPU pack call's share, or all")
+    parser.add_argument("--configs", help=f"comma-separated, a subset of {', '.join(CONFIGS)} (default: the part's)")
     parser.add_argument("--layers", type=int, help="model shape (cpu / quick presets)")
     parser.add_argument("--hidden", type=int, help="hidden size; heads of --head-dim, KV heads about heads / 3")
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--head-dim", type=int)
     parser.add_argument("--dtype", help="parameter, compute and KV cache dtype (preset: float32 cpu, bfloat16 8b)")
-    parser.add_argument("--num-requests", type=int)
-    parser.add_argument("--prompt-len", type=int, help="mean prompt length (uniform in [0.5, 1.5] x mean)")
-    parser.add_argument("--output-len", type=int, help="mean output length (uniform in [0.5, 1.5] x mean)")
-    parser.add_argument("--rates", help="request rates, requests/s, comma-separated; inf = all at t = 0")
+    parser.add_argument("--num-requests", type=int, help="requests at rate inf (8b: 1000; 256 in the sweep and peer "
+                                                         "parts)")
+    parser.add_argument("--prompt-len", type=int, help="mean prompt length")
+    parser.add_argument("--output-len", type=int, help="mean output length")
+    parser.add_argument("--range-ratio", type=float, help="lengths uniform in [1 - r, 1 + r] x the mean (8b: 0)")
+    parser.add_argument("--sweep", help="Poisson rates as multiples of each configuration's rate-inf requests/s "
+                                        "('' for none)")
+    parser.add_argument("--rates", help="absolute Poisson rates, requests/s (instead of --sweep's multiples)")
+    parser.add_argument("--sweep-configs",
+                        help="engine configurations swept, of --configs (8b: teacher,swiftkv-tokens; cpu: teacher); "
+                             "every other SwiftKV engine runs at the teacher's highest sustained rate")
+    parser.add_argument("--sweep-requests", type=int, help="requests a sweep run, at most")
+    parser.add_argument("--peer-requests", type=int, help="requests the transformers peer runs (default: "
+                                                          "--num-requests)")
     parser.add_argument("--seed", type=int, default=0, help="weights, lengths, prompts and arrivals")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {', '.join(CONFIGS)}")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-prompt-seqs", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-fraction", type=float,
+                        help="each engine's pool: this fraction of the memory free beside the weights (8b: 0.9)")
     parser.add_argument("--num-pages", type=int,
-                        help="pool pages (default: max-num-seqs requests of the longest length + the null page)")
-    parser.add_argument("--single-buckets", help="single-token buckets (max-num-seqs is always added)")
-    parser.add_argument("--prompt-buckets", help="prompt-token buckets (each engine's largest prompt part is added)")
-    parser.add_argument("--attention-impl", help="the engine's prompt attention (default: the config's)")
-    parser.add_argument("--decode-attention-impl", help="the engine's paged attention, xla or pallas")
+                        help="each engine's pool in pages, where no fraction is given (default: max-num-seqs "
+                             "requests of the longest length + the null page)")
+    parser.add_argument("--single-buckets", help="decode-only step sizes (max-num-seqs is always added)")
+    parser.add_argument("--mixed-single-buckets", help="decode rows of steps with prompt tokens (max-num-seqs added)")
+    parser.add_argument("--prompt-buckets", help="prompt-token step sizes (each engine's largest prompt part added)")
+    parser.add_argument("--attention-impl", help="prompt attention (default: the engine's; static: the same)")
+    parser.add_argument("--decode-attention-impl", help="the engine's and static's few-query attention, xla or pallas")
+    parser.add_argument("--static-batches", type=int, help="full static batches timed, at most (8b: 2; default all)")
+    parser.add_argument("--static-chunk-tokens", type=int, help="static prefill: batch x chunk at most this")
+    parser.add_argument("--matmul-size", type=int, help="the roofline's matmul rate: an N^3 matmul (8b: 8192)")
+    parser.add_argument("--copy-gib", type=float, help="the roofline's copy bandwidth: GiB copied (8b: 2)")
     parser.add_argument("--ttft-factor", type=float, default=4.0,
-                        help="sustained: TTFT p50 at most this x the config's TTFT p50 at the lowest rate")
-    parser.add_argument("--deadline", type=float, help="seconds from the start after which no new run starts")
+                        help="sustained: TTFT p50 at most this x the config's TTFT p50 at its lowest rate")
+    parser.add_argument("--run-timeout", type=float, help="seconds a rate-inf run (and the peer's) may take")
+    parser.add_argument("--sweep-timeout", type=float, help="seconds a sweep run may take")
+    parser.add_argument("--peer-timeout", type=float, help="seconds the peer's process may take, start-up included")
+    parser.add_argument("--deadline", type=float,
+                        help=f"seconds from the start: no run starts after it, every run is cut at it (8b parts: "
+                             f"{PART_DEADLINE_8B:g})")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_<platform>.json)")
     parser.add_argument("--plot", help="PNG path (default: the JSON's, .png); 'none' for no plot")
     parser.add_argument("--http", action="store_true",
-                        help="also run the workload through `infer.py serve` (a subprocess per configuration, "
-                             "streaming clients over 127.0.0.1) and report the HTTP overhead")
+                        help="also run the engines' workloads through `infer.py serve` and report the HTTP overhead")
     args = parser.parse_args(argv)
-    t_start = time.perf_counter()
+    args.platform = None
+    if args.quick:
+        args.preset = "quick"
+    elif args.preset == "auto":
+        args.platform = platform_of_a_fresh_process()
+        args.preset = "8b" if args.platform == "gpu" else "cpu"
+    preset = dict(PRESETS[args.preset])
+    if args.preset == "8b":
+        if any(getattr(args, k) is not None for k in ("layers", "hidden", "vocab", "head_dim")):
+            parser.error("--layers/--hidden/--vocab/--head-dim apply to the cpu and quick presets; 8b has its own "
+                         "shape")
+        preset.update(PART_8B.get(args.part, {}))
+        if args.part != "all":
+            preset["deadline"] = PART_DEADLINE_8B
+    preset.setdefault("deadline", None)
+    preset["configs"] = ",".join(c for c in PARTS[args.part].split(",")
+                                 if not (args.preset == "cpu" and c in CPU_LEFT_OUT))
+    for key, value in preset.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.peer_requests = args.peer_requests or args.num_requests
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or not configs:
+        parser.error(f"unknown --configs {unknown}: choose from {', '.join(CONFIGS)}")
+    args.configs = ",".join(configs)
+    try:
+        args.rate_list = _floats(args.rates) if args.rates else None
+        args.multiples = _floats(args.sweep) if args.sweep else []
+    except ValueError as error:
+        parser.error(str(error))
+    if any(math.isinf(r) for r in (args.rate_list or []) + args.multiples):
+        parser.error("--rates/--sweep take finite rates: rate inf is always run")
+    for name in ("num_requests", "prompt_len", "output_len", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                 "peer_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.range_ratio < 1:
+        parser.error("--range-ratio must lie in [0, 1)")
+    if args.preset != "8b" and args.hidden % args.head_dim:
+        parser.error(f"--hidden {args.hidden} must be a multiple of --head-dim {args.head_dim}")
+    return args
 
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    configs = args.configs.split(",")
+    order = [name for name in CONFIGS if name in configs]
+    engines = [n for n in order if CONFIGS[n]["kind"] == "engine"]
+    swept = [n for n in order if n in args.sweep_configs.split(",") and n in engines and (args.multiples
+                                                                                          or args.rate_list)]
+    workload = make_workload(args)
+    p_all, o_all = workload["prompt_lens"], workload["output_lens"]
+    longest = int(max(p + o for p, o in zip(p_all, o_all)))
+    max_model_len = -(-longest // args.page_size) * args.page_size
+    cpu_num_pages = args.num_pages or 1 + args.max_num_seqs * (max_model_len // args.page_size)
+    left = lambda: math.inf if args.deadline is None else args.deadline - (time.perf_counter() - t_start)
+    runs, info = {}, dict(warmup={}, engine={}, rooflines={})
+    out_path = [Path(args.out) if args.out else None]
+
+    def record(extra=None) -> None:
+        add_ratios(runs)
+        payload = {
+            "preset": args.preset, "part": args.part, "args": vars(args), "configs": order, "complete": False,
+            "workload": dict(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len,
+                             range_ratio=args.range_ratio, prompt_lens=p_all[:args.num_requests].tolist(),
+                             output_lens=o_all[:args.num_requests].tolist(),
+                             unit_arrivals_s=workload["unit_gaps"].round(4).tolist()),
+            "sustained_definition": (f"finite rate, not cut off; completion rate >= {SUSTAIN_COMPLETION} x realised "
+                                     f"arrival rate; TTFT p50 <= {args.ttft_factor} x the config's TTFT p50 at its "
+                                     f"lowest rate"),
+            **info, "highest_sustained_rate": {n: highest_sustained(runs, n) for n in swept},
+            "targets": (rows := targets(runs, args.preset)), "targets_text": targets_text(rows),
+            "table": table(runs, order),
+            "runs": [{**run, "config": name, "rate": rate if math.isfinite(rate) else "inf"}
+                     for (name, rate), run in runs.items()],
+            **(extra or {})}
+        write_results(out_path[0], SCRIPT, argv, payload)
+
+    # ---- 1. the peer, in a process of its own, before this one takes the accelerator
+    if "transformers" in configs:
+        if out_path[0] is None:
+            args.platform = args.platform or platform_of_a_fresh_process()
+            out_path[0] = Path(f"benchmarks/results/serving_{args.platform}.json")
+        limit = min(args.peer_timeout, left())
+        print(f"transformers peer: {args.peer_requests} requests (limit {limit:.0f} s, start-up included)",
+              flush=True)
+        run = peer_run(args, workload, args.peer_requests, limit, cpu_num_pages)
+        runs[("transformers", INF)] = run
+        print(f"transformers peer: {run['status']}" + (f" ({run.get('reason')})" if run.get("reason") else
+              f", {run['total_tokens_per_s']:,.0f} total tok/s, {run['requests_per_s']:.3f} req/s"
+              + (" (cut off)" if run["cut_off"] else "")), flush=True)
+        record()
+
+    # ---- 2. the model, the device's rates, the engines' settings
     import jax
     import numpy as np
 
     import swiftkv_jax as sk
     from swiftkv_jax.model.cached import unstack_layers
+    from swiftkv_jax.serving.paged_cache import page_bytes, pages_for_budget
     from swiftkv_jax.serving.scheduler import prompt_token_cost
 
     platform = jax.default_backend()
-    preset_name = "quick" if args.quick else args.preset
-    if preset_name == "auto":
-        preset_name = "8b" if platform == "gpu" else "cpu"
-    preset = PRESETS[preset_name]
-    for key, value in preset.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if preset_name == "8b" and any(getattr(args, k) is not None for k in ("layers", "hidden", "vocab", "head_dim")):
-        parser.error("--layers/--hidden/--vocab/--head-dim apply to the cpu and quick presets; 8b has its own shape")
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown or not configs:
-        parser.error(f"unknown --configs {unknown}: choose from {', '.join(CONFIGS)}")
-    try:
-        rates = _rates(args.rates)
-    except ValueError as error:
-        parser.error(f"--rates {args.rates!r}: {error}")
-    for name in ("num_requests", "prompt_len", "output_len", "max_num_seqs", "max_num_batched_tokens", "page_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-
-    # ---- model: one set of weights, in serving layout once, shared by every engine
-    if preset_name == "8b":
-        from swiftkv_jax.serving import bench
-
-        model = bench.random_model("llama-3.1-8b", dtype=args.dtype, seed=args.seed)
-    else:
-        heads = args.hidden // args.head_dim
-        if heads * args.head_dim != args.hidden:
-            parser.error(f"--hidden {args.hidden} must be a multiple of --head-dim {args.head_dim}")
-        config = sk.ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                                intermediate_size=64 * max(1, round(8 / 3 * args.hidden / 64)),
-                                num_hidden_layers=args.layers, num_attention_heads=heads,
-                                num_key_value_heads=_kv_heads(heads), head_dim=args.head_dim,
-                                param_dtype=args.dtype, dtype=args.dtype)
-        model = sk.to_swiftkv(sk.init(config, args.seed), args.layers // 2, 1)
+    if args.platform and args.platform != platform:
+        raise RuntimeError(f"the platform changed: {args.platform} in a fresh process, {platform} here")
+    out_path[0] = out_path[0] or Path(f"benchmarks/results/serving_{platform}.json")
+    plot_path = None if args.plot == "none" else Path(args.plot or out_path[0].with_suffix(".png"))
+    model = build_model(args)
+    info["weights_digest"] = weights_digest(model.params)
     http_dir = None
-    if args.http:  # the same weights, saved once for `infer.py serve`
-        import tempfile
+    if args.http:  # the same weights, saved once (stacked) for `infer.py serve`
+        import serving_http
 
         http_dir = tempfile.TemporaryDirectory(prefix="serving_http_")
-        http_model = save_for_http(model, Path(http_dir.name))
+        http_model = serving_http.save_for_http(model, Path(http_dir.name))
     cfg = model.config
     model = sk.Model(cfg, jax.block_until_ready(jax.jit(unstack_layers, static_argnums=1)(model.params, cfg)))
     gc.collect()
     n_params = int(sum(x.size for x in jax.tree.leaves(model.params)))
-
-    # ---- workload: the same requests at every rate, for every configuration
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    draw = lambda mean: rng.integers(max(1, round(0.5 * mean)), max(1, round(1.5 * mean)) + 1, n)
-    prompt_lens, output_lens = draw(args.prompt_len), draw(args.output_len)
-    prompts = [rng.integers(0, cfg.vocab_size, int(k)).tolist() for k in prompt_lens]
-    unit_gaps = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0, n - 1))])  # Poisson at rate 1
-    arrivals_at = lambda rate: np.zeros(n) if math.isinf(rate) else unit_gaps / rate
-
-    longest = int(max(p + o for p, o in zip(prompt_lens, output_lens)))
-    max_model_len = -(-longest // args.page_size) * args.page_size
-    pages_per_seq = max_model_len // args.page_size
-    num_pages = args.num_pages or 1 + args.max_num_seqs * pages_per_seq
-    singles = sorted({b for b in _ints(args.single_buckets) if b < args.max_num_seqs} | {args.max_num_seqs})
-
-    def engine_settings(name) -> dict:
-        swiftkv, unit = CONFIGS[name]
-        cost = prompt_token_cost(cfg, swiftkv) if unit == "cost" else 1.0
-        most = int(args.max_num_batched_tokens / cost + 1e-9)  # the engine's largest prompt part
-        return dict(swiftkv=swiftkv, budget_unit=unit, page_size=args.page_size, num_pages=num_pages,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=max_model_len, max_prompt_seqs=args.max_prompt_seqs, cache_dtype=args.dtype,
-                    attention_impl=args.attention_impl, decode_attention_impl=args.decode_attention_impl,
-                    single_buckets=tuple(singles),
-                    prompt_buckets=tuple(sorted({b for b in _ints(args.prompt_buckets) if b < most} | {most})))
-
-    settings = {name: engine_settings(name) for name in configs}
     device = jax.devices()[0]
+    info["device"] = dict(kind=device.device_kind, platform=platform, **measure_device(args))
+    peer = runs.get(("transformers", INF))
+    if ok(peer) and peer.get("weights_digest") != info["weights_digest"]:
+        peer["weights_note"] = "NOT the same weights: the digests differ"
+    pool = ({"kv_cache_fraction": args.kv_cache_fraction} if args.kv_cache_fraction is not None and platform != "cpu"
+            else {"num_pages": cpu_num_pages})
+    gpu_bf16 = platform == "gpu" and args.dtype in ("bfloat16", "float16")
+    static_attention = args.attention_impl or ("cudnn" if gpu_bf16 else None)
+
+    def settings(name) -> dict:
+        c = CONFIGS[name]
+        cost = prompt_token_cost(cfg, c["swiftkv"]) if c["budget_unit"] == "cost" else 1.0
+        most = int(args.max_num_batched_tokens / cost + 1e-9)  # the engine's largest prompt part
+        grow = lambda text, top: tuple(sorted({b for b in _ints(text) if b < top} | {top}))
+        return dict(swiftkv=c["swiftkv"], budget_unit=c["budget_unit"], page_size=args.page_size, **pool,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=max_model_len, max_prompt_seqs=args.max_prompt_seqs,
+                    cache_dtype=c.get("cache_dtype", args.dtype), attention_impl=args.attention_impl,
+                    decode_attention_impl=args.decode_attention_impl,
+                    single_buckets=grow(args.single_buckets, args.max_num_seqs),
+                    mixed_single_buckets=grow(args.mixed_single_buckets, args.max_num_seqs),
+                    prompt_buckets=grow(args.prompt_buckets, most))
+
+    mean_len = float(np.mean(p_all + o_all))
+
+    def pool_of(swiftkv, cache_dtype) -> dict:
+        pages = pages_for_budget(cfg, swiftkv, args.page_size, cache_dtype, **pool)
+        per_page = page_bytes(cfg, swiftkv, args.page_size, cache_dtype)
+        return dict(pages=pages, tokens=(pages - 1) * args.page_size, kv_bytes_per_token=per_page / args.page_size,
+                    page_bytes=per_page, sequences=(pages - 1) * args.page_size // max_model_len)
+
+    def roof_inputs(name) -> dict:
+        c = CONFIGS[name]
+        p = pool_of(c["swiftkv"], c.get("cache_dtype", args.dtype))
+        if c["kind"] == "static":
+            batch = min(args.max_num_seqs, max(1, p["sequences"]), args.num_requests)
+        else:  # an engine (the peer: the teacher's): the sequences a step decodes
+            batch = max(1, min(args.max_num_seqs, int(p["tokens"] // mean_len), args.num_requests))
+        return dict(swiftkv=c["swiftkv"], kv_bytes_per_token=p["kv_bytes_per_token"], batch=batch, pool=p)
+
+    inputs = {name: roof_inputs(name) for name in order}
+    rates_measured = info["device"]
+
+    def add_roofline(name, run) -> None:
+        if not ok(run):
+            return
+        i = inputs[name]
+        n = run["num_requests"]
+        if CONFIGS[name]["kind"] == "static":
+            rows = sorted(range(args.num_requests), key=lambda j: (int(p_all[j]), int(o_all[j])))[:n]
+            p, o = p_all[rows], o_all[rows]
+        else:
+            p, o = p_all[:n], o_all[:n]
+        r = roofline(cfg, swiftkv=i["swiftkv"], prompt_lens=p, output_lens=o,
+                     kv_bytes_per_token=i["kv_bytes_per_token"], batch=min(run.get("batch") or i["batch"], n),
+                     flops_per_s=rates_measured["matmul"]["flops_per_s"],
+                     bytes_per_s=rates_measured["copy"]["bandwidth"])
+        run["roofline"] = r
+        run["roofline_total_tokens_per_s"] = r["total_tokens_per_s"]
+        run["roofline_share"] = run["total_tokens_per_s"] / r["total_tokens_per_s"]
+
+    for name in order:
+        if CONFIGS[name]["kind"] == "engine":
+            cost = prompt_token_cost(cfg, CONFIGS[name]["swiftkv"]) if CONFIGS[name]["budget_unit"] == "cost" else 1.0
+            info["engine"][name] = {**settings(name), "prompt_token_cost": cost}
+        i = inputs[name]
+        info["rooflines"][name] = roofline(cfg, swiftkv=i["swiftkv"], prompt_lens=p_all[:args.num_requests],
+                                           output_lens=o_all[:args.num_requests],
+                                           kv_bytes_per_token=i["kv_bytes_per_token"], batch=i["batch"],
+                                           flops_per_s=rates_measured["matmul"]["flops_per_s"],
+                                           bytes_per_s=rates_measured["copy"]["bandwidth"])
+        info["rooflines"][name]["pool"] = i["pool"]
+    if ok(peer):
+        add_roofline("transformers", peer)
     count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.{0 if n_params >= 1e7 else 2}f}M"
-    title = (f"{preset_name}: {count} params {cfg.param_dtype}, L={cfg.num_hidden_layers} "
-             f"l={cfg.num_key_value_layers}, {n} requests, prompt ~{args.prompt_len}, output ~{args.output_len}, "
-             f"max_num_seqs {args.max_num_seqs}, budget {args.max_num_batched_tokens}, on {device.device_kind}")
+    title = (f"{args.preset} ({args.part}): {count} params {cfg.param_dtype}, L={cfg.num_hidden_layers} "
+             f"l={cfg.num_key_value_layers}, {args.num_requests} requests of {args.prompt_len} + {args.output_len} "
+             f"tokens (range {args.range_ratio:g}), max_num_seqs {args.max_num_seqs}, budget "
+             f"{args.max_num_batched_tokens}, on {device.device_kind}")
+    info["title"] = title
     print(title)
-    print(f"pool: {num_pages} pages of {args.page_size} tokens, max_model_len {max_model_len}; prompts "
-          f"{prompt_lens.min()}-{prompt_lens.max()} (mean {prompt_lens.mean():.0f}), outputs "
-          f"{output_lens.min()}-{output_lens.max()} (mean {output_lens.mean():.1f}); rates "
-          f"{', '.join(map(_rate_label, rates))}")
+    print(f"pool: {', '.join(f'{k} {v}' for k, v in pool.items())}, max_model_len {max_model_len}; prompts "
+          f"{p_all.min()}-{p_all.max()}, outputs {o_all.min()}-{o_all.max()}")
+    print(roofline_header(info["device"], info["rooflines"]), flush=True)
+    record()
 
-    out_path = Path(args.out or f"benchmarks/results/serving_{platform}.json")
-    plot_path = None if args.plot == "none" else Path(args.plot or out_path.with_suffix(".png"))
-    runs, warmups = {}, {}
-    payload = lambda: {
-        "device": device.device_kind, "platform": platform, "preset": preset_name, "args": vars(args),
-        "params": n_params, "complete": False,
-        "model": dict(layers=cfg.num_hidden_layers, num_key_value_layers=cfg.num_key_value_layers,
-                      key_value_group_size=cfg.key_value_group_size, hidden=cfg.hidden_size,
-                      heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                      intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, dtype=cfg.param_dtype,
-                      attention_impl=args.attention_impl or cfg.attention_impl,
-                      decode_attention_impl=args.decode_attention_impl or cfg.decode_attention_impl),
-        "engine": {name: {**s, "prompt_token_cost": prompt_token_cost(cfg, s["swiftkv"]) if s["budget_unit"] == "cost"
-                          else 1.0} for name, s in settings.items()},
-        "workload": dict(num_requests=n, prompt_lens=prompt_lens.tolist(), output_lens=output_lens.tolist(),
-                         unit_arrivals_s=unit_gaps.tolist(), rates=[_rate_label(r) for r in rates]),
-        "sustained_definition": (f"finite rate; completion rate >= {SUSTAIN_COMPLETION} x realised arrival rate; "
-                                 f"TTFT p50 <= {args.ttft_factor} x the config's TTFT p50 at its lowest rate"),
-        "targets": TARGETS, "warmup": warmups,
-        "runs": [{**run, "config": name, "rate": _rate_label(rate)} for (rate, name), run in runs.items()],
-    }
-    record = lambda extra=None: write_results(out_path, SCRIPT, argv, {**payload(), **(extra or {})})
-
-    # ---- warm-up: every bucket of every configuration compiled before anything is timed
     compiles = CompileCounter()
-    for name in configs:
-        engine = sk.Engine(model, **settings[name])
-        seconds = engine.warmup()
-        s = settings[name]
-        buckets = (len(s["single_buckets"]) + 1) * (len(s["prompt_buckets"]) + 1) - 1
-        warmups[name] = dict(seconds=seconds, buckets=buckets,
-                             single_buckets=list(s["single_buckets"]), prompt_buckets=list(s["prompt_buckets"]),
-                             pool_mib=engine.pool.nbytes / 2**20)
-        print(f"warm-up {name}: {warmups[name]['buckets']} buckets (singles {s['single_buckets']} x prompts "
-              f"{s['prompt_buckets']}) in {seconds:.1f} s" +
-              (" (buckets shared with swiftkv-tokens were compiled already)" if name == "swiftkv-cost"
-               and "swiftkv-tokens" in warmups else ""), flush=True)
+    warmed = set()
+
+    def guarded(fn, *a, **kw) -> dict:
+        """fn's run, or a failed one with the error (an out-of-memory, say): the other configurations still run."""
+        try:
+            return fn(*a, **kw)
+        except Exception as e:  # noqa: BLE001 - recorded in the run and printed, never hidden
+            import traceback
+
+            traceback.print_exc()
+            gc.collect()
+            return dict(status="failed", reason=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}")
+
+    def engine_run(name, rate, n, cap) -> dict:
+        engine = sk.Engine(model, **settings(name))
+        if name not in warmed:
+            seconds = engine.warmup()
+            warmed.add(name)
+            s = settings(name)
+            stats = engine.stats()
+            pool_bytes = stats["pages_total"] * inputs[name]["pool"]["page_bytes"]
+            info["warmup"][name] = dict(seconds=seconds, programs=stats["compiled_buckets"],
+                                        single_buckets=list(s["single_buckets"]),
+                                        mixed_single_buckets=list(s["mixed_single_buckets"]),
+                                        prompt_buckets=list(s["prompt_buckets"]),
+                                        pool_mib=pool_bytes / 2**20, pool_pages=stats["pages_total"])
+            print(f"warm-up {name}: {stats['compiled_buckets']} programs in {seconds:.1f} s; pool "
+                  f"{stats['pages_total']} pages, {pool_bytes / 2**30:.2f} GiB", flush=True)
+        arrivals = (np.zeros(n) if math.isinf(rate) else workload["unit_gaps"][:n] / rate).tolist()
+        served = serve(engine, workload["prompts"][:n], o_all[:n], arrivals, compiles,
+                       time_limit=min(cap, left()) if math.isfinite(min(cap, left())) else None)
         del engine
         gc.collect()
+        run = dict(status="ok", **summarise(rate, arrivals, p_all[:n], o_all[:n], served))
+        add_roofline(name, run)
+        note = "" if run["compilations"] == 0 else (f", {run['compilations']} COMPILATIONS WHILE TIMED "
+                                                    f"({run['compile_s']:.2f} s: {', '.join(run['compiled'])})")
+        note += " (CUT OFF)" if run["cut_off"] else "" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"
+        print(f"{name:<15} rate {_rate_label(rate):>6}  {n} requests  {run['duration_s']:7.1f} s  "
+              f"{run['total_tokens_per_s']:9,.0f} total tok/s  {run['requests_per_s']:.3f} req/s  "
+              f"TTFT p50 {_ms(run['ttft_s']['p50'])} ms  TPOT p50 {_ms(run['tpot_s']['p50'])} ms  "
+              f"peak pages {run['peak_pages']}/{run['pages_total']}{note}", flush=True)
+        return run
 
-    record()  # the settings and the warm-up, in case the runs are cut short
+    def too_late(name, rate) -> bool:
+        """No run starts within 5% of the deadline, nor a first run where its compile would not fit before it."""
+        compile_s = 0 if name in warmed or CONFIGS[name]["kind"] != "engine" else max(
+            [w["seconds"] for w in info["warmup"].values()], default=0)
+        if left() < max(10.0, 0.05 * (args.deadline or 0)) + compile_s:
+            runs[(name, rate)] = dict(status="not run", reason=f"past the deadline of {args.deadline:g} s"
+                                      + (f" once compiled (~{compile_s:.0f} s)" if compile_s else ""))
+            return True
+        return False
 
-    # ---- runs: rate by rate, the configurations in turn, each on a fresh engine
-    for rate in rates:
-        arrivals = arrivals_at(rate).tolist()
-        for name in configs:
-            if args.deadline is not None and time.perf_counter() - t_start > args.deadline:
-                runs[(rate, name)] = dict(status="not run", reason=f"past the deadline of {args.deadline:g} s")
+    # ---- 3. rate inf: the engines, then the static engine
+    for name in engines:
+        if not too_late(name, INF):
+            runs[(name, INF)] = guarded(engine_run, name, INF, args.num_requests, args.run_timeout)
+            record()
+    for name in (n for n in order if CONFIGS[n]["kind"] == "static"):
+        if too_late(name, INF):
+            continue
+        same = runs.get(("swiftkv-tokens" if CONFIGS[name]["swiftkv"] else "teacher", INF))
+        run = guarded(static_run, model, workload, args.num_requests, swiftkv=CONFIGS[name]["swiftkv"],
+                      batch=inputs[name]["batch"], args=args, attention_impl=static_attention, time_left=left,
+                      compiles=compiles, estimate_tokens_per_s=same["total_tokens_per_s"] if ok(same) else None)
+        add_roofline(name, run)
+        runs[(name, INF)] = run
+        print(f"{name:<15} rate    inf  " + (f"{run['num_requests']} requests in {run['batches']} batches of "
+              f"{run['batch']}  {run['duration_s']:7.1f} s  {run['total_tokens_per_s']:9,.0f} total tok/s "
+              f"(compile {sum(run['compile_s_subtracted']):.1f} s subtracted)" if ok(run) else
+              f"{run['status']}: {run['reason']}"), flush=True)
+        gc.collect()
+        record()
+
+    # ---- 4. the Poisson sweep, the teacher first; every SwiftKV engine also at the teacher's highest sustained rate
+    teacher_swept = "teacher" in swept
+    for name in [n for n in engines if n in swept or (teacher_swept and CONFIGS[n]["swiftkv"])]:
+        base = runs.get((name, INF))
+        if not ok(base):
+            continue
+        rates = [] if name not in swept else list(args.rate_list or [m * base["requests_per_s"]
+                                                                      for m in args.multiples])
+        extra = None
+        if name != "teacher" and teacher_swept:
+            teacher_rates = sorted(r for (n, r), run in runs.items() if n == "teacher" and ok(run) and math.isfinite(r))
+            extra = highest_sustained(runs, "teacher") or (teacher_rates[0] if teacher_rates else None)
+            if extra is not None and extra not in rates:
+                rates.append(extra)
+        lowest_ttft, failed = None, False
+        for rate in sorted(rates):
+            if failed and rate != extra:
+                runs[(name, rate)] = dict(status="not run", reason="a lower rate was not sustained")
                 continue
-            engine = sk.Engine(model, **settings[name])
-            served = serve(engine, prompts, output_lens, arrivals, compiles)
-            del engine
-            gc.collect()
-            run = dict(status="ok", **summarise(rate, arrivals, prompt_lens, output_lens, served))
-            runs[(rate, name)] = run
-            note = "" if run["compilations"] == 0 else (f", {run['compilations']} COMPILATIONS WHILE TIMED "
-                                                        f"({run['compile_s']:.2f} s: {', '.join(run['compiled'])})")
-            note += "" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"
-            print(f"rate {_rate_label(rate):>5} {name:<15} {run['duration_s']:7.1f} s  "
-                  f"{run['request_throughput']:.3f} req/s  TTFT p50 {run['ttft_s']['p50'] * 1e3:.0f} ms  "
-                  f"TPOT p50 {_ms(run['tpot_s']['p50'])} ms  peak pages {run['peak_pages']}{note}", flush=True)
-            mark_sustained(runs, configs, rates, args.ttft_factor)
+            if too_late(name, rate):
+                continue
+            n = args.sweep_requests
+            if args.sweep_timeout:
+                n = min(n, int(0.75 * args.sweep_timeout * rate))
+            if n < 8:
+                runs[(name, rate)] = dict(status="not run", reason=f"only {n} requests arrive in 3/4 of the "
+                                                                   f"sweep's {args.sweep_timeout:g} s")
+                continue
+            run = guarded(engine_run, name, rate, n, args.sweep_timeout or math.inf)
+            runs[(name, rate)] = run
+            if not ok(run):
+                failed = True
+                continue
+            run["multiple_of_rate_inf"] = rate / base["requests_per_s"]
+            run["teachers_highest_sustained_rate"] = rate == extra
+            lowest_ttft = lowest_ttft if lowest_ttft is not None else run["ttft_s"]["p50"] or math.inf
+            run["sustained"] = judge(run, lowest_ttft, args.ttft_factor)
+            failed = failed or not run["sustained"]
+            runs[(name, rate)] = run
             record()
 
-    mark_sustained(runs, configs, rates, args.ttft_factor)
+    # ---- 5. the table, the targets, the plot, --http
+    add_ratios(runs)
     http = {}
     if args.http:
         try:
-            done = http_runs(http_model, configs, settings, rates, arrivals_at, prompts, prompt_lens, output_lens,
-                             args, Path(http_dir.name))
+            http = serving_http.run_http(http_model, runs, order, settings, workload, args)
         finally:
             http_dir.cleanup()
-        mark_sustained(done["runs"], configs, rates, args.ttft_factor)
-        overhead = http_overhead(runs, done["runs"], configs, rates)
-        http = {"http": {"startup_s": done["startup_s"], "overhead": overhead,
-                         "runs": [{**run, "config": name, "rate": _rate_label(rate)}
-                                  for (rate, name), run in done["runs"].items()]}}
-        print()
-        print("HTTP (infer.py serve, streaming clients on 127.0.0.1):")
-        print(table(done["runs"], configs, rates))
-        print()
-        print("HTTP overhead against the in-process runs above (ratios, and added milliseconds):")
-        print(overhead_table(overhead))
-    ratios = compare(runs, configs, rates)
+    rows = targets(runs, args.preset)
     print()
-    print(table(runs, configs, rates))
+    print(table(runs, order))
     print()
-    print("teacher: one engine for both budget units (a teacher prompt token costs 1 either way)")
-    print(f"sustained: {payload()['sustained_definition']}")
-    if ratios:
-        at = ratios["compared_at_rate"]
-        sustained = ratios["teacher_max_sustained_rate"]
-        top = "none of the rates" if sustained is None else f"{_rate_label(sustained)} req/s"
-        print(f"teacher sustains up to {top}"
-              f"; compared at {at or '-'} req/s ({ratios['compared_at_note']})")
-        verdict = lambda ok: "PASS" if ok else "FAIL"
-        for name, row in ratios.items():
-            if not isinstance(row, dict):
-                continue
-            parts = []
-            if "ttft_p50" in row:
-                parts.append(f"TTFT p50 {row['ttft_p50']:.3f} (<= {TARGETS['ttft_p50']}: "
-                             f"{verdict(row['pass']['ttft_p50'])})")
-            if "tpot_p50" in row:
-                parts.append(f"TPOT p50 {row['tpot_p50']:.3f} (<= {TARGETS['tpot_p50']}: "
-                             f"{verdict(row['pass']['tpot_p50'])})")
-            if "throughput" in row:
-                parts.append(f"sustainable throughput {row['throughput_swiftkv']:.3f} / {row['throughput_teacher']:.3f}"
-                             f" req/s = {row['throughput']:.3f} (>= {TARGETS['throughput']}: "
-                             f"{verdict(row['pass']['throughput'])})")
-            top = row["max_sustained_rate"]
-            parts.append(f"sustains up to {'none' if top is None else _rate_label(top)}")
-            print(f"{name} / teacher: " + "; ".join(parts))
-        if preset_name == "quick":
-            print("(quick: a tiny model, overheads dominate: the targets are not meaningful here)")
-    plotted = plot_path is not None and plot(plot_path, runs, configs, rates, title)
-    record({"complete": all(run.get("status") == "ok" for run in runs.values()), "ratios": ratios,
-            "plot": str(plot_path) if plotted else None, "wall_s": time.perf_counter() - t_start, **http})
+    print(roofline_header(info["device"], info["rooflines"]))
+    print(f"sustained: finite rate, not cut off, completion >= {SUSTAIN_COMPLETION} x arrivals, TTFT p50 <= "
+          f"{args.ttft_factor:g} x the config's at its lowest rate; highest sustained: "
+          + ", ".join(f"{n} {'none' if highest_sustained(runs, n) is None else _rate_label(highest_sustained(runs, n))}"
+                      for n in swept))
+    if ok(peer):
+        print(f"transformers: {peer['label']}, transformers {peer['versions']['transformers']}, torch "
+              f"{peer['versions']['torch']}, attention {peer.get('attention_in_use')}"
+              + (f"; {peer['weights_note']}" if peer.get("weights_note") else "; the same weights (digest)"))
+    if rows:
+        print("targets:")
+        print(targets_text(rows))
+    if args.preset == "quick":
+        print("(quick: a tiny model, overheads dominate: the ratios are not meaningful here)")
+    plotted = plot_path is not None and plot(plot_path, runs, order, title)
+    record({"complete": all(ok(run) for run in runs.values()), "plot": str(plot_path) if plotted else None,
+            "wall_s": time.perf_counter() - t_start, **http})
     return 0
 
 

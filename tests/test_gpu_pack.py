@@ -250,3 +250,23 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     summary = (out / "summary.md").read_text()
     assert env["commit"]["commit"] in summary and "SMOKE" in summary
     assert "| 1 | pytest | **failed**" in summary and "| 3 | bench | **ok**" in summary
+
+
+def test_serving_step_runs_each_part_with_arguments_serving_py_accepts(tmp_path):
+    """On the GPU the serving step runs benchmarks/serving.py once a part (--serving-parts), each with its own label
+    (so calls accumulate through collect); every argv parses with the script's own parser (on 8b, no device touched)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import serving
+
+    commands = []
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path,
+                  serving_parts=("offline", "sweep", "peer"))
+    pack_steps.serving_step(ctx, commands.append)
+    assert [c.label for c in commands] == [f"benchmarks/serving.py --part {p}" for p in ("offline", "sweep", "peer")]
+    for command, part in zip(commands, ("offline", "sweep", "peer")):
+        args = serving.parse_args([str(a) for a in command.argv[2:]])
+        assert (args.preset, args.part, args.deadline) == ("8b", part, serving.PART_DEADLINE_8B)
+        assert command.output == tmp_path / f"serving_{part}.json" and command.limit_s >= args.deadline + 30
+    assert pack_steps.parse_parts("offline, peer") == ("offline", "peer")
+    with pytest.raises(ValueError, match="choose from offline, sweep, peer, all"):
+        pack_steps.parse_parts("fast")

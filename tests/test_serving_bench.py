@@ -1,8 +1,12 @@
-"""The serving benchmark (CPU, fp32, the tiny preset): fields, exact KV ratios, and that it measures the real
-engine (its tokens are `sk.generate`'s); the presets against the published Llama-3.1-8B numbers."""
+"""The serving benchmarks (CPU, fp32, tiny presets). `infer.py bench` (serving/bench.py): fields, exact KV ratios, and
+that it measures the real engine (its tokens are `sk.generate`'s); the presets against the published Llama-3.1-8B
+numbers. `benchmarks/serving.py`: every configuration (engines, static, the transformers peer) on the quick preset, the
+roofline against the issue's figures, the GPU pack's parts."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -134,3 +138,147 @@ def test_bad_arguments_fail_loudly(tiny):
         B.bench(tiny, prompt_len=16, gen_len=1, batch=1, prefill_chunk=5)
     with pytest.raises(ValueError, match="gen_len must be a positive int"):
         B.bench(tiny, prompt_len=16, gen_len=0, batch=1)
+
+
+# ---- benchmarks/serving.py: every configuration at tiny sizes (the quick preset), its roofline and its parts -------
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import serving as S  # noqa: E402  (benchmarks/serving.py)
+import serving_peer  # noqa: E402
+
+ISSUE_FIELDS = ("total_tokens_per_s", "output_tokens_per_s", "requests_per_s", "ttft_ms", "tpot_ms",
+                "roofline_total_tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def serving_run(tmp_path_factory):
+    """The whole benchmark once, on the quick preset: every configuration (the transformers peer in its process)."""
+    out = tmp_path_factory.mktemp("serving") / "serving.json"
+    assert S.main(["--smoke", "--sweep", "0.5", "--out", str(out), "--plot", "none"]) == 0
+    data = json.loads(out.read_text())
+    return data, {(r["config"], r["rate"]): r for r in data["runs"]}
+
+
+def test_every_configuration_ran_at_rate_inf_with_the_issues_fields(serving_run):
+    data, runs = serving_run
+    assert data["complete"] and data["configs"] == list(S.CONFIGS)
+    for name in S.CONFIGS:
+        run = runs[(name, "inf")]
+        assert run["status"] == "ok", (name, run.get("reason"))
+        for key in ISSUE_FIELDS:
+            assert key in run, (name, key)
+        assert run["total_tokens_per_s"] > run["output_tokens_per_s"] > 0 and run["requests_per_s"] > 0
+        assert run["roofline_total_tokens_per_s"] > 0 and run["roofline_share"] > 0
+        assert run["prompt_tokens"] + run["generated_tokens"] == pytest.approx(
+            run["total_tokens_per_s"] * run["duration_s"])
+        if S.CONFIGS[name]["kind"] == "static":
+            assert run["ttft_ms"]["p50"] is None and run["batches"] >= 1 and run["num_requests"] == 8
+        else:
+            assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] and run["tpot_ms"]["p50"] > 0
+            assert run["all_generated"] and not run["cut_off"] and run["finished"] == run["num_requests"] == 8
+        if S.CONFIGS[name]["kind"] == "engine":
+            assert run["compilations"] == 0, run["compiled"]  # warmup() compiled every program before the timing
+    assert data["workload"]["num_requests"] == 8 and "| transformers continuous batching" in data["table"]
+
+
+def test_the_transformers_peer_runs_the_same_weights_and_requests(serving_run):
+    data, runs = serving_run
+    peer = runs[("transformers", "inf")]
+    assert peer["label"] == "transformers continuous batching (same CPU peer)"
+    assert peer["weights_digest"] == data["weights_digest"] and "weights_note" not in peer
+    assert peer["per_request"]["output_tokens"] == data["workload"]["output_lens"]  # every request to its length
+    assert peer["per_request"]["prompt_tokens"] == data["workload"]["prompt_lens"]
+    assert peer["attention"] == "paged|sdpa" and peer["versions"]["transformers"]
+    assert runs[("teacher", "inf")]["ratios"]["vs_transformers"] == pytest.approx(
+        runs[("teacher", "inf")]["total_tokens_per_s"] / peer["total_tokens_per_s"])
+
+
+def test_ratios_compare_the_same_wiring(serving_run):
+    _, runs = serving_run
+    for name, static in (("teacher", "static-teacher"), ("swiftkv-tokens", "static-swiftkv"),
+                         ("swiftkv-fp8", "static-swiftkv")):
+        r = runs[(name, "inf")]
+        assert r["ratios"]["vs_static"] == pytest.approx(r["total_tokens_per_s"] / runs[(static, "inf")]
+                                                         ["total_tokens_per_s"])
+    assert "vs_teacher" not in runs[("teacher", "inf")]["ratios"]
+
+
+def test_the_sweep_runs_multiples_of_each_configs_own_throughput(serving_run):
+    data, runs = serving_run
+    for name in ("teacher", "swiftkv-tokens"):
+        swept = [r for (n, rate), r in runs.items() if n == name and rate != "inf" and r["status"] == "ok"]
+        own = [r for r in swept if not r["teachers_highest_sustained_rate"]]
+        assert own and own[0]["multiple_of_rate_inf"] == pytest.approx(0.5)
+        assert own[0]["rate"] == pytest.approx(0.5 * runs[(name, "inf")]["requests_per_s"], rel=1e-2)
+        assert all(isinstance(r["sustained"], bool) for r in swept)
+    teacher_rates = [r["rate"] for (n, rate), r in runs.items() if n == "teacher" and rate != "inf"]
+    for name in ("swiftkv-tokens", "swiftkv-cost", "swiftkv-fp8"):  # each SwiftKV engine at the teacher's rate
+        at = [r for (n, rate), r in runs.items() if n == name and r.get("teachers_highest_sustained_rate")]
+        assert len(at) == 1 and at[0]["rate"] in teacher_rates and "tpot_p50_vs_teacher" in at[0]["ratios"]
+
+
+def test_sustained_needs_completions_bounded_ttft_and_no_cut_off():
+    run = dict(rate=2.0, cut_off=False, completion_rate=1.96, arrival_rate=2.0, ttft_s=dict(p50=0.3))
+    assert S.judge(run, base_ttft_p50=0.1, factor=4)
+    assert not S.judge({**run, "completion_rate": 1.8}, 0.1, 4)  # < 95% of the arrivals
+    assert not S.judge(run, base_ttft_p50=0.05, factor=4)  # the queue grows
+    assert not S.judge({**run, "cut_off": True}, 0.1, 4) and not S.judge({**run, "rate": math.inf}, 0.1, 4)
+
+
+def test_roofline_of_the_issues_workload_on_an_h100():
+    """Llama-3.1-8B at 2000 + 250 tokens, 600 TFLOP/s and 3.35 TB/s, 200 sequences a step: near the issue's 27.6k
+    (teacher) and 39.8k (SwiftKV l = L/2) total tokens/s; prefill compute-bound, decode memory-bound."""
+    cfg = B.preset_config("llama-3.1-8b")
+    kv = 2 * 32 * 8 * 128 * 2  # K and V, 32 cached layers (g = 1), 8 KV heads of 128, bf16
+    roof = lambda swiftkv: S.roofline(cfg, swiftkv=swiftkv, prompt_lens=[2000] * 1000, output_lens=[250] * 1000,
+                                      kv_bytes_per_token=kv, batch=200, flops_per_s=600e12, bytes_per_s=3.35e12)
+    teacher, swiftkv = roof(False), roof(True)
+    assert teacher["total_tokens_per_s"] == pytest.approx(27.6e3, rel=0.15)
+    assert swiftkv["total_tokens_per_s"] == pytest.approx(39.8e3, rel=0.15)
+    assert teacher["prefill_s"] / 1000 == pytest.approx(0.048, rel=0.1)  # ~2 x 7.0B x 2000 FLOPs + attention
+    assert teacher["decode_bound"] == swiftkv["decode_bound"] == "memory"
+    assert swiftkv["prompt_token_cost"] == pytest.approx(0.519, abs=1e-3) and swiftkv["attention_layers"] == 16
+    assert swiftkv["decode_s"] == teacher["decode_s"]  # SwiftKV leaves decode alone
+    twice_the_batch = S.roofline(cfg, swiftkv=False, prompt_lens=[2000], output_lens=[250], kv_bytes_per_token=kv,
+                                 batch=400, flops_per_s=600e12, bytes_per_s=3.35e12)
+    assert twice_the_batch["decode_bytes"] < roof(False)["decode_bytes"] / 1000
+
+
+def test_the_8b_parts_fit_the_gpu_pack_and_the_cpu_preset_leaves_fp8_out():
+    offline = S.parse_args(["--preset", "8b", "--part", "offline"])
+    assert offline.configs == "teacher,swiftkv-tokens,static-teacher,static-swiftkv"
+    assert (offline.num_requests, offline.multiples, offline.deadline) == (1000, [], S.PART_DEADLINE_8B)
+    sweep = S.parse_args(["--preset", "8b", "--part", "sweep"])
+    assert sweep.configs == "teacher,swiftkv-tokens" and sweep.num_requests == 256 and sweep.multiples
+    peer = S.parse_args(["--preset", "8b", "--part", "peer"])
+    assert peer.configs.startswith("transformers,") and "swiftkv-fp8" in peer.configs
+    assert peer.peer_requests == peer.num_requests == 192 and peer.multiples == []
+    whole = S.parse_args(["--preset", "8b"])
+    assert whole.deadline is None and whole.configs == ",".join(S.CONFIGS) and whole.kv_cache_fraction == 0.9
+    cpu = S.parse_args(["--preset", "cpu"])
+    assert "swiftkv-fp8" not in cpu.configs.split(",") and "transformers" in cpu.configs
+    assert S.parse_args(["--preset", "cpu", "--configs", "swiftkv-fp8"]).configs == "swiftkv-fp8"
+    with pytest.raises(SystemExit):
+        S.parse_args(["--preset", "quick", "--configs", "nope"])
+
+
+def test_a_transformers_without_continuous_batching_is_recorded_as_skipped(monkeypatch):
+    monkeypatch.setattr(serving_peer, "missing_api", lambda model_class: "generate_batch")
+    result = serving_peer.run({"args": {}, "num_requests": 1}, Path("."))
+    assert result["status"] == "skipped" and "has no generate_batch" in result["reason"]
+    row = S.table({("transformers", math.inf): dict(status="skipped", reason=result["reason"])}, ["transformers"])
+    assert "skipped: transformers" in row
+
+
+def test_a_cut_off_run_counts_the_served_prompts_and_every_token():
+    """Three requests at t = 0, the run cut at 2 s: one finished (4 tokens), one half-way (2 of 4), one not
+    started."""
+    served = dict(times=[[0.5, 0.75, 1.0, 1.25], [1.5, 1.75], []], cut_off=True, elapsed_s=2.0, stats={})
+    run = S.summarise(math.inf, [0.0, 0.0, 0.0], [10, 20, 30], [4, 4, 4], served)
+    assert run["cut_off"] and run["finished"] == 1 and not run["all_generated"]
+    assert run["prompt_tokens"] == 30 and run["generated_tokens"] == 6 and run["duration_s"] == 2.0
+    assert run["total_tokens_per_s"] == 18 and run["requests_per_s"] == 0.5
+    assert run["ttft_ms"]["p50"] == pytest.approx(1000) and run["tpot_ms"]["p50"] == pytest.approx(250)
+    assert run["per_request"]["e2e_s"] == [1.25, None, None]

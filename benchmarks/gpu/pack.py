@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pack_runner
-from pack_steps import BENCH, STEPS, parse_points, select, summarize
+from pack_steps import BENCH, SERVING_PARTS, STEPS, parse_parts, parse_points, select, summarize
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    help="device memory (default: nvidia-smi's; with --smoke 4, so that one point does not fit)")
     r.add_argument("--bench-points", type=parse_points, default=None,
                    help="bench points PROMPTxBATCH,... (default 2048,8192,32768 x 1,16,64)")
+    r.add_argument("--serving-parts", type=parse_parts, default=("offline",),
+                   help="benchmarks/serving.py --part for the serving step, comma-separated, one command each, in "
+                        f"order ({', '.join(SERVING_PARTS)}; default offline): about one call of 10 minutes each")
     r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
     r.add_argument("--site", type=Path, default=Path("/tmp/swiftkv-jax-site"), help="where the wheels go")
     r.add_argument("--no-install", action="store_true", help="use this environment as it is (--smoke implies it)")
@@ -106,11 +109,11 @@ def _run(args) -> int:
         smoke=args.smoke, python=sys.executable, repo=REPO, env=env,
         usable_memory=int(memory * args.mem_fraction) if memory else None,
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
-        bench_points=args.bench_points)
+        bench_points=args.bench_points, serving_parts=args.serving_parts)
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
-               args.bench_points, "inject_failure": args.inject_failure}
+               args.bench_points, "serving_parts": list(args.serving_parts), "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),
                            options=options, echo=echo, smi=smi)

@@ -75,6 +75,7 @@ class Context:
     usable_memory: Optional[int] = None              # bytes a process may take on the device
     memory_bandwidth: Optional[float] = None         # bytes/s
     bench_points: Optional[tuple] = None             # ((prompt_len, batch), ...) to override the step's
+    serving_parts: tuple = ("offline",)              # benchmarks/serving.py --part, one command each
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@
  4 distill  benchmarks/distill_step.py --preset 1b, and the 8B recipe's `train.py --dry-run` compiled for the
             device, its teacher a folder holding Llama-3.1-8B's config.json alone
             (smoke: distill_step's arguments checked; the dry run on the tiny config with a few overrides)
- 5 serving  benchmarks/serving.py: the continuous-batching engine under Poisson load, SwiftKV against teacher
-            wiring, on Llama-3.1-8B's shape in bf16 (smoke: its --smoke, a tiny model)
+ 5 serving  benchmarks/serving.py --preset 8b: sk.Engine in SwiftKV and teacher wiring, the static engine and
+            transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
+            Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer: one
+            call of under 10 minutes each) (smoke: its --smoke, every configuration on a tiny model)
  6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
 Standard library only, like the runner.
 """
@@ -158,10 +160,28 @@ def _dry_run(log: str) -> dict:
     return out
 
 
+SERVING_PARTS = ("offline", "sweep", "peer", "all")
+
+
+def parse_parts(text: str) -> tuple:
+    """"offline,sweep" -> ("offline", "sweep"): benchmarks/serving.py --part values, in order."""
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in SERVING_PARTS]
+    if bad or not parts:
+        raise ValueError(f"serving parts {text!r}: choose from {', '.join(SERVING_PARTS)}")
+    return parts
+
+
 def serving_step(ctx, run):
-    out = ctx.tmp / "serving.json"
-    argv = (ctx.python, "benchmarks/serving.py", *(("--smoke",) if ctx.smoke else ()), "--out", out)
-    run(Command("benchmarks/serving.py", argv, 600, output=out, script="benchmarks/serving.py"))
+    if ctx.smoke:  # every configuration, on a tiny model
+        out = ctx.tmp / "serving.json"
+        run(Command("benchmarks/serving.py --smoke", (ctx.python, "benchmarks/serving.py", "--smoke", "--out", out),
+                    600, output=out, script="benchmarks/serving.py"))
+        return
+    for part in ctx.serving_parts:  # each under serving.py's own deadline (500 s), well inside the step's limit
+        out = ctx.tmp / f"serving_{part}.json"
+        argv = (ctx.python, "benchmarks/serving.py", "--preset", "8b", "--part", part, "--out", out, "--plot", "none")
+        run(Command(f"benchmarks/serving.py --part {part}", argv, 600, output=out, script="benchmarks/serving.py"))
 
 
 def peers_step(ctx, run):
@@ -182,7 +202,8 @@ STEPS = (
          560, bench_step),
     Step(4, "distill", "benchmarks/distill_step.py --preset 1b, and the 8B recipe's train.py --dry-run", 540,
          distill_step),
-    Step(5, "serving", "benchmarks/serving.py", 540, serving_step),
+    Step(5, "serving", "benchmarks/serving.py --preset 8b: engine (SwiftKV, teacher), static engine, transformers; "
+         "offline and Poisson, against the roofline", 540, serving_step),
     Step(6, "peers", "benchmarks/peers.py --shape 1b: our engine against transformers", 480, peers_step),
 )
 BY_NAME = {s.name: s for s in STEPS}
@@ -263,6 +284,8 @@ def _details(record: dict) -> list[str]:
                  gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-"] for r in result["results"]])
     if name == "bench":
         lines += _bench_table(record)
+    if name == "serving":
+        lines += _serving_tables(record)
     problems = [c for c in record.get("commands", []) if c["status"] not in ("ok",) and
                 not (name == "bench" and "point" in c and c["status"] == "skipped")]
     lines += [f"- {c['label']}: **{c['status']}** {c.get('reason') or _first_line(_last(c.get('log_tail', '')))}"
@@ -296,6 +319,18 @@ def _kernel_tables(result: dict) -> list[str]:
     lines += _table(["prefill impl", "batch", "seq", "ms", "TFLOP/s"],
                     [[r["impl"], r["batch"], r["seq"], *_timed_cells(r, prefill, 2)]
                      for r in result.get("prefill", [])])
+    return lines
+
+
+def _serving_tables(record: dict) -> list[str]:
+    """Each serving command's table (benchmarks/serving.py writes it into its JSON) and its targets."""
+    lines = []
+    for c in record["commands"]:
+        result = c.get("result") if isinstance(c.get("result"), dict) else {}
+        if not result.get("table"):
+            continue
+        lines += ["", f"`{c['label']}` ({c['status']}): {result.get('title', '')}", "", result["table"]]
+        lines += [result["targets_text"]] if result.get("targets_text") else []
     return lines
 
 
