@@ -399,6 +399,12 @@ class Engine:
                     _bucket(num_pages, self.table_buckets))
         return _bucket(num_single, self.single_buckets), 0, _bucket(num_pages, self.table_buckets)
 
+    def _rows(self, d: int, r: int) -> tuple[int, int]:
+        """(logit rows, block-table entries) of a step of d single and r prompt tokens: every single samples, and so
+        may each packed prompt; a prompt chunk of n tokens adds at most n // page_size + 1 pages, a single one."""
+        prompt_seqs = min(self.max_prompt_seqs, r) if r else 0
+        return d + prompt_seqs, d + r // self.page_size + prompt_seqs
+
     def programs(self) -> list[tuple[int, int, int]]:
         """Every (single tokens, prompt tokens, table width) program the engine may run."""
         steps = [(d, 0) for d in self.single_buckets]
@@ -416,8 +422,7 @@ class Engine:
         widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
                                                                                default=0))
         key = d, r, _ = self._shape(len(singles), num_prompt, widest)
-        u = d + (min(self.max_prompt_seqs, r) if r else 0)
-        a = d + r // self.page_size + (min(self.max_prompt_seqs, r) if r else 0)  # pages a step can add, at most
+        u, a = self._rows(d, r)
         tokens, positions, slots = np.zeros(d + r, np.int32), np.zeros(d + r, np.int32), np.full(d + r, -1, np.int32)
         segments = np.full(r, -1, np.int32)
         n = len(singles)
@@ -480,8 +485,7 @@ class Engine:
 
     def _empty_step(self, d: int, r: int) -> StepInput:
         """A step of padding only: every write goes to the null page, no table entry or last token changes."""
-        u = d + (min(self.max_prompt_seqs, r) if r else 0)
-        a = d + r // self.page_size + (min(self.max_prompt_seqs, r) if r else 0)
+        u, a = self._rows(d, r)
         z = lambda n, fill=0: np.full(n, fill, np.int32)
         sampling = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
         return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), np.int32(-1), np.int32(0), z(u, -1), sampling,

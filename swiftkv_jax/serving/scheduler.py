@@ -106,11 +106,6 @@ class Sequence:
     token_times: list[float] = dataclasses.field(default_factory=list)
 
     @property
-    def tokens(self) -> list[int]:
-        """The tokens known on the host."""
-        return self.prompt + self.output
-
-    @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output) + self.num_pending
 
