@@ -24,7 +24,9 @@ Configurations (`--configs`), on the same weights:
   budget in tokens, SwiftKV (tokens) over an FP8 pool (`cache_dtype=float8_e4m3fn`, per-token-head scales; left out of
   the cpu preset, where XLA's CPU float8 conversions make it 3.5x slower than bf16: GPU-only there, though --configs
   can name it), and SwiftKV with the budget in compute cost (a SwiftKV prompt token costs about l/L, so a step packs
-  about twice as many). Engine settings are passed
+  about twice as many). swiftkv-pages: SwiftKV (tokens) with every token read from the pages by the ragged Pallas
+  kernel, prompt chunks included (the GPU default reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where
+  the kernel runs in interpret mode. Engine settings are passed
   explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is
   `--kv-cache-fraction` (0.9: 90% of the memory free beside the weights, on 8b) or, where the device reports no
   memory (a CPU), `--num-pages` (default: max-num-seqs requests of the longest length). Each configuration's programs
@@ -135,6 +137,10 @@ CONFIGS = {  # name -> kind, wiring, budget unit, KV cache dtype (None: the mode
     "swiftkv-tokens": dict(kind="engine", swiftkv=True, budget_unit="tokens"),
     "swiftkv-fp8": dict(kind="engine", swiftkv=True, budget_unit="tokens", cache_dtype="float8_e4m3fn"),
     "swiftkv-cost": dict(kind="engine", swiftkv=True, budget_unit="cost"),
+    # every token from the pages by the ragged Pallas kernel, prompts included (the default reads fresh chunks' own
+    # K/V by cuDNN): the GPU run decides which is the default
+    "swiftkv-pages": dict(kind="engine", swiftkv=True, budget_unit="tokens", attention_impl="pallas",
+                          decode_attention_impl="pallas"),
     "static-teacher": dict(kind="static", swiftkv=False),
     "static-swiftkv": dict(kind="static", swiftkv=True),
     "transformers": dict(kind="peer", swiftkv=False),
@@ -142,13 +148,14 @@ CONFIGS = {  # name -> kind, wiring, budget unit, KV cache dtype (None: the mode
 PEER_LABEL = "transformers continuous batching (same {device} peer)"
 # --part: one GPU pack call's configurations; on 8b the sweep and peer parts run 256 requests at rate inf
 PARTS = {"all": ",".join(CONFIGS), "offline": "teacher,swiftkv-tokens,static-teacher,static-swiftkv",
-         "sweep": "teacher,swiftkv-tokens", "peer": "transformers,teacher,swiftkv-tokens,swiftkv-fp8,swiftkv-cost"}
+         "sweep": "teacher,swiftkv-tokens",
+         "peer": "transformers,teacher,swiftkv-tokens,swiftkv-fp8,swiftkv-cost,swiftkv-pages"}
 PART_8B = {"offline": dict(sweep=""), "sweep": dict(num_requests=256), "peer": dict(num_requests=192, sweep="")}
 PART_DEADLINE_8B = 500.0
 # On a CPU the FP8 pool is a GPU configuration: XLA's CPU backend converts float8 element by element (the cpu preset's
 # rate-inf run takes 3.5x the bf16 pool's time, its compile 46 s); --configs can still name it (the quick preset
 # runs it)
-CPU_LEFT_OUT = ("swiftkv-fp8",)
+CPU_LEFT_OUT = ("swiftkv-fp8", "swiftkv-pages")  # swiftkv-pages: the Pallas kernel runs in interpret mode on a CPU
 SUSTAIN_COMPLETION = 0.95  # completion rate / realised arrival rate, at least
 GPU_TARGETS = {"teacher_total_tokens_per_s": 19000.0, "teacher_roofline_share": 0.70, "swiftkv_vs_teacher": 1.35,
                "swiftkv_tpot_vs_teacher": 1.0, "engine_vs_static": 0.9, "engine_vs_transformers": 5.0,
@@ -938,8 +945,9 @@ def main(argv=None) -> int:
         return dict(swiftkv=c["swiftkv"], budget_unit=c["budget_unit"], page_size=args.page_size, **pool,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=max_model_len, max_prompt_seqs=args.max_prompt_seqs,
-                    cache_dtype=c.get("cache_dtype", args.dtype), attention_impl=args.attention_impl,
-                    decode_attention_impl=args.decode_attention_impl,
+                    cache_dtype=c.get("cache_dtype", args.dtype),
+                    attention_impl=c.get("attention_impl", args.attention_impl),
+                    decode_attention_impl=c.get("decode_attention_impl", args.decode_attention_impl),
                     single_buckets=grow(args.single_buckets, args.max_num_seqs),
                     mixed_single_buckets=grow(args.mixed_single_buckets, args.max_num_seqs),
                     prompt_buckets=grow(args.prompt_buckets, most))

@@ -115,11 +115,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="the `model` clients name (default: the directory's name)")
-    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences running at once")
-    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="a step's budget (see --budget-unit)")
+    # None: sk.EngineConfig's defaults, sized for one 80 GB GPU (vLLM's on an H100); a small CPU wants fewer
+    s.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (default 256)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="a step's budget (see --budget-unit; default 8192)")
     s.add_argument("--budget-unit", choices=("tokens", "cost"), default="tokens",
                    help="cost: a SwiftKV prompt token counts about l/L of a full-depth token")
-    s.add_argument("--max-prompt-seqs", type=int, default=8, help="prompts packed into one step, at most")
+    s.add_argument("--max-prompt-seqs", type=int, default=None,
+                   help="prompts packed into one step, at most (default 8)")
     pool = s.add_mutually_exclusive_group()
     pool.add_argument("--kv-cache-bytes", type=float, default=None,
                       help="KV-cache pool size in bytes (default: 90%% of the free device memory on a GPU, 1 GiB on a "
@@ -381,12 +384,12 @@ def _serve(args) -> int:
     if all(v is None for v in pool.values()):
         has_memory_figures = "bytes_limit" in (jax.devices()[0].memory_stats() or {})
         pool["kv_cache_fraction" if has_memory_figures else "kv_cache_bytes"] = 0.9 if has_memory_figures else 1 << 30
+    given = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 max_prompt_seqs=args.max_prompt_seqs, **pool)
     options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   budget_unit=args.budget_unit, max_model_len=args.max_model_len,
-                   max_prompt_seqs=args.max_prompt_seqs, cache_dtype=_cache_format(args), mesh=mesh,
-                   consume_weights=True,  # the model is the engine's alone: its weights in memory once
-                   **buckets, **{k: v for k, v in pool.items() if v is not None})
+                   budget_unit=args.budget_unit, max_model_len=args.max_model_len, cache_dtype=_cache_format(args),
+                   mesh=mesh, consume_weights=True,  # the model is the engine's alone: its weights in memory once
+                   **buckets, **{k: v for k, v in given.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
                  max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace)

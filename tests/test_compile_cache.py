@@ -128,6 +128,8 @@ def test_a_restart_compiles_nothing(tmp_path):
     assert len(list(cache.glob("*-cache"))) >= programs  # every program written (the model's load too)
     assert second_text == first_text
     assert f"start-up: 0 XLA programs compiled, {programs:.0f} loaded from the compilation cache ({cache})" in logs
+    second_log = (tmp_path / "second.log").read_text()
+    assert "pages wide: loaded from the compilation cache in" in second_log and "pages wide: compiled" not in second_log
     seconds = [m[(name, None)] for m in (first, second)
                for name in ("swiftkv_startup_seconds", "swiftkv_startup_compile_seconds")]
     print("start-up (all, in XLA): first %.1f s, %.1f s; restart %.1f s, %.1f s" % tuple(seconds))

@@ -364,20 +364,24 @@ def test_stop_ids_and_metrics():
 @pytest.mark.parametrize("cache_dtype, kv_scales", [("float32", None), ("int8", "per-token-head"),
                                                     ("float8_e4m3fn", "per-layer")])
 def test_paged_pallas_kernel_in_the_engine(cache_dtype, kv_scales):
-    """decode_attention_impl="pallas": the single tokens go through the paged kernel (interpret mode on CPU; a
-    quantised pool dequantised in the kernel) and the engine serves what it serves with the XLA path."""
+    """The ragged paged kernel (interpret mode on CPU; a quantised pool dequantised in the kernel) serves what the
+    XLA path serves: decode_attention_impl="pallas" (single tokens and continued chunks from the pages, other
+    chunks over their own K/V), and with attention_impl="pallas" too, every token from the pages in one call (a
+    float pool: from a quantised one a fresh chunk would read its own K/V quantised, which the XLA path does not)."""
     model = sk.to_swiftkv(sk.init(MODELS["plain"][0].config.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
     kwargs = dict(swiftkv=True, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
                   cache_dtype=cache_dtype, kv_scales=kv_scales, single_buckets=(4,), prompt_buckets=(32,),
                   max_model_len=64)
     outs = {}
-    for impl in ("xla", "pallas"):
-        eng = Engine(model, decode_attention_impl=impl, **kwargs)
+    paths = ((None, "pallas"),) + ((("pallas", "pallas"),) if cache_dtype == "float32" else ())
+    for prefill, decode in (("xla", "xla"),) + paths:
+        eng = Engine(model, attention_impl=prefill, decode_attention_impl=decode, **kwargs)
         done = run(eng, PROMPTS[:3], arrivals=[0, 0, 2], max_tokens=6)
-        outs[impl] = [done[str(i)] for i in range(3)]
-    for xla, pallas in zip(outs["xla"], outs["pallas"]):
-        assert pallas.token_ids == xla.token_ids
-        np.testing.assert_allclose(pallas.logprobs, xla.logprobs, atol=2e-5)
+        outs[prefill, decode] = [done[str(i)] for i in range(3)]
+    for impls in paths:
+        for xla, pallas in zip(outs["xla", "xla"], outs[impls]):
+            assert pallas.token_ids == xla.token_ids, impls
+            np.testing.assert_allclose(pallas.logprobs, xla.logprobs, atol=2e-5)
 
 
 def test_top_logprobs_are_the_full_forwards():

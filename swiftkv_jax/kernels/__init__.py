@@ -4,9 +4,10 @@ from swiftkv_jax.kernels.decode_attention import (MASK_VALUE, AttentionResiduals
                                                   decode_attention_reference, merge_partials, normalize)
 from swiftkv_jax.kernels.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from swiftkv_jax.kernels.paged_attention import paged_attention, paged_attention_reference
+from swiftkv_jax.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "FlashBlockSizes", "decode_attention",
     "decode_attention_reference", "flash_attention", "flash_attention_reference", "merge_partials", "normalize",
-    "paged_attention", "paged_attention_reference",
+    "paged_attention", "paged_attention_reference", "ragged_paged_attention", "ragged_paged_attention_reference",
 ]

@@ -4,16 +4,19 @@ The layers see one row of T tokens from many sequences ([1, T, ...]); this modul
 K/V goes in a pool of pages and what each token attends to. The row has two parts, in this order:
 
 - D single tokens (decodes, the last prompt token of a recomputed or 1-token prompt, and in SwiftKV's later
-  layers every token that runs them): token i belongs to a sequence whose block table is `tables[i]` and attends
-  to its keys `< lengths[i]` (its own K/V included, written first). Few queries over a cache: the config's
-  `decode_attention_impl` (`xla`: blocks of pages read in place with an online softmax, the reference;
-  `pallas`: the paged kernel, which follows the block table itself).
+  layers every token that runs them): each its own sequence's, attending to its keys `<= position` (its own K/V
+  included, written first).
 - R prompt tokens, packed: several prompts' chunks side by side with segment ids (no padding per prompt), each
-  token attending causally within its segment. At most one segment (id 0) continues a prompt that earlier steps
-  cached (`context_table`, `context_length`); the scheduler keeps that invariant (only the last prompt of a step
-  can be cut short, and it comes first in the next). Many queries: the config's `attention_impl` over the chunks'
-  own new K/V; the continued segment instead attends over its pages (its context and its own keys, written
-  first) by the paged path, so its context is read in place, never copied into a dense view.
+  token attending causally within its sequence. A chunk that starts past position 0 continues a prompt whose start
+  earlier steps cached (`continued`); any number of chunks in a step may (a prefix-cache hit is one).
+
+Each token carries its sequence's slot, the row of the block tables [S, M]. Attention over the pages is one ragged
+call (`ragged_attend`: the launches of `kernels.ragged_paged_attention`, decode-only, prefill-only or mixed) by the
+config's `decode_attention_impl` (`xla`: blocks of pages read in place with an online softmax, the reference;
+`pallas`: the paged kernel, which follows the block table itself). It serves the single tokens and the continued
+chunks, whose context is read in place, never copied into a dense view; the other chunks attend over their own new
+K/V by the config's `attention_impl` (cuDNN on a GPU, with segment ids). With `pallas` for both, every token reads
+the pages in the one call, as vLLM's kernels do.
 
 Work follows each sequence's own length, never the block tables' width: the Pallas kernel stops at each length;
 the XLA path (the reference, and the CPU's default) walks blocks of pages with an online softmax, as a loop that
@@ -43,6 +46,9 @@ NULL_PAGE = 0  # written by padding tokens, read by nothing
 PAGES_PER_BLOCK = 4  # pages a loop step of the dynamic XLA path reads per sequence (64 keys at 16-token pages)
 XLA_LOOPS = ("dynamic", "static")
 STATIC_SCORES = 1 << 26  # fp32 scores alive per block of the static XLA path (256 MiB)
+# Prompt tokens per block of the XLA path's ragged layout: it computes every block row (the kernel skips empty
+# blocks), so small blocks waste less on the partial block of each run; each block gathers its pages, so not 1.
+XLA_BLOCK_TOKENS = 8
 
 
 def default_xla_loop() -> str:
@@ -147,22 +153,51 @@ def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions, k
     return fn(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=k_scale, v_scale=v_scale)
 
 
+def ragged_attend(impl: str, q, k_pages, v_pages, tables, slots, positions, *, num_single: int, max_runs: int,
+                  k_scale=None, v_scale=None, xla_loop: str = "dynamic"):
+    """One step's tokens q [T, N, H] over their sequences' pages (tables [S, M] a row per slot, slots [T] -1 for
+    padding, positions [T]: token t sees keys <= positions[t]; -1 sees nothing) by the named
+    `decode_attention_impl`, with the launches of `kernels.ragged_paged_attention`: the `num_single` leading single
+    tokens a sequence each, then runs of prompt tokens in blocks of one sequence."""
+    from swiftkv_jax.kernels.ragged_paged_attention import ragged_layout, ragged_paged_attention
+
+    if impl == "pallas":
+        def per_shard(q, k_pages, v_pages, tables, slots, positions, *scales):
+            return ragged_paged_attention(q, k_pages, v_pages, tables, slots, positions, num_single=num_single,
+                                          max_runs=max_runs, **dict(zip(("k_scale", "v_scale"), scales)))
+
+        scales = tuple(s for s in (k_scale, v_scale) if s is not None)
+        return map_over_heads(per_shard, q, k_pages, v_pages, tables, slots, positions, *scales,
+                              heads=(1, 0, 0, None, None, None) + tuple(0 if s.ndim else None for s in scales),
+                              out_heads=1)
+
+    def attend(q, tables, lengths, q_positions, prefill):
+        run = lambda: paged_attend(impl, q, k_pages, v_pages, tables, lengths, q_positions, k_scale, v_scale,
+                                   xla_loop)
+        if prefill and impl == "xla" and xla_loop == "static":  # a fixed-cost loop: skipped when no block reads
+            return jax.lax.cond(jnp.any(lengths > 0), run, lambda: jnp.zeros_like(q))
+        return run()
+
+    return ragged_layout(attend, q, tables, slots, positions, num_single=num_single, max_runs=max_runs,
+                         block_tokens=XLA_BLOCK_TOKENS)
+
+
 @struct.dataclass
 class PagedBatch:
-    """One engine step's tokens [1, D + R] over the pools (see the module docstring). Host-built, int32."""
+    """One engine step's tokens [1, D + R] over the pools (see the module docstring), int32 unless noted."""
 
     write_pages: Optional[jax.Array]  # [D + R] page of each token's K/V (NULL_PAGE for padding); None: read only
     write_offsets: Optional[jax.Array]  # [D + R] slot in that page
-    tables: jax.Array                 # [D, M] block table of each single token's sequence
-    lengths: jax.Array                # [D] keys each single token sees (its position + 1; 0 for padding)
+    tables: jax.Array                 # [S, M] the block table of every slot
+    slots: jax.Array                  # [D + R] each token's slot (row of tables); -1 for padding
     segments: jax.Array               # [R] segment of each prompt token (0..; -1 for padding)
-    context_table: jax.Array          # [M] block table of segment 0's sequence
-    context_length: jax.Array         # [] keys cached for segment 0 before this step (0: none)
+    continued: jax.Array              # [R] bool: the token's chunk continues a prompt whose start is cached
     xla_loop: str = struct.field(pytree_node=False, default="dynamic")  # the XLA path's form (static: a jit key)
+    max_runs: int = struct.field(pytree_node=False, default=0)  # runs of prompt tokens at most (with the padding)
 
     @property
     def num_single(self) -> int:
-        return self.tables.shape[0]
+        return self.slots.shape[0] - self.segments.shape[0]
 
     def write(self, pair, k, v):
         """The layer's pools with new k, v [1, D + R, K, H] written at each token's page and offset (in place
@@ -189,36 +224,24 @@ class PagedView:
     v_scale: Optional[jax.Array] = None
 
     def attend(self, config, q, positions):
-        """q [1, D + R, N, H] (rotated), positions [1, D + R] -> [1, D + R, N, H]."""
-        batch, d = self.batch, self.batch.num_single
-        parts = []
-        if d:
-            single = paged_attend(config.decode_attention_impl, jnp.swapaxes(q[:, :d], 0, 1), self.k_pages,
-                                  self.v_pages, batch.tables, batch.lengths, positions[0, :d, None],
-                                  self.k_scale, self.v_scale, batch.xla_loop)
-            parts.append(jnp.swapaxes(single, 0, 1))
-        if q.shape[1] > d:
-            parts.append(self._attend_prompts(config, q[:, d:], positions[:, d:]))
-        return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        """q [1, D + R, N, H] (rotated), positions [1, D + R] -> [1, D + R, N, H].
 
-    def _attend_prompts(self, config, q, positions):
-        """The packed prompt chunks over their own new K/V; the continued segment 0 over its pages instead."""
+        The paged Pallas kernel for both kinds of attention reads every token from the pages (one ragged call, as
+        vLLM's kernels do: the K/V of this step are written first). Otherwise the single tokens and the continued
+        chunk read the pages (one ragged call) and the other prompt chunks attend over their own new K/V by the
+        config's `attention_impl` (packed, segment ids), which needs no page and reads each key once."""
         batch, d = self.batch, self.batch.num_single
-        continued = (batch.segments == 0) & (batch.context_length > 0)  # [R]
+        every_token = config.attention_impl == "pallas" and config.decode_attention_impl == "pallas"
+        from_pages = jnp.ones_like(batch.continued) if every_token else batch.continued
+        paged_positions = positions[0].at[d:].set(jnp.where(from_pages, positions[0, d:], -1))
+        paged = ragged_attend(config.decode_attention_impl, q[0], self.k_pages, self.v_pages, batch.tables,
+                              batch.slots, paged_positions, num_single=d, max_runs=batch.max_runs,
+                              k_scale=self.k_scale, v_scale=self.v_scale, xla_loop=batch.xla_loop)[None]
+        if every_token or q.shape[1] == d:
+            return paged.astype(q.dtype)
         kv_segments = jnp.where(batch.segments < 0, -2, batch.segments)[None]  # padding: no query matches it
-        q_segments = jnp.where(continued, -1, batch.segments)[None]  # read below: no key here
-        own = attend(config.attention_impl, q, self.k_new[:, d:].astype(q.dtype), self.v_new[:, d:].astype(q.dtype),
-                     positions, positions, q_segments, kv_segments)
-
-        def from_pages():  # one sequence, R query rows: those of segment 0 at their positions, the others see nothing
-            q_positions = jnp.where(continued, positions[0], -1)
-            out = paged_attend(config.decode_attention_impl, q, self.k_pages, self.v_pages, batch.context_table[None],
-                               jnp.max(q_positions, keepdims=True) + 1, q_positions[None], self.k_scale, self.v_scale,
-                               batch.xla_loop)
-            return out.astype(q.dtype)
-
-        if config.decode_attention_impl == "xla" and batch.xla_loop == "static":  # a fixed-cost loop: skip it
-            paged = jax.lax.cond(jnp.any(continued), from_pages, lambda: jnp.zeros_like(q))  # when nothing continues
-        else:  # the loop or the kernel stops at the length: no work when nothing continues
-            paged = from_pages()
-        return jnp.where(continued[None, :, None, None], paged, own)
+        q_segments = jnp.where(from_pages, -1, batch.segments)[None]  # read from the pages: no key here
+        own = attend(config.attention_impl, q[:, d:], self.k_new[:, d:].astype(q.dtype),
+                     self.v_new[:, d:].astype(q.dtype), positions[:, d:], positions[:, d:], q_segments, kv_segments)
+        prompts = jnp.where(from_pages[None, :, None, None], paged[:, d:].astype(q.dtype), own)
+        return jnp.concatenate([paged[:, :d].astype(q.dtype), prompts], axis=1)

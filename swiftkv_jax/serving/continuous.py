@@ -37,6 +37,7 @@ from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
+from swiftkv_jax.serving.compile_cache import count_compiles
 from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 BUDGET_UNITS = ("tokens", "cost")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     """What one step gave one request: its new token (if any) and, once finished, the whole result."""
 
@@ -60,7 +61,7 @@ class RequestOutput:
     logprobs: Optional[list[float]] = None
     metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
     new_top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token id: logprob}, when asked
-    top_logprobs: Optional[list[dict]] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
+    top_logprobs: Optional[list[dict]] = None  # per generated token, when finished and asked
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -382,10 +383,10 @@ class Engine:
         reason = seq.finish_reason
         del self._sequences[seq.request_id]
         self.counters["finished"] += reason != "abort"
-        times = seq.token_times
+        first, last, n = seq.first_token_time, seq.last_token_time, len(seq.output)
         metrics = dict(queue_s=(seq.first_scheduled_time or time.perf_counter()) - seq.arrival_time,
-                       ttft_s=times[0] - seq.arrival_time if times else None,
-                       tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+                       ttft_s=first - seq.arrival_time if n else None,
+                       tpot_s=(last - first) / (n - 1) if n > 1 else None,
                        e2e_s=time.perf_counter() - seq.arrival_time, preemptions=seq.num_preemptions,
                        prompt_tokens=len(seq.prompt), generated_tokens=len(seq.output))
         return RequestOutput(seq.request_id, [], [], True, reason, list(seq.output),
@@ -423,24 +424,22 @@ class Engine:
                                                                                default=0))
         key = d, r, _ = self._shape(len(singles), num_prompt, widest)
         u, a = self._rows(d, r)
+        assert len(prompts) <= u - d, "the step's prompt runs are bounded by its logit rows (ragged_step)"
         tokens, positions, slots = np.zeros(d + r, np.int32), np.zeros(d + r, np.int32), np.full(d + r, -1, np.int32)
         segments = np.full(r, -1, np.int32)
         n = len(singles)
-        tokens[:n] = [c.seq.token_ids(c.start, 1)[0] for c in singles]
+        tokens[:n] = [c.token for c in singles]  # plain comprehensions: this runs over every running sequence
         positions[:n] = [c.start for c in singles]
         slots[:n] = [c.seq.slot for c in singles]
         upper_index = np.full(u, -1, np.int32)
         upper_index[:n] = np.arange(n)
-        rows, offset, context_slot, context_length = n, d, -1, 0
+        rows, offset = n, d
         for segment, chunk in enumerate(prompts):
             end = offset + chunk.length
             tokens[offset:end] = chunk.seq.token_ids(chunk.start, chunk.length)
             positions[offset:end] = np.arange(chunk.start, chunk.start + chunk.length)
             slots[offset:end] = chunk.seq.slot
             segments[offset - d:end - d] = segment
-            if chunk.start:
-                assert segment == 0, "only the first packed prompt may continue a cached one"
-                context_slot, context_length = chunk.seq.slot, chunk.start
             if chunk.samples:
                 upper_index[rows] = end - 1
                 rows += 1
@@ -458,8 +457,7 @@ class Engine:
         table[0] = self.scheduler.max_num_seqs  # out of range: no entry
         if new:
             table[:, :len(new)] = np.array(new, np.int32).T
-        step = StepInput(tokens, positions, slots, segments, np.int32(context_slot), np.int32(context_length),
-                         upper_index, sampling, *table)
+        step = StepInput(tokens, positions, slots, segments, upper_index, sampling, *table)
         return key, step, bool(settings[:rows, 4].any())
 
     def _run_step(self, step: StepInput, want_top: bool, width: int):
@@ -477,10 +475,12 @@ class Engine:
         start = time.perf_counter()
         for key in self.programs():
             t0 = time.perf_counter()
-            self._run_empty(*key)
+            with count_compiles() as counts:
+                self._run_empty(*key)
             self._compiled.add(key)
-            log.info("compiled the engine step for %d single and %d prompt tokens, tables %d pages wide, in %.1f s",
-                     *key, time.perf_counter() - t0)
+            how = "loaded from the compilation cache" if counts.loaded and not counts.compiled else "compiled"
+            log.info("engine step for %d single and %d prompt tokens, tables %d pages wide: %s in %.1f s", *key, how,
+                     time.perf_counter() - t0)
         return time.perf_counter() - start
 
     def _empty_step(self, d: int, r: int) -> StepInput:
@@ -488,7 +488,7 @@ class Engine:
         u, a = self._rows(d, r)
         z = lambda n, fill=0: np.full(n, fill, np.int32)
         sampling = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
-        return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), np.int32(-1), np.int32(0), z(u, -1), sampling,
+        return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), z(u, -1), sampling,
                          z(a, self.scheduler.max_num_seqs), z(a), z(a))
 
     def _step_options(self, width: int) -> dict:

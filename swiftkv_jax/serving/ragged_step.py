@@ -71,33 +71,30 @@ class StepInput:
     positions: jax.Array        # [D + R]
     slots: jax.Array            # [D + R] the token's sequence's slot (row of the block table); -1 padding
     segments: jax.Array         # [R] prompt segment of each prompt token, -1 padding
-    context_slot: jax.Array     # [] slot of segment 0's sequence when it continues a cached prompt, else -1
-    context_length: jax.Array   # [] keys cached for it before this step (0: none)
     upper_index: jax.Array      # [U] rows run to the head (into the D + R tokens); -1 padding
     sampling: Sampled           # [U]
     table_slots: jax.Array      # [A] block-table entries to write: slot (out of range: none), index, page id
     table_indices: jax.Array
     table_pages: jax.Array
 
-    def pack(self) -> tuple:
-        """(int32 [n], float32 [2U]): the host arrays as two, so that a step costs two transfers, not fifteen."""
-        ints = [self.tokens, self.positions, self.slots, self.segments, self.context_slot, self.context_length,
-                self.upper_index, self.sampling.top_k, self.sampling.seed, self.sampling.count, self.table_slots,
-                self.table_indices, self.table_pages]
-        return (np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ints]),
-                np.concatenate([np.asarray(self.sampling.temperature, np.float32),
-                                np.asarray(self.sampling.top_p, np.float32)]))
+    def pack(self) -> np.ndarray:
+        """int32 [n]: the host arrays as one, the floats by their bits, so that a step costs one transfer, not
+        fifteen."""
+        ints = [self.tokens, self.positions, self.slots, self.segments, self.upper_index, self.sampling.top_k,
+                self.sampling.seed, self.sampling.count, self.table_slots, self.table_indices, self.table_pages]
+        floats = [np.asarray(x, np.float32).view(np.int32) for x in (self.sampling.temperature, self.sampling.top_p)]
+        return np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ints] + floats)
 
     @classmethod
-    def unpack(cls, ints, floats, sizes: tuple) -> "StepInput":
+    def unpack(cls, packed, sizes: tuple) -> "StepInput":
         """The inverse of `pack` for a step of sizes (D + R tokens, R prompt tokens, U rows, A table entries)."""
         t, r, u, a = sizes
-        parts = np.cumsum([0, t, t, t, r, 1, 1, u, u, u, u, a, a, a])
-        (tokens, positions, slots, segments, context_slot, context_length, upper_index, top_k, seed, count,
-         table_slots, table_indices, table_pages) = (ints[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
-        sampling = Sampled(floats[:u], top_k, floats[u:], seed, count)
-        return cls(tokens, positions, slots, segments, context_slot[0], context_length[0], upper_index, sampling,
-                   table_slots, table_indices, table_pages)
+        parts = np.cumsum([0, t, t, t, r, u, u, u, u, a, a, a, u, u])
+        (tokens, positions, slots, segments, upper_index, top_k, seed, count, table_slots, table_indices,
+         table_pages, temperature, top_p) = (packed[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
+        floats = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
+        sampling = Sampled(floats(temperature), top_k, floats(top_p), seed, count)
+        return cls(tokens, positions, slots, segments, upper_index, sampling, table_slots, table_indices, table_pages)
 
     @property
     def sizes(self) -> tuple:
@@ -106,7 +103,7 @@ class StepInput:
 
 @functools.partial(jax.jit, static_argnames=("sizes", "config", "swiftkv", "width", "xla_loop", "mesh"),
                    donate_argnames=("pool", "tables", "last_tokens"))
-def ragged_step(params, pool: PagePool, tables, last_tokens, packed: tuple, want_top, *, sizes: tuple,
+def ragged_step(params, pool: PagePool, tables, last_tokens, packed, want_top, *, sizes: tuple,
                 config: ModelConfig, swiftkv: bool, width: int, xla_loop: str = "dynamic", mesh: Optional[Mesh] = None):
     """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens).
     params in serving layout (`unstack_layers`, done once by the engine).
@@ -119,26 +116,26 @@ def ragged_step(params, pool: PagePool, tables, last_tokens, packed: tuple, want
     (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel mesh of params and pool, None for
     one device. packed: `StepInput.pack()` of the step's inputs, whose `sizes` are static."""
     with activation_sharding(config, mesh):
-        return _ragged_step(params, pool, tables, last_tokens, StepInput.unpack(*packed, sizes), want_top, config,
+        return _ragged_step(params, pool, tables, last_tokens, StepInput.unpack(packed, sizes), want_top, config,
                             swiftkv, width, xla_loop)
 
 
 def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swiftkv, width, xla_loop):
     num_slots, page_size = tables.shape[0], pool.lower[0][0].shape[2]
     tables = tables.at[step.table_slots, step.table_indices].set(step.table_pages, mode="drop")
-    table = lambda slots: tables[jnp.maximum(slots, 0), :width]
-    length = lambda slots, positions: jnp.where(slots >= 0, positions + 1, 0)
     slots, positions = step.slots, step.positions
     tokens = jnp.where(step.tokens < 0, last_tokens[jnp.maximum(slots, 0)], step.tokens)
     d = tokens.shape[0] - step.segments.shape[0]
     page = tables[jnp.maximum(slots, 0), positions // page_size]
-    batch = PagedBatch(jnp.where(slots >= 0, page, NULL_PAGE), positions % page_size, table(slots[:d]),
-                       length(slots[:d], positions[:d]), step.segments, table(step.context_slot),
-                       jnp.where(step.context_slot >= 0, step.context_length, 0), xla_loop)
+    # A chunk continues a prompt when it starts past position 0 (its start is cached): it reads the pages.
+    starts = jax.ops.segment_min(positions[d:], step.segments, num_segments=max(1, step.segments.shape[0]))
+    continued = (step.segments >= 0) & (starts[jnp.maximum(step.segments, 0)] > 0)
+    prompt_runs = step.upper_index.shape[0] - d + 1  # a logit row per packed prompt (the engine's rows), padding
+    batch = PagedBatch(jnp.where(slots >= 0, page, NULL_PAGE), positions % page_size, tables[:, :width], slots,
+                       step.segments, continued, xla_loop, min(step.segments.shape[0], prompt_runs))
     upper_index = jnp.maximum(step.upper_index, 0)
     upper_slots = jnp.where(step.upper_index >= 0, slots[upper_index], -1)
-    upper = PagedBatch(None, None, table(upper_slots), length(upper_slots, positions[upper_index]),
-                       jnp.zeros(0, jnp.int32), batch.context_table, jnp.int32(0), xla_loop)
+    upper = PagedBatch(None, None, batch.tables, upper_slots, jnp.zeros(0, jnp.int32), jnp.zeros(0, bool), xla_loop)
     sampling = step.sampling
     tokens, positions = tokens[None], positions[None]
     h, lower = cached_lower(params, config, tokens, positions, batch, pool.lower)

@@ -81,7 +81,7 @@ class RequestParams:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}")
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # slots: the engine touches every running one each step
 class Sequence:
     """One request's state. Its tokens are prompt + output + `num_pending` sampled tokens not yet back from the
     device; the first `num_computed` have their K/V in the pages (or are being written by a step in flight)."""
@@ -103,7 +103,8 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_scheduled_time: Optional[float] = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,13 +127,14 @@ class Sequence:
         return known + [-1] * (length - len(known))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Chunk:
     seq: Sequence
     start: int        # first position run
     length: int       # tokens run
     samples: bool     # reaches the end of the sequence's tokens: its last token's logits give the next token
     count: int = 0    # tokens the sequence sampled before this one (its sampling key)
+    token: int = -1   # a single token's id (-1: pending, the device has it), known when it is scheduled
 
 
 @dataclasses.dataclass
@@ -220,7 +222,8 @@ class Scheduler:
         out.append(seq)
 
     def _run(self, seq: Sequence, n: int, out: list) -> None:
-        chunk = Chunk(seq, seq.num_computed, n, n == seq.remaining, len(seq.output) + seq.num_pending)
+        chunk = Chunk(seq, seq.num_computed, n, n == seq.remaining, len(seq.output) + seq.num_pending,
+                      seq.token_ids(seq.num_computed, 1)[0])
         seq.num_computed += n
         seq.num_pending += chunk.samples
         out.append(chunk)
@@ -255,7 +258,8 @@ class Scheduler:
                 if seq.status is not active:
                     continue
                 self._grow(seq, position + 1, new_pages)
-            singles.append(Chunk(seq, position, 1, True, generated + pending))
+            token = -1 if pending else (seq.output[-1] if generated else seq.prompt[-1])  # the last token
+            singles.append(Chunk(seq, position, 1, True, generated + pending, token))
             seq.num_computed, seq.num_pending = position + 1, pending + 1
             scheduled.add(seq)
             budget -= 1
@@ -324,7 +328,9 @@ class Scheduler:
             if k:
                 values, ids = top
                 seq.top_logprobs.append(dict(zip(ids[row, :k].tolist(), values[row, :k].tolist())))
-            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
             reason = None
             if token in seq.stop_ids:
                 reason = "stop"
