@@ -285,7 +285,7 @@ def test_block_sizes_reject_invalid_values(field, value, message):
 ])
 def test_launch_arithmetic(num_queries, group, num_keys, sizes, expected):
     """(rows per program, row blocks, keys per split, splits): the grid is (B, K, row blocks, splits)."""
-    from swiftkv_jax.kernels.decode_attention import _launch
+    from swiftkv_jax.kernels.split_k import launch as _launch
 
     launch = _launch(num_queries * group, num_keys, sizes)
     assert tuple(launch) == expected
@@ -372,3 +372,21 @@ def test_cpu_defaults_to_interpret_and_refuses_compiled():
                                decode_attention_reference(q, k, v, lengths, positions), atol=2e-5, rtol=2e-5)
     with pytest.raises(NotImplementedError, match="needs a GPU"):
         decode_attention(q, k, v, lengths, positions, interpret=False)
+
+
+def test_kernels_stand_alone():
+    """The kernels import nothing of the project outside swiftkv_jax.kernels (the model picks them by name): no
+    import cycle with the model."""
+    import ast
+    import pathlib
+
+    import swiftkv_jax.kernels
+
+    outside = []
+    for path in pathlib.Path(swiftkv_jax.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            outside += [f"{path.name}: {n}" for n in names
+                        if n.startswith("swiftkv_jax") and not n.startswith("swiftkv_jax.kernels")]
+    assert not outside, outside

@@ -13,135 +13,31 @@ top-left-aligned ``is_causal`` flag, so it is right when T < S. A query that see
 
 Scale: the scores are ``q . k / sqrt(H)``, applied inside (in fp32, on the scores). Do not pre-scale q.
 
-Kernel layout: one program per (batch b, KV head k, row block i, KV split j). The query rows of one KV head are
-r = t * G + g, so every K/V block is read from memory once for all G heads of the group. They are cut into blocks of
-``block_q`` rows (each a contiguous range of query tokens), so T may be a whole prompt chunk (hundreds or thousands
-of tokens) as well as 1 for decode: one Triton program cannot hold thousands of rows. T*G rows that fit in one
-block are padded to a power of two >= 16 (the smallest Triton dot) and make one row block, the launch of the
-decode case. A program streams its split of the cache in blocks of ``block_k`` keys, but only up to the largest
-limit of its own rows: with causal positions a chunk's early rows read fewer keys than its late ones, and a row
-block that sees no key (rows of another sequence, ``q_positions == -1``; padding) reads no K/V and runs no
-iteration, so the cost follows each sequence's own context. The cache is indexed in place (no transpose or pad
-of the cache per call). Each split returns its unnormalised output with the running max and sum of the softmax
-(the flash-attention residuals); ``merge_partials`` combines them exactly in jnp. The same merge combines two KV
-segments (SwiftKV: prompt KV + decode KV), see ``decode_attention(..., return_residuals=True)``. The launch
-(``_split_k_attention``) and the program body (``_attend_split``) are shared with the paged kernel
-(paged_attention.py): only where a block's keys are read from differs.
-
-Backend decision: the kernel is a Triton-style ``pl.pallas_call`` (BlockSpecs over a grid, fori_loop over
-key blocks, masked ``load``). That style is the one that runs in ``interpret=True`` on CPU (so CI checks
-the same kernel code), and that compiles on both JAX 0.10 and 0.11. JAX 0.10 lowers a GPU ``pallas_call``
-with Mosaic GPU unless Triton ``CompilerParams`` are passed, so they are always passed here. Mosaic GPU
-(warpgroup, TMA) is Hopper's native path and is what ``jax.experimental.pallas.ops.gpu.attention_mgpu``
-uses; it has no CPU interpret mode for this style of kernel and a different programming model. The Triton
-backend is deprecated from JAX 0.11 on, so whether this kernel or a Mosaic GPU one (or plain XLA) is faster
-for decode on the H200 must be measured there; this file was written and tested without a GPU.
-
-Quantised caches (int8, float8_e4m3fn; ``k_scale`` / ``v_scale``): the kernel loads K and V blocks in their
-storage dtype and dequantises in registers (fp32 value times the fp32 scale of its token and KV head, a ``[block_k]``
-load beside the block), so the products, softmax and accumulation run in fp32 and no dequantised copy of the cache
-is made. A per-layer (``()``) scale is not loaded at all: K's multiplies the fp32 queries and V's the unnormalised
-output, both exact rewrites since attention is linear in each. The float path (no scales) is unchanged. FP8 needs
-a GPU of compute capability >= 8.9 under Triton (checked before the launch).
+Kernel: the split-K launch of split_k.py (shared with the paged kernel; its layout, backend and quantised-cache
+notes are there), reading each split of the dense cache in place (no transpose or pad of the cache per call). The
+same ``merge_partials`` combines two KV segments (SwiftKV: prompt KV + decode KV), see
+``decode_attention(..., return_residuals=True)``. Mosaic GPU (warpgroup, TMA) is Hopper's native path (jax's
+``attention_mgpu``); whether it or this kernel (or plain XLA) is faster for decode must be measured on the GPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:  # JAX 0.10 and 0.11 (deprecated there, still present); the masked load and the Triton compiler params.
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backend
-    pltriton = None
-
-from swiftkv_jax.model.kv_quant import dequantize as dequantize_cache  # noqa: E402 - after the optional import
+from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, attend_split,
+                                         check_queries, check_scales, dequantize, kernel_settings, merge_partials,
+                                         no_keys, normalize, scale_inputs, split_k_attention)
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "decode_attention", "decode_attention_reference",
     "merge_partials", "normalize",
 ]
-
-# Score of a masked key, and the max of a row that has seen no key yet. Finite, so that no
-# ``-inf - -inf`` NaN can appear; masked probabilities are set to exactly zero with ``where``.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_MIN_ROWS = 16  # a Triton dot needs at least 16 rows
-
-
-def _is_power_of_two(x: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeBlockSizes:
-    """Block sizes of the decode kernel (hashable: a static jit argument).
-
-    block_k: keys per inner-loop block; a power of two >= 16 (Triton tensor sizes are powers of two and a
-      dot needs >= 16 along each dimension). Shared memory per stage is about 2 * block_k * H * itemsize.
-    num_splits: how many programs split the cache along S (parallelism when B * K is small). The split
-      length is rounded up to a multiple of block_k, so a short cache uses fewer splits.
-    num_warps, num_stages: Triton compiler parameters (ignored in interpret mode).
-    block_q: query rows (tokens x the G heads of a KV head) per program at most; a power of two >= 16. T*G rows
-      that fit are one row block padded to a power of two >= 16 (decode); more are cut into ceil(T*G / block_q)
-      blocks, each its own program, which reads keys only up to its own rows' positions.
-    """
-
-    block_k: int = 64
-    num_splits: int = 16
-    num_warps: int = 4
-    num_stages: int = 2
-    block_q: int = 64
-
-    def __post_init__(self):
-        for name in ("block_k", "block_q"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value) or value < _MIN_ROWS:
-                raise ValueError(f"DecodeBlockSizes.{name} must be a power of two >= 16, got {value!r}")
-        if not isinstance(self.num_splits, int) or isinstance(self.num_splits, bool) or self.num_splits < 1:
-            raise ValueError(f"DecodeBlockSizes.num_splits must be an integer >= 1, got {self.num_splits!r}")
-        if not _is_power_of_two(self.num_warps) or self.num_warps > 32:
-            raise ValueError(f"DecodeBlockSizes.num_warps must be a power of two in [1, 32], got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"DecodeBlockSizes.num_stages must be an integer >= 1, got {self.num_stages!r}")
-
-
-class AttentionResiduals(NamedTuple):
-    """Unnormalised attention of one KV segment, mergeable exactly with ``merge_partials``.
-
-    out: ``[..., H]`` fp32, ``sum_s exp(score_s - max) v_s``; max: ``[...]`` fp32, the max visible score
-    (``MASK_VALUE`` where no key is visible); sum: ``[...]`` fp32, ``sum_s exp(score_s - max)`` (0 where no
-    key is visible). ``normalize`` turns it into the attention output.
-    """
-
-    out: jax.Array
-    max: jax.Array
-    sum: jax.Array
-
-
-def merge_partials(outs: jax.Array, maxes: jax.Array, sums: jax.Array) -> AttentionResiduals:
-    """Merges partial attentions stacked on a leading axis (``[P, ..., H]``, ``[P, ...]``, ``[P, ...]``).
-
-    Exact: rescales every partial to the common max. Partials with no visible key (max ``MASK_VALUE``,
-    sum 0) contribute nothing. To merge two segments: ``merge_partials(*map(jnp.stack, zip(r1, r2)))``.
-    """
-    m = jnp.max(maxes, axis=0)
-    # jax's bundled decode kernel needs this barrier to avoid invalid values after jit (b/389925439).
-    m = lax.optimization_barrier(m)
-    w = jnp.exp(maxes - m[None])
-    return AttentionResiduals(jnp.sum(outs * w[..., None], axis=0), m, jnp.sum(sums * w, axis=0))
-
-
-def normalize(residuals: AttentionResiduals, dtype) -> jax.Array:
-    """The attention output ``out / sum`` in ``dtype``; zeros where no key was visible."""
-    out, _, total = residuals
-    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
 def _visible(lengths, q_positions, num_keys: int) -> jax.Array:
@@ -150,37 +46,14 @@ def _visible(lengths, q_positions, num_keys: int) -> jax.Array:
     return (key < lengths[:, None, None]) & (key <= q_positions[:, :, None])
 
 
-def _is_quantized(dtype) -> bool:
-    """A cache dtype that needs scales: any integer or 1-byte (FP8) dtype."""
-    return not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize == 1
-
-
-def _check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
-    """Validates a cache's scales: None (only for a bf16 / fp16 / fp32 cache), ``()`` or ``token_shape`` (named
-    ``layout``), the same for K and V."""
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("k_scale and v_scale go together: pass both or neither")
-    if k_scale is None:
-        for name, x in (("k", k), ("v", v)):
-            if _is_quantized(x.dtype):
-                raise ValueError(f"a quantised {x.dtype} {name} cache needs k_scale and v_scale (a () scalar or "
-                                 f"{layout} {token_shape} fp32 scales)")
-        return
-    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if tuple(x.shape) not in ((), token_shape):
-            raise ValueError(f"{name} must be a () scalar or {layout} {token_shape}, got {tuple(x.shape)}")
-    if k_scale.shape != v_scale.shape:
-        raise ValueError(f"k_scale and v_scale must have one shape, got {k_scale.shape} and {v_scale.shape}")
-
-
 def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, return_residuals: bool = False,
                                k_scale=None, v_scale=None):
     """Plain-jnp decode attention with an fp32 softmax; same contract as ``decode_attention`` (a quantised cache
     is dequantised in memory first)."""
     B, T, N, H = q.shape
     _, S, K, _ = k_cache.shape
-    _check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
-    k_cache, v_cache = dequantize_cache(k_cache, k_scale), dequantize_cache(v_cache, v_scale)
+    check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
+    k_cache, v_cache = dequantize(k_cache, k_scale), dequantize(v_cache, v_scale)
     f32 = jnp.float32
     qg = q.astype(f32).reshape(B, T, K, N // K, H)
     scores = jnp.einsum("BTKGH,BSKH->BTKGS", qg, k_cache.astype(f32), precision=lax.Precision.HIGHEST)
@@ -194,89 +67,11 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, q_positions, *, ret
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
-                  dequantize: bool = False):
-    """One (b, kv head, row block, split) program, for any layout of the keys. limit_ref [R]: row r of this block
-    sees keys < limit[r]; the program iterates key blocks only up to its rows' largest limit (none if it is 0).
-
-    q_ref [R, H]; refs: o_ref [R, H], m_ref [R], l_ref [R] fp32, preceded by k_scale_ref and v_scale_ref (laid out
-    as k_ref minus H) for per-token-head scales. ``key_index(i, idx, in_range)`` gives the indexers of block i's
-    keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load): into k_ref and v_ref,
-    which they must turn into ``[block_k, H]``, and into the scale refs (``[block_k]``). The dense cache and the
-    paged pool differ only there. dequantize: read K and V in fp32 (times their scale blocks if any), so the
-    products and the softmax run in fp32 over a quantised cache; no dequantised copy of the cache is made.
-    """
-    *scale_refs, o_ref, m_ref, l_ref = refs
-    rows, head_dim = q_ref.shape
-    split_start = pl.program_id(3) * split_len
-    limit = limit_ref[...]
-    # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case).
-    dot_dtype = jnp.float32 if dequantize else jnp.promote_types(q_ref.dtype, k_ref.dtype)
-    q = q_ref[...].astype(dot_dtype)
-    # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S): a row
-    # block of rows that see nothing runs no iteration.
-    split_end = jnp.minimum(jnp.max(limit), split_start + split_len)
-    num_blocks = (jnp.maximum(split_end - split_start, 0) + block_k - 1) // block_k
-
-    def body(i, carry):
-        o, m, l = carry
-        idx = split_start + i * block_k + jnp.arange(block_k)
-        in_range = idx < split_end
-        keys, scale_keys = key_index(i, idx, in_range)
-
-        def read(ref, which):  # [block_k, H]: K (which=0) or V (1), in its storage dtype or dequantised in fp32
-            x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
-            if not dequantize:
-                return x
-            x = x.astype(jnp.float32)
-            if scale_refs:
-                x = x * pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[:, None]
-            return x
-
-        k = read(k_ref, 0).astype(dot_dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        visible = idx[None, :] < limit[:, None]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_next = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_next)
-        p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
-        v = read(v_ref, 1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return o * correction[:, None] + pv, m_next, l * correction + jnp.sum(p, axis=1)
-
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, num_blocks, body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
-
-
 def _dense_key_index(i, idx, in_range):
     """Block i of this split of the dense cache (k_ref, v_ref [split_len, H]: the split, may run past S)."""
     del in_range  # the masked load
     rows = pl.ds(i * idx.shape[0], idx.shape[0])
     return (rows, slice(None)), rows
-
-
-def _compiler_params(block_sizes: DecodeBlockSizes, interpret: bool):
-    """Triton compiler params: without them JAX 0.10 lowers a GPU pallas_call with Mosaic GPU."""
-    return None if interpret else pltriton.CompilerParams(num_warps=block_sizes.num_warps,
-                                                          num_stages=block_sizes.num_stages)
-
-
-def _check_queries(q, num_kv_heads: int, lengths, q_positions):
-    """The checks shared with the paged kernel (q already checked to be 4-D)."""
-    B, T, N, H = q.shape
-    if N % num_kv_heads:
-        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={num_kv_heads}")
-    if not _is_power_of_two(H) or H < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {H}")
-    if tuple(lengths.shape) != (B,) or tuple(q_positions.shape) != (B, T):
-        raise ValueError(f"lengths must be [B={B}] and q_positions [B={B}, T={T}], got {lengths.shape} and "
-                         f"{q_positions.shape}")
-    if not (jnp.issubdtype(lengths.dtype, jnp.integer) and jnp.issubdtype(q_positions.dtype, jnp.integer)):
-        raise ValueError(f"lengths and q_positions must be integers, got {lengths.dtype} and {q_positions.dtype}")
 
 
 def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
@@ -286,142 +81,24 @@ def _check_shapes(q, k_cache, v_cache, lengths, q_positions):
     if v_cache.shape != k_cache.shape or k_cache.shape[0] != B or k_cache.shape[3] != H:
         raise ValueError(f"k_cache and v_cache must both be [B={B}, S, K, H={H}], got {k_cache.shape} and "
                          f"{v_cache.shape}")
-    _check_queries(q, k_cache.shape[2], lengths, q_positions)
-
-
-def _scale_inputs(k_scale, v_scale):
-    """How a cache's (checked) scales reach the kernel: (dequantize, per-token-head scales to pass in as inputs,
-    per-layer scales to apply outside). A per-layer scale costs nothing in the kernel: K's multiplies the fp32
-    queries (the scores are linear in the keys), V's the unnormalised output (linear in the values)."""
-    if k_scale is None:
-        return False, (), None
-    scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
-    return (True, scales, None) if scales[0].ndim else (True, (), scales)
-
-
-class _Launch(NamedTuple):
-    """The launch arithmetic of ``_split_k_attention`` (pure Python, static): grid (B, K, row_blocks, num_splits)."""
-
-    block_rows: int   # query rows per program: a power of two >= 16
-    row_blocks: int   # ceil(T*G / block_rows)
-    split_len: int    # keys per split: a multiple of block_k
-    num_splits: int   # ceil(num_keys / split_len) <= block_sizes.num_splits
-
-
-def _launch(rows: int, num_keys: int, block_sizes: DecodeBlockSizes) -> _Launch:
-    """How ``rows`` (T*G) query rows of a KV head and ``num_keys`` keys of a sequence are cut into programs. Rows
-    that fit in one block are padded to a power of two >= 16 (the decode launch); more make blocks of block_q."""
-    block_rows = min(block_sizes.block_q, max(_MIN_ROWS, pl.next_power_of_2(rows)))
-    split_len = pl.cdiv(pl.cdiv(num_keys, block_sizes.num_splits), block_sizes.block_k) * block_sizes.block_k
-    return _Launch(block_rows, pl.cdiv(rows, block_rows), split_len, pl.cdiv(num_keys, split_len))
-
-
-def _split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, num_kv_heads: int, num_keys: int,
-                       block_sizes: DecodeBlockSizes, interpret: bool, name: str, dequantize: bool = False,
-                       static_scales=None) -> AttentionResiduals:
-    """The launch shared by the dense and the paged kernels: query rows, row limits, grid, merge of the splits.
-
-    kernel: ``(limit_ref, q_ref, *kv_refs, o_ref, m_ref, l_ref, *, scale, block_k, split_len)`` (and
-    ``dequantize`` when it is set); kv_inputs: what kv_refs come from; kv_specs(split_len): their BlockSpecs over the
-    grid (b, kv head k, row block i, split j). num_keys: the key capacity of one sequence (S), split in
-    ``num_splits`` pieces of a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see
-    ``_scale_inputs``.
-    """
-    if dequantize:
-        kernel = functools.partial(kernel, dequantize=True)
-    if static_scales is not None:
-        q = q.astype(jnp.float32) * static_scales[0]
-    B, T, N, H = q.shape
-    K = num_kv_heads
-    G = N // K
-    rows = T * G
-    block_rows, row_blocks, split_len, num_splits = _launch(rows, num_keys, block_sizes)
-    padded_rows = row_blocks * block_rows
-
-    # Rows of one KV head: r = t * G + g (a copy of q only), so a row block is a contiguous range of tokens.
-    # Padded rows see no key; nor does a query at a negative position (limit 0).
-    q_rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, H)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-    limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, lengths.astype(jnp.int32)[:, None])
-    limit = jnp.clip(limit, 0, num_keys)
-    limit = jnp.pad(jnp.repeat(limit, G, axis=1), ((0, 0), (0, padded_rows - rows)))
-
-    stat_spec = pl.BlockSpec((None, None, None, block_rows), lambda b, k, i, j: (j, b, k, i))
-    stat_shape = jax.ShapeDtypeStruct((num_splits, B, K, padded_rows), jnp.float32)
-    outs, maxes, sums = pl.pallas_call(
-        functools.partial(kernel, scale=1.0 / math.sqrt(H), block_k=block_sizes.block_k, split_len=split_len),
-        grid=(B, K, row_blocks, num_splits),
-        in_specs=[
-            pl.BlockSpec((None, block_rows), lambda b, k, i, j: (b, i)),
-            pl.BlockSpec((None, None, block_rows, H), lambda b, k, i, j: (b, k, i, 0)),
-            *kv_specs(split_len),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_rows, H), lambda b, k, i, j: (j, b, k, i, 0)),
-            stat_spec,
-            stat_spec,
-        ],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, B, K, padded_rows, H), jnp.float32), stat_shape, stat_shape],
-        compiler_params=_compiler_params(block_sizes, interpret),
-        interpret=interpret,
-        name=name,
-    )(limit, q_rows, *kv_inputs)
-
-    out, m, total = merge_partials(outs, maxes, sums)
-    if static_scales is not None:
-        out = out * static_scales[1]
-
-    def to_heads(x):  # [B, K, R_pad, ...] -> [B, T, N, ...]
-        x = x[:, :, :rows].reshape(B, K, T, G, *x.shape[3:])
-        return jnp.moveaxis(x, 2, 1).reshape(B, T, N, *x.shape[4:])
-
-    return AttentionResiduals(to_heads(out), to_heads(m), to_heads(total))
+    check_queries(q, k_cache.shape[2], lengths, q_positions)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes: DecodeBlockSizes, interpret: bool,
                       k_scale=None, v_scale=None):
     _, S, K, H = k_cache.shape
-    dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
+    dequantize, token_scales, static_scales = scale_inputs(k_scale, v_scale)
 
     def kv_specs(split_len):  # this split of the cache, in place (the last one may run past S: masked loads)
         spec = pl.BlockSpec((None, split_len, None, H), lambda b, k, i, j: (b, j, k, 0))
         scale_spec = pl.BlockSpec((None, split_len, None), lambda b, k, i, j: (b, j, k))  # [B, S, K] scales
         return [spec, spec] + [scale_spec] * len(token_scales)
 
-    kernel = functools.partial(_attend_split, key_index=_dense_key_index)
-    return _split_k_attention(kernel, q, lengths, q_positions, (k_cache, v_cache, *token_scales), kv_specs,
+    kernel = functools.partial(attend_split, key_index=_dense_key_index)
+    return split_k_attention(kernel, q, lengths, q_positions, (k_cache, v_cache, *token_scales), kv_specs,
                               num_kv_heads=K, num_keys=S, block_sizes=block_sizes, interpret=interpret,
                               name="swiftkv_decode_attention", dequantize=dequantize, static_scales=static_scales)
-
-
-def _kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str, cache_dtypes=()):
-    """Defaults and loud failures shared by the public kernels: (block sizes, interpret)."""
-    if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
-        raise NotImplementedError(
-            f"{what} needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
-            f"{jax.__version__} does not have; use {what}_reference")
-    block_sizes = DecodeBlockSizes() if block_sizes is None else block_sizes
-    if not isinstance(block_sizes, DecodeBlockSizes):
-        raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
-    backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if not interpret and backend != "gpu":
-        raise NotImplementedError(f"the compiled {what.replace('_', '-')} kernel needs a GPU (backend is "
-                                  f"{backend!r}); pass interpret=True or use {what}_reference")
-    if not interpret and any(jnp.dtype(dtype) == jnp.float8_e4m3fn for dtype in cache_dtypes):
-        capability = getattr(jax.devices()[0], "compute_capability", None)
-        if capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9):
-            raise NotImplementedError(f"a float8_e4m3fn cache needs compute capability >= 8.9 for Triton (this GPU "
-                                      f"is {capability}); use an int8 cache or {what}_reference")
-    return block_sizes, bool(interpret)
-
-
-def _no_keys(q) -> AttentionResiduals:
-    """The residuals of attention over no key at all (zero cache capacity)."""
-    zeros = jnp.zeros(q.shape[:3], jnp.float32)
-    return AttentionResiduals(jnp.zeros(q.shape, jnp.float32), zeros + MASK_VALUE, zeros)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: DecodeBlockSizes | None = None,
@@ -446,11 +123,11 @@ def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: 
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
     _check_shapes(q, k_cache, v_cache, lengths, q_positions)
-    _check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
-    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "decode_attention",
+    check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
+    block_sizes, interpret = kernel_settings(block_sizes, interpret, "decode_attention",
                                               (k_cache.dtype, v_cache.dtype))
     if k_cache.shape[1] == 0:  # no cache at all: nothing to attend to
-        residuals = _no_keys(q)
+        residuals = no_keys(q)
     else:
         residuals = _decode_attention(q, k_cache, v_cache, lengths, q_positions, block_sizes, interpret, k_scale,
                                       v_scale)

@@ -1,6 +1,6 @@
 """Prefill flash attention: a Pallas kernel, its plain-jnp reference and its block sizes.
 
-Semantics are those of `swiftkv_jax.model.attention.xla_attention`: a query attends to the keys of its own
+Semantics are those of the model's `xla_attention` (this package imports nothing from the model): a query attends to the keys of its own
 segment whose position is <= its own position. Positions, not array indices, decide, so causality is
 "bottom-right aligned" when the queries are the last T of S keys (chunked prefill, SwiftKV's later layers),
 and packed documents whose positions restart stay apart. On top of that, `kv_lengths [B]` hides the keys at
@@ -42,10 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.model.attention import xla_attention
-
-# Finite "minus infinity": masked logits never produce inf - inf = NaN, and exp2 of it underflows to 0.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Finite "minus infinity" (the kernels' one): masked logits never give inf - inf = NaN; exp2 of it underflows to 0.
+from swiftkv_jax.kernels.split_k import MASK_VALUE
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's dot needs every matrix dimension >= 16
 _MAX_BLOCK = 1024
@@ -107,19 +105,22 @@ def _triton_compiler_params(block_sizes: FlashBlockSizes):
     return params(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
 
 
-def _unreachable_segment(q_segment_ids):
-    """[B, 1] segment id that no query of the sequence has (min - 1; segment ids must exceed int32 min)."""
-    return jnp.min(q_segment_ids, axis=1, keepdims=True) - 1
-
-
 def flash_attention_reference(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
                               kv_lengths=None) -> jnp.ndarray:
-    """Plain-jnp flash_attention: `xla_attention` with the keys at index >= kv_lengths moved to a segment
-    no query belongs to (exactly invisible). Same arguments and result as `flash_attention`."""
+    """Plain jnp, fp32 softmax: query t sees key s of its own segment with position <= its own and index <
+    kv_lengths. Same arguments and result as `flash_attention` (zeros for a query that sees nothing)."""
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    visible = ((kv_positions[:, None, :] <= q_positions[:, :, None])
+               & (kv_segment_ids[:, None, :] == q_segment_ids[:, :, None]))  # [B, T, S]
     if kv_lengths is not None:
-        visible = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
-        kv_segment_ids = jnp.where(visible, kv_segment_ids, _unreachable_segment(q_segment_ids))
-    return xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
+        visible &= (jnp.arange(k.shape[1]) < kv_lengths[:, None])[:, None, :]
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+    mask = visible[:, None, None]
+    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1), 0.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    return out.reshape(b, t, n, h)
 
 
 def _flash_kernel(lo_ref, hi_ref, kv_len_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, q_ref, k_ref, v_ref,
@@ -141,7 +142,7 @@ def _flash_kernel(lo_ref, hi_ref, kv_len_ref, q_pos_ref, q_seg_ref, kv_pos_ref, 
         mask = ((kv_pos_ref[keys][None, :] <= q_pos[:, None])
                 & (kv_seg_ref[keys][None, :] == q_seg[:, None])
                 & (kv_index < kv_len)[None, :])
-        logits = jnp.where(mask, logits, _MASK_VALUE)
+        logits = jnp.where(mask, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
         # The where keeps a row whose keys so far are all masked at exactly zero weight.
         p = jnp.where(mask, jnp.exp2(logits - m_next[:, None]), 0.0)
@@ -151,7 +152,7 @@ def _flash_kernel(lo_ref, hi_ref, kv_len_ref, q_pos_ref, q_seg_ref, kv_pos_ref, 
         return acc * correction[:, None] + pv, m_next, l_prev * correction + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((block_q, q.shape[1]), jnp.float32),
-            jnp.full((block_q,), _MASK_VALUE, jnp.float32),
+            jnp.full((block_q,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     acc, _, denom = lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
     o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)

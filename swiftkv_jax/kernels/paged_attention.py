@@ -9,7 +9,7 @@ the sequence's ``ceil(lengths[b] / page_size)`` pages may hold anything (0, stal
 never read. Masking, scale, GQA, empty rows and residuals are exactly those of ``decode_attention`` (see
 decode_attention.py): query t of sequence b sees key s iff ``s < lengths[b]`` and ``s <= q_positions[b, t]``.
 
-Kernel: the dense kernel's launch and program body (``_split_k_attention``, ``_attend_split``), with only the
+Kernel: the dense kernel's launch and program body (``split_k_attention``, ``attend_split``), with only the
 addressing of a block's keys changed. One program per (b, kv head k, row block i, split j) holds up to ``block_q``
 of the T*G query rows of its KV head (T may be a prompt chunk attending over its cached context: each row block
 reads keys only up to its own rows' positions, none if they see nothing, e.g. ``q_positions == -1`` for rows of
@@ -33,11 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.kernels.decode_attention import (DecodeBlockSizes, _attend_split, _check_queries, _check_scales,
-                                                  _kernel_settings, _no_keys, _scale_inputs,
-                                                  _split_k_attention, decode_attention_reference, normalize,
-                                                  pltriton)
-from swiftkv_jax.model.kv_quant import dequantize
+from swiftkv_jax.kernels.decode_attention import decode_attention_reference
+from swiftkv_jax.kernels.split_k import (DecodeBlockSizes, attend_split, check_queries, check_scales, dequantize,
+                                         kernel_settings, no_keys, normalize, pltriton, scale_inputs,
+                                         split_k_attention)
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -50,7 +49,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
     quantised pool is dequantised (the whole pool, in memory) first."""
     B, M = block_tables.shape
     K, _, page_size, H = k_pages.shape
-    _check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
+    check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
     k_pages, v_pages = dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
     table = jnp.where(jnp.arange(M)[None, :] * page_size < lengths[:, None], block_tables, 0)  # entries in use
     valid = (jnp.arange(M * page_size)[None, :] < lengths[:, None])[:, :, None, None]
@@ -64,7 +63,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, q_posi
 
 def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size: int, **kwargs):
     """One (b, kv head, row block, split) program. table_ref [M]: the block table of sequence b; k_ref, v_ref
-    [P, page_size, H]: the pool of this KV head (indexed in place); refs: the outputs of ``_attend_split``, after
+    [P, page_size, H]: the pool of this KV head (indexed in place); refs: the outputs of ``attend_split``, after
     the [P, page_size] scales of this KV head when they are per token and head."""
     last_entry = table_ref.shape[0] - 1
     head = jnp.arange(k_ref.shape[-1])[None, :]
@@ -76,7 +75,7 @@ def _paged_kernel(limit_ref, q_ref, table_ref, k_ref, v_ref, *refs, page_size: i
         offset = idx % page_size
         return (page[:, None], offset[:, None], head), (page, offset)
 
-    _attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, key_index=key_index, **kwargs)
+    attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, key_index=key_index, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -84,14 +83,14 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, bl
                      interpret: bool, k_scale=None, v_scale=None):
     K, P, page_size, H = k_pages.shape
     M = block_tables.shape[1]
-    dequantize, token_scales, static_scales = _scale_inputs(k_scale, v_scale)
+    dequantize, token_scales, static_scales = scale_inputs(k_scale, v_scale)
     # The same table row and pool of the KV head for every row block i and split j.
     table_spec = pl.BlockSpec((None, M), lambda b, k, i, j: (b, 0))
     pool_spec = pl.BlockSpec((None, P, page_size, H), lambda b, k, i, j: (k, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, P, page_size), lambda b, k, i, j: (k, 0, 0))  # [K, P, page_size] scales
     specs = [table_spec, pool_spec, pool_spec] + [scale_spec] * len(token_scales)
     kernel = functools.partial(_paged_kernel, page_size=page_size)
-    return _split_k_attention(kernel, q, lengths, q_positions,
+    return split_k_attention(kernel, q, lengths, q_positions,
                               (block_tables.astype(jnp.int32), k_pages, v_pages, *token_scales),
                               lambda split_len: specs, num_kv_heads=K, num_keys=M * page_size,
                               block_sizes=block_sizes, interpret=interpret, name="swiftkv_paged_attention",
@@ -114,7 +113,7 @@ def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
         raise ValueError(f"block_tables must be [B={B}, M], got {block_tables.shape}")
     if not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be integers, got {block_tables.dtype}")
-    _check_queries(q, k_pages.shape[0], lengths, q_positions)
+    check_queries(q, k_pages.shape[0], lengths, q_positions)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
@@ -145,10 +144,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
     _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions)
-    _check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
-    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "paged_attention", (k_pages.dtype,))
+    check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
+    block_sizes, interpret = kernel_settings(block_sizes, interpret, "paged_attention", (k_pages.dtype,))
     if block_tables.shape[1] == 0:  # a table of no pages: nothing to attend to
-        residuals = _no_keys(q)
+        residuals = no_keys(q)
     else:
         residuals = _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes,
                                      interpret, k_scale, v_scale)

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.kernels.decode_attention import DecodeBlockSizes, _kernel_settings
 from swiftkv_jax.kernels.paged_attention import paged_attention, paged_attention_reference
+from swiftkv_jax.kernels.split_k import DecodeBlockSizes, kernel_settings
 
 __all__ = ["RaggedBlocks", "ragged_blocks", "ragged_layout", "ragged_paged_attention",
            "ragged_paged_attention_reference"]
@@ -130,7 +130,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, slots, positions, 
                          f"{positions.shape}")
     if not 0 <= num_single <= q.shape[0]:
         raise ValueError(f"num_single must be in [0, T={q.shape[0]}], got {num_single}")
-    block_sizes, interpret = _kernel_settings(block_sizes, interpret, "ragged_paged_attention", (k_pages.dtype,))
+    block_sizes, interpret = kernel_settings(block_sizes, interpret, "ragged_paged_attention", (k_pages.dtype,))
     prefill_sizes = dataclasses.replace(block_sizes, num_splits=1)
 
     def attend(q, tables, lengths, q_positions, prefill):
