@@ -1,20 +1,24 @@
 """Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
 
-    python benchmarks/kernels.py [--repeats 20] [--out benchmarks/results/kernels_gpu.json]
+    python benchmarks/kernels.py [--parts decode,paged,prefill] [--deadline S] [--repeats 20] [--out PATH]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
-- Decode: one query token per sequence over a full cache, batch 32/64 x context 4K..32K. Reported as the
+- Decode: one query token per sequence over a full cache, batch 32..256 x context 2K..32K (K/V of a layer at most
+  16 GiB), dense and paged (bf16, and int8 / FP8 pools with per-token scales). Reported as the
   memory bandwidth achieved (bytes of K and V read / time), beside the device's copy bandwidth (a jitted
   `x + 1` over --copy-gib GiB: bytes read + written / time). Rivals: XLA (`attend_cache("xla")`, the engine's
   default) and jax's bundled Pallas decode kernel (`pallas.ops.gpu.decode_attention.gqa`; its API takes
   K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time).
-- Prefill: causal self-attention, batch 1..4 x 2K..16K tokens, in TFLOP/s of causal FLOPs
-  4 * B * N * T * T * H / 2. Rivals: cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal
-  flag), the engine's cuDNN path (attention_impl="cudnn": our position mask as a bias) and XLA
-  (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of memory at the largest shapes, reported so).
-Each implementation is first checked against an fp32 reference at one small shape; one that disagrees or
-fails gets an error in its rows instead of timings. Timings: compiled first, then the median of --repeats
+- Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
+  4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
+  cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
+  (attention_impl="cudnn": our position mask as a bias), jax's Mosaic GPU kernel (`attention_mgpu`, causal, no
+  segments: what Pallas on Hopper reaches) and XLA (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of
+  memory at the largest shapes, reported so).
+Rows are written to the JSON as they are measured (`--deadline S`: no point is started after S seconds, the rest
+recorded as not measured; `complete` says whether the run finished). Each implementation is first checked against
+an fp32 reference at one small shape; one that disagrees or fails gets an error in its rows instead of timings. Timings: compiled first, then the median of --repeats
 runs, each waited for with block_until_ready.
 """
 
@@ -28,6 +32,8 @@ import time
 from results_file import write_results
 
 SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
+MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are left out
+DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 
 
 def _error(e: Exception) -> str:
@@ -68,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--copy-gib", type=float, help="size of the copy-bandwidth probe (default 2, smoke 1/64)")
     parser.add_argument("--parts", default="decode,paged,prefill",
                         help="which tables to measure, comma-separated (default decode,paged,prefill)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
                                       f"with --smoke {SMOKE_OUT})")
     args = parser.parse_args(argv)
@@ -100,16 +108,34 @@ def main(argv=None) -> int:
         decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
     else:
         heads, kv_heads, head_dim = 32, 8, 128
-        decode_points = [(b, s) for b in (32, 64) for s in (4096, 8192, 16384, 32768)]
-        prefill_points = [(b, t) for t in (2048, 8192, 16384) for b in (1, 2, 4)]
+        # K and V of one layer at most MAX_KV_GIB: 256 x 32K would be 34 GB of bf16
+        decode_points = [(b, s) for b in (32, 64, 128, 256) for s in (2048, 4096, 8192, 16384, 32768)
+                         if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30]
+        prefill_points = [(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)]
     copy_gib = args.copy_gib or (1 / 64 if args.smoke else 2.0)
     dtype = jnp.bfloat16
     keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
     normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
 
-    def measure(row: dict, error, fn, inputs, derived) -> dict:
-        """row + timings and derived(seconds), or + the error that kept it from being timed. Each row is logged
-        to stderr as it is measured, so a run stopped by a time limit still leaves what it measured."""
+    page_size = 16  # the paged rows' pages
+    document = 32 if args.smoke else DOCUMENT  # the packed prefill rows' documents
+    started = time.perf_counter()
+    tables = {"decode": [], "paged": [], "prefill": []}
+    out = args.out or (SMOKE_OUT if args.smoke else f"benchmarks/results/kernels_{device.platform}.json")
+
+    def save(complete: bool) -> None:
+        write_results(out, "benchmarks/kernels.py", argv, {
+            "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
+            "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": "bfloat16", "copy": copy, "parts": sorted(parts), "page_size": page_size,
+            "document_tokens": document, "deadline_s": args.deadline, "complete": complete, **tables}, quiet=True)
+
+    def measure(table: str, row: dict, error, fn, inputs, derived) -> dict:
+        """row + timings and derived(seconds), or + the error that kept it from being timed, appended to its table;
+        the JSON is rewritten after every row (and each logged to stderr), so a run stopped by a time limit
+        leaves what it measured. Past --deadline a row is recorded as not measured."""
+        if args.deadline is not None and time.perf_counter() - started > args.deadline:
+            error = error or f"not measured: past --deadline {args.deadline:g} s"
         if error is None:
             try:
                 seconds, compile_s = timed(fn, *inputs, repeats=repeats)
@@ -119,6 +145,8 @@ def main(argv=None) -> int:
         else:
             row = {**row, "error": error}
         print("measured", row, file=sys.stderr, flush=True)
+        tables[table].append(row)
+        save(complete=False)
         return row
 
     def check(fn, reference, *inputs) -> str | None:
@@ -172,30 +200,27 @@ def main(argv=None) -> int:
 
     quantized_reference = {}  # name -> its check's reference (the paged quantised rows, below)
 
-    def decode_table(impls, reference, make_inputs, errors_extra):
+    def decode_table(table, impls, reference, make_inputs, errors_extra):
         small = make_inputs(2, 512)
         errors = {name: check(lambda *x, f=fn, n=name: f(*laid_out(n, x)), quantized_reference.get(name, reference),
                               *small) for name, fn in impls.items()}
         errors.update(errors_extra)
-        rows = []
         for b, s in decode_points:
             inputs = make_inputs(b, s)
             for name, error in errors.items():
                 kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
                                                    head_dim * jnp.dtype(dtype).itemsize)
-                rows.append(measure(
-                    {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, impls[name],
-                    laid_out(name, inputs),
-                    lambda seconds: dict(bandwidth=kv_bytes / seconds, of_copy_bandwidth=kv_bytes / seconds / copy_bw)))
+                measure(table, {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, impls[name],
+                        laid_out(name, inputs),
+                        lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds, of_copy_bandwidth=n / seconds / copy_bw))
             del inputs
-        return rows
 
-    decode_rows = decode_table(decode_impls, decode_reference, decode_inputs,
-                               {"jax_pallas": jax_gqa_error} if jax_gqa_error else {}) if "decode" in parts else []
+    if "decode" in parts:
+        decode_table("decode", decode_impls, decode_reference, decode_inputs,
+                     {"jax_pallas": jax_gqa_error} if jax_gqa_error else {})
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, 16, H] through shuffled block tables
     # (sequences' pages scattered over the pool), by each decode_attention_impl's paged form.
-    page_size = 16
 
     def paged_inputs(b, s):
         pages_per_seq = s // page_size
@@ -223,13 +248,18 @@ def main(argv=None) -> int:
             layouts[name] = quantized_layout(fmt)
             quantized_reference[name] = lambda *x, lay=layouts[name]: paged_attend("xla", *lay(*x))
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
-    paged_rows = decode_table(paged_impls, paged_reference, paged_inputs, {}) if "paged" in parts else []
+    if "paged" in parts:
+        decode_table("paged", paged_impls, paged_reference, paged_inputs, {})
 
-    # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H].
-    def prefill_inputs(b, t):
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H]; "packed": documents of DOCUMENT tokens side
+    # by side (segment ids, positions restarting), what the engines' packed prompts are, for the impls that take
+    # segment ids (cuDNN's causal flag does not; the engine's cuDNN path passes the mask as a bias).
+    def prefill_inputs(b, t, packed=False):
+        positions = jnp.arange(t, dtype=jnp.int32)
+        segments = positions // document if packed else jnp.zeros(t, jnp.int32)
+        positions = positions % document if packed else positions
         return (normal(b, t, heads, head_dim), normal(b, t, kv_heads, head_dim), normal(b, t, kv_heads, head_dim),
-                positions, jnp.zeros((b, t), jnp.int32))
+                jnp.broadcast_to(positions, (b, t)), jnp.broadcast_to(segments, (b, t)))
 
     prefill_impls = {
         "pallas": lambda q, k, v, p, g: flash_attention(q, k, v, p, p, g, g),
@@ -237,20 +267,40 @@ def main(argv=None) -> int:
         "cudnn_mask": lambda q, k, v, p, g: attend("cudnn", q, k, v, p, p, g, g),  # the engine's cuDNN path
         "xla": lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g),
     }
+    segmented = ("pallas", "cudnn_mask", "xla")
+    # jax's bundled Mosaic GPU kernel (FA3-style: warp specialisation, wgmma, TMA; causal, no segment ids): what
+    # Pallas on Hopper reaches. It needs jaxlib's CUDA plugin even to lower, so on a CPU its rows carry the error.
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+        mosaic = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
+        prefill_impls["jax_mosaic"] = lambda q, k, v, p, g: attention_mgpu.attention(q, k, v, mosaic)
+    except (ImportError, AttributeError, TypeError) as e:
+        mosaic_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
+    else:
+        mosaic_error = (None if getattr(attention_mgpu, "cuda_versions", True) is not None else
+                        "Mosaic GPU needs jaxlib's CUDA plugin, even to lower (none on this machine)")
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
-    prefill_rows = []
+    prefill_errors = None
     for b, t in (prefill_points if "prefill" in parts else []):
-        if not prefill_rows:
+        if prefill_errors is None:
             small = prefill_inputs(1, 256)
             prefill_errors = {name: check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
+            if mosaic_error:
+                prefill_errors["jax_mosaic"] = mosaic_error
             del small
-        inputs = prefill_inputs(b, t)
         flops = 4 * b * heads * t * t * head_dim / 2
-        for name, error in prefill_errors.items():
-            prefill_rows.append(measure({"impl": name, "batch": b, "seq": t, "flops": flops}, error,
-                                        prefill_impls[name], inputs, lambda seconds: dict(tflops=flops / seconds / 1e12)))
-        del inputs
+        for packed in (False, True) if t > document else (False,):
+            inputs = prefill_inputs(b, t, packed)
+            # packed: each document's own causal triangle
+            work = 4 * b * heads * t * document * head_dim / 2 if packed else flops
+            for name, error in prefill_errors.items():
+                if packed and name not in segmented:
+                    continue
+                measure("prefill", {"impl": name, "batch": b, "seq": t, "packed": packed, "flops": work}, error,
+                        prefill_impls.get(name), inputs, lambda seconds, w=work: dict(tflops=w / seconds / 1e12))
+            del inputs
 
+    decode_rows, paged_rows, prefill_rows = tables["decode"], tables["paged"], tables["prefill"]
     for title, rows in (("decode, dense cache [B, K, S, H]", decode_rows),
                         (f"paged decode, pools [K, P, {page_size}, H], shuffled tables", paged_rows)):
         if not rows:
@@ -263,18 +313,12 @@ def main(argv=None) -> int:
                 f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
     if prefill_rows:
         print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
-        print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'ms':>10}{'TFLOP/s':>9}")
+        print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'packed':>8}{'ms':>10}{'TFLOP/s':>9}")
         for r in prefill_rows:
-            print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}" + (
+            print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}{'yes' if r['packed'] else 'no':>8}" + (
                 f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
-
-    out = args.out or (SMOKE_OUT if args.smoke else f"benchmarks/results/kernels_{device.platform}.json")
-    write_results(out, "benchmarks/kernels.py", argv, {
-        "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
-        "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-        "dtype": "bfloat16", "copy": copy,
-        "parts": sorted(parts), "page_size": page_size,
-        "decode": decode_rows, "paged": paged_rows, "prefill": prefill_rows})
+    save(complete=True)
+    print(f"wrote {out}")
     return 0
 
 

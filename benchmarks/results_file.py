@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 
-def write_results(path, script: str, argv, payload: dict) -> Path:
-    """Write payload + provenance as JSON to path (parents created); returns the path."""
+def write_results(path, script: str, argv, payload: dict, quiet: bool = False) -> Path:
+    """Write payload + provenance as JSON to path (parents created); returns the path. quiet: say nothing (a
+    benchmark that rewrites its file after every row)."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -20,5 +21,6 @@ def write_results(path, script: str, argv, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path
