@@ -1,7 +1,7 @@
 """Prefill flash attention: a Pallas kernel, its plain-jnp reference and its block sizes.
 
-Semantics are those of the model's `xla_attention` (this package imports nothing from the model): a query attends to the keys of its own
-segment whose position is <= its own position. Positions, not array indices, decide, so causality is
+Semantics are those of the model's `xla_attention` (this package imports nothing from the model): a query
+attends to the keys of its own segment whose position is <= its own position. Positions, not array indices, decide, so causality is
 "bottom-right aligned" when the queries are the last T of S keys (chunked prefill, SwiftKV's later layers),
 and packed documents whose positions restart stay apart. On top of that, `kv_lengths [B]` hides the keys at
 index >= length (a cache padded past the sequence). Scale is 1/sqrt(D), applied inside. A query with no
@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 
 # Finite "minus infinity" (the kernels' one): masked logits never give inf - inf = NaN; exp2 of it underflows to 0.
 from swiftkv_jax.kernels.split_k import MASK_VALUE
+from swiftkv_jax.kernels.tuning import tuned
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's dot needs every matrix dimension >= 16
 _MAX_BLOCK = 1024
@@ -282,8 +283,10 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
             raise NotImplementedError(f"flash_attention is a Pallas Triton (GPU) kernel; backend {backend!r} "
                                       "is not supported (pass interpret=True to emulate it)")
         interpret = backend == "cpu"
-    if block_sizes is None:
-        block_sizes = FlashBlockSizes.for_head_dim(q.shape[3])
+    if block_sizes is None:  # measured ones for this GPU (tuning.py), else the defaults
+        tuned_sizes = None if interpret else tuned("flash", FlashBlockSizes, head_dim=q.shape[3],
+                                                   group=q.shape[2] // k.shape[2], tokens=q.shape[1])
+        block_sizes = tuned_sizes or FlashBlockSizes.for_head_dim(q.shape[3])
     elif not isinstance(block_sizes, FlashBlockSizes):
         raise TypeError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
     return _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths,

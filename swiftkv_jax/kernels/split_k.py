@@ -313,14 +313,16 @@ def split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, n
     return AttentionResiduals(to_heads(out), to_heads(m), to_heads(total))
 
 
-def kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str, cache_dtypes=()):
-    """Defaults and loud failures shared by the public kernels: (block sizes, interpret)."""
+def kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None, what: str, cache_dtypes=(),
+                    tune: dict | None = None):
+    """Defaults and loud failures shared by the public kernels: (block sizes, interpret). tune: the kernel's name
+    and shapes (`tuning.lookup`'s arguments): compiled without block sizes, it takes the measured ones if the table
+    has them for this GPU."""
     if pltriton is None or not hasattr(pltriton, "CompilerParams"):  # pragma: no cover
         raise NotImplementedError(
             f"{what} needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
             f"{jax.__version__} does not have; use {what}_reference")
-    block_sizes = DecodeBlockSizes() if block_sizes is None else block_sizes
-    if not isinstance(block_sizes, DecodeBlockSizes):
+    if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
         raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
     backend = jax.default_backend()
     if interpret is None:
@@ -333,7 +335,11 @@ def kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None
         if capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9):
             raise NotImplementedError(f"a float8_e4m3fn cache needs compute capability >= 8.9 for Triton (this GPU "
                                       f"is {capability}); use an int8 cache or {what}_reference")
-    return block_sizes, bool(interpret)
+    if block_sizes is None and not interpret and tune:
+        from swiftkv_jax.kernels.tuning import tuned
+
+        block_sizes = tuned(cls=DecodeBlockSizes, **tune)
+    return block_sizes or DecodeBlockSizes(), bool(interpret)
 
 
 def no_keys(q) -> AttentionResiduals:

@@ -1,0 +1,51 @@
+"""Measured block sizes per GPU, as data (`tuned_blocks.json`, as tokamax keeps its autotuning results per GPU).
+
+An entry names a kernel ("flash", "decode", "paged"), a device (a substring of `jax.Device.device_kind`, e.g.
+"H100"), the shapes it was measured for (`head_dim`, a `group` of query heads per KV head, and a range of query
+tokens `[min_tokens, max_tokens]`), the block sizes that won, and how it was measured (`benchmarks/tune_kernels.py`
+writes the entries: command, commit, time of the winner and of the default). A compiled kernel called without
+block sizes takes the entry that matches it most narrowly, else its own defaults, which are unmeasured guesses.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+TABLE = Path(__file__).with_name("tuned_blocks.json")
+KERNELS = ("flash", "decode", "paged")
+
+
+@functools.lru_cache(maxsize=None)
+def _entries(path: str) -> tuple:
+    data = json.loads(Path(path).read_text())
+    entries = data.get("entries", [])
+    for e in entries:
+        if e.get("kernel") not in KERNELS or not isinstance(e.get("block_sizes"), dict) or not e.get("device"):
+            raise ValueError(f"{path}: an entry needs kernel (one of {', '.join(KERNELS)}), device and block_sizes, "
+                             f"got {e}")
+    return tuple(entries)
+
+
+def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: int,
+           table: Optional[Path] = None) -> Optional[dict]:
+    """The block sizes (a dict of the kernel's block-size fields) measured best for this kernel on this device at
+    these shapes, or None. Among matching entries the narrowest token range wins."""
+    matches = [e for e in _entries(str(table or TABLE))
+               if e["kernel"] == kernel and e["device"].lower() in device_kind.lower()
+               and e.get("head_dim", head_dim) == head_dim and e.get("group", group) == group
+               and e.get("min_tokens", 0) <= tokens <= e.get("max_tokens", float("inf"))]
+    if not matches:
+        return None
+    best = min(matches, key=lambda e: e.get("max_tokens", float("inf")) - e.get("min_tokens", 0))
+    return dict(best["block_sizes"])
+
+
+def tuned(kernel: str, cls, *, head_dim: int, group: int, tokens: int):
+    """`cls(**entry)` for the current device when the table has one, else None (the caller's defaults)."""
+    import jax
+
+    found = lookup(kernel, jax.devices()[0].device_kind, head_dim=head_dim, group=group, tokens=tokens)
+    return None if found is None else cls(**found)
