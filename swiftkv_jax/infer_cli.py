@@ -121,6 +121,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a step's budget (see --budget-unit; default 8192)")
     s.add_argument("--budget-unit", choices=("tokens", "cost"), default="tokens",
                    help="cost: a SwiftKV prompt token counts about l/L of a full-depth token")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of prompt prefixes already computed (vLLM's automatic prefix caching)")
     s.add_argument("--max-prompt-seqs", type=int, default=None,
                    help="prompts packed into one step, at most (default 8)")
     pool = s.add_mutually_exclusive_group()
@@ -388,6 +390,7 @@ def _serve(args) -> int:
                  max_prompt_seqs=args.max_prompt_seqs, **pool)
     options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
                    budget_unit=args.budget_unit, max_model_len=args.max_model_len, cache_dtype=_cache_format(args),
+                   enable_prefix_caching=args.enable_prefix_caching,
                    mesh=mesh, consume_weights=True,  # the model is the engine's alone: its weights in memory once
                    **buckets, **{k: v for k, v in given.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

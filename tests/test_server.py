@@ -427,8 +427,17 @@ def test_metrics_count_what_was_sent(server):
     tokens = lambda m: m[("swiftkv_generation_tokens_total", ())]
     assert 3 <= tokens(after) - tokens(before) <= 7  # 3 + 2 + 2 unless one stopped at EOS
     for name in ("swiftkv_num_preemptions_total", "swiftkv_kv_cache_usage", "swiftkv_time_per_output_token_seconds_sum",
-                 "swiftkv_num_requests_waiting"):
+                 "swiftkv_num_requests_waiting", "swiftkv_prefix_cache_pages"):
         assert (name, ()) in after
+    # the same long prompt twice: the second finds the first's full pages in the prefix cache
+    prompt = "one two three four five six seven eight nine ten " * 2
+    for _ in range(2):
+        reply = httpx.post(f"{server.url}/v1/completions", json=dict(prompt=prompt, max_tokens=1), timeout=60)
+        assert reply.status_code == 200, reply.text
+    last = _metrics(server.url)
+    hits = last[("swiftkv_prefix_cache_hits_total", ())] - after[("swiftkv_prefix_cache_hits_total", ())]
+    queries = last[("swiftkv_prefix_cache_queries_total", ())] - after[("swiftkv_prefix_cache_queries_total", ())]
+    assert queries > hits >= 16, (queries, hits)
 
 
 # ---- the command line ------------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
+import hashlib
 import itertools
 import logging
 import queue
@@ -64,6 +66,12 @@ class RequestOutput:
     top_logprobs: Optional[list[dict]] = None  # per generated token, when finished and asked
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(tables, slot, row):
+    """The device block tables with one slot's row replaced (in place: donated)."""
+    return tables.at[slot].set(row)
+
+
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
     sizes, size = [], low
     while size < high:
@@ -93,7 +101,7 @@ class EngineConfig:
     pages wide (the step's longest sequence, bucketed) where its cost follows the width (`xla_loop="static"`, the
     form off the CPU); elsewhere one width. attention_impl / decode_attention_impl: None keeps the model config's,
     except on a GPU, where the engine serves prompts with cuDNN (bf16 / fp16 models) and few queries with the Pallas
-    paged kernel.
+    paged kernel. enable_prefix_caching: reuse the pages of prompt prefixes already computed (see the scheduler).
     """
 
     swiftkv: Optional[bool] = None
@@ -118,6 +126,7 @@ class EngineConfig:
     mesh: Optional[Mesh] = None
     consume_weights: bool = False
     warmup: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         for name in ("single_buckets", "mixed_single_buckets", "prompt_buckets", "table_buckets"):
@@ -144,6 +153,8 @@ class EngineConfig:
                                                        for v in value)):
                 raise ValueError(f"{name} must be positive integers, got {value!r}")
         as_format(self.cache_dtype, self.kv_scales)  # a bad dtype or scale setting names the choices
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
 def _serving_impls(config, options: EngineConfig) -> dict:
@@ -234,7 +245,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, page_size=page_size, max_num_seqs=max_num_seqs,
                                    budget=float(options.max_num_batched_tokens), max_prompt_tokens=max_prompt_tokens,
                                    max_prompt_seqs=options.max_prompt_seqs, prompt_cost=self.prompt_cost,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, prefix_caching=options.enable_prefix_caching,
+                                   cache_salt=self._cache_salt(cfg))
         self.default_stop_ids = tuple(cfg.eos_token_id or ())
         self._sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -346,7 +358,17 @@ class Engine:
             self.counters["busy_s"] += time.perf_counter() - start
         return outputs
 
+    def _cache_salt(self, cfg) -> bytes:
+        """What makes this engine's K/V differ from another's (the prefix cache's hashes start from it): the
+        model's config, the wiring and the cache format. Pages live in one engine, so a weights change (a new
+        engine) never finds them."""
+        return hashlib.blake2b(repr((cfg, self.swiftkv, self.cache_format)).encode(), digest_size=16).digest()
+
     def _launch(self, schedule: Schedule) -> _InFlight:
+        for slot, pages in schedule.cached_rows:  # sequences starting on cached pages: their table rows first
+            row = np.zeros(self.pages_per_seq, np.int32)
+            row[:len(pages)] = pages
+            self.tables = _set_row(self.tables, np.int32(slot), replicated(self.mesh, row))
         key, step, want_top = self._build(schedule)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
@@ -473,6 +495,8 @@ class Engine:
     def warmup(self) -> float:
         """Compile every program now (`programs()`), so that serving never compiles. Returns seconds."""
         start = time.perf_counter()
+        # the table-row update of a prefix-cache hit (before any request: row 0 is all null pages either way)
+        self.tables = _set_row(self.tables, np.int32(0), replicated(self.mesh, np.zeros(self.pages_per_seq, np.int32)))
         for key in self.programs():
             t0 = time.perf_counter()
             with count_compiles() as counts:
@@ -524,4 +548,7 @@ class Engine:
                     pages_total=self.allocator.capacity, pages_free=self.allocator.num_free,
                     page_usage=self.allocator.usage, preemptions=self.scheduler.num_preemptions,
                     generated_tokens_per_s=self.counters["generated_tokens"] / busy if busy else 0.0,
-                    compiled_buckets=len(self._compiled))
+                    compiled_buckets=len(self._compiled),
+                    prefix_cache_queries=self.scheduler.prefix_cache_queries,
+                    prefix_cache_hits=self.scheduler.prefix_cache_hits,
+                    prefix_cache_pages=self.allocator.num_cached, prefix_cache_evictions=self.allocator.num_evicted)

@@ -2,7 +2,7 @@
 sequence's state (host side: plain Python, no JAX program imported).
 
 Each step has a budget. Running decodes come first (one token each), then the prompt being prefilled in chunks
-(at most one is ever cut short, see `swiftkv_jax.model.paged`), then waiting requests first come, first served,
+(at most one is ever cut short), then waiting requests first come, first served,
 while the budget, the sequence slots and the free pages last. A request that does not fit waits; nothing fails for
 lack of memory. When a decode needs a page and none is free, the newest active sequence gives all of its pages
 back and goes to the front of the queue, to be recomputed from its prompt and what it generated so far (vLLM's
@@ -17,6 +17,11 @@ samples adds a *pending* token, which the device holds until `update` hands it o
 step N runs: a decode whose input token is still pending reads it on the device. A sequence that will finish on its
 pending token (max_tokens, max_model_len) is not scheduled again; one that stops on a stop id gets one decode too many,
 whose token `update` drops. Each active sequence holds a slot (its row of the device's block table).
+
+Prefix caching (`prefix_caching`): a new sequence starts with the cached pages of its prompt's longest cached prefix
+(`PageAllocator.lookup` over its chained page hashes, never its last prompt token) and runs only the rest, as a
+chunk that continues a cached prompt; the full prompt pages a step completes are registered once the whole step is
+scheduled. Any number of a step's chunks may continue a cached prompt.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.serving.pages import PageAllocator, pages_for
+from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
 from swiftkv_jax.serving.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
@@ -105,6 +110,9 @@ class Sequence:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
+    prompt_hashes: Optional[list] = None  # chained hashes of the prompt's full pages (prefix caching)
+    num_registered: int = 0     # of its pages, those registered in the prefix cache
+    cached_tokens: int = 0      # prompt tokens found in the prefix cache at its admission
 
     @property
     def num_tokens(self) -> int:
@@ -140,10 +148,12 @@ class Chunk:
 @dataclasses.dataclass
 class Schedule:
     singles: list[Chunk]   # one token each, attending over pages
-    prompts: list[Chunk]   # packed prompt chunks; only prompts[0] may have cached context
+    prompts: list[Chunk]   # packed prompt chunks (any may continue a cached prompt)
     preempted: list[Sequence]
     new_pages: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (slot, index, page)
     admitted: list[Sequence] = dataclasses.field(default_factory=list)  # given a slot by this step
+    # (slot, pages) of admitted sequences that start with pages found in the prefix cache: their table rows
+    cached_rows: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -169,7 +179,8 @@ def prompt_token_cost(config: ModelConfig, swiftkv: bool) -> float:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, *, page_size: int, max_num_seqs: int, budget: float,
-                 max_prompt_tokens: int, max_prompt_seqs: int, prompt_cost: float, max_model_len: int):
+                 max_prompt_tokens: int, max_prompt_seqs: int, prompt_cost: float, max_model_len: int,
+                 prefix_caching: bool = False, cache_salt: bytes = b""):
         self.allocator = allocator
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -182,6 +193,8 @@ class Scheduler:
         self.active: list[Sequence] = []          # in arrival order
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        self.prefix_caching, self.cache_salt = prefix_caching, cache_salt
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens admitted, and found cached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -197,7 +210,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.pages)
         self._free_slots.append(seq.slot)
-        seq.pages, seq.slot = [], -1
+        seq.pages, seq.slot, seq.num_registered = [], -1, 0
 
     def _pages_short(self, seq: Sequence, end: int) -> int:
         return max(0, pages_for(end, self.page_size) - len(seq.pages))
@@ -227,6 +240,32 @@ class Scheduler:
         seq.num_computed += n
         seq.num_pending += chunk.samples
         out.append(chunk)
+
+    # ---- prefix caching -------------------------------------------------------------------------------------
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """A sequence without pages starts with the cached pages of its prompt's longest cached prefix, at most up
+        to (not including) its last prompt token, which must run: its logits give the first token."""
+        page_size = self.page_size
+        if seq.prompt_hashes is None:
+            seq.prompt_hashes = page_hashes(seq.prompt, page_size, self.cache_salt, len(seq.prompt) // page_size)
+        pages = self.allocator.lookup(seq.prompt_hashes[:(len(seq.prompt) - 1) // page_size])
+        self.allocator.share(pages)
+        seq.pages, seq.num_registered = list(pages), len(pages)
+        seq.num_computed = seq.cached_tokens = len(pages) * page_size
+
+    def _untake(self, seq: Sequence) -> None:
+        """Undo `_take_cached_prefix` for a sequence that was not admitted after all."""
+        self.allocator.free(seq.pages)
+        seq.pages, seq.num_registered, seq.num_computed, seq.cached_tokens = [], 0, 0, 0
+
+    def _register(self, seqs) -> None:
+        """Cache the prompt pages these sequences' scheduled chunks complete (after the whole step is scheduled,
+        so that no request of the same step reads a page this step writes)."""
+        for seq in seqs:
+            done = min(seq.num_computed, len(seq.prompt)) // self.page_size
+            for i in range(seq.num_registered, done):
+                self.allocator.register(seq.pages[i], seq.prompt_hashes[i])
+            seq.num_registered = max(seq.num_registered, done)
 
     def schedule(self) -> Schedule:
         budget = self.budget
@@ -267,19 +306,25 @@ class Scheduler:
         # 2. the prompt being prefilled, then waiting requests, first come first served
         prompt_tokens, admitted = 0, []
         candidates = [s for s in continuing if s.status is active] + list(self.waiting)
+        tentative = None  # a new sequence holding cached pages, until it is admitted
+        prefilled = []
         for seq in candidates:
             new = seq.status is Status.WAITING
             if seq in preempted or seq.num_pending or (new and len(self.active) >= self.max_num_seqs):
                 break  # a sequence waiting for its pending token comes back once it has it
+            if new and self.prefix_caching and not seq.pages:
+                self._take_cached_prefix(seq)
+                tentative = seq
             if seq.remaining == 1:  # a one-token prompt: a single token over its (first) page
                 if budget < 1 or self._pages_short(seq, seq.num_computed + 1) > self.allocator.num_free:
                     break
                 self._admit(seq, admitted)
                 self._grow(seq, seq.num_computed + 1, new_pages)
                 self._run(seq, 1, singles)
+                prefilled.append(seq)
                 budget -= 1
                 continue
-            if len(prompts) >= self.max_prompt_seqs or (prompts and seq.num_computed):
+            if len(prompts) >= self.max_prompt_seqs:
                 break
             room = self.allocator.num_free * self.page_size + (len(seq.pages) * self.page_size - seq.num_computed)
             n = min(seq.remaining, int(budget / self.prompt_cost + 1e-9), self.max_prompt_tokens - prompt_tokens,
@@ -289,11 +334,17 @@ class Scheduler:
             self._admit(seq, admitted)
             self._grow(seq, seq.num_computed + n, new_pages)
             self._run(seq, n, prompts)
+            prefilled.append(seq)
             prompt_tokens += n
             budget -= n * self.prompt_cost
             if not prompts[-1].samples:  # cut short: it continues first in the next step
                 break
-        return Schedule(singles, prompts, preempted, new_pages, admitted)
+        if tentative is not None and tentative.status is Status.WAITING:
+            self._untake(tentative)
+        cached_rows = [(seq.slot, list(seq.pages)) for seq in admitted if seq.cached_tokens]
+        if self.prefix_caching:
+            self._register(prefilled)
+        return Schedule(singles, prompts, preempted, new_pages, admitted, cached_rows)
 
     def _admit(self, seq: Sequence, admitted: list) -> None:
         if seq.status is Status.WAITING:
@@ -303,6 +354,9 @@ class Scheduler:
             self.active.sort(key=lambda s: s.arrival)
             seq.status = Status.ACTIVE
             seq.slot = self._free_slots.pop()
+            if self.prefix_caching:
+                self.prefix_cache_queries += len(seq.prompt)
+                self.prefix_cache_hits += seq.cached_tokens
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
 

@@ -92,6 +92,7 @@ class _EngineCollector:
                   ("swiftkv_kv_pages_free", "free pages in the paged KV cache", s["pages_free"]),
                   ("swiftkv_kv_cache_usage", "fraction of the KV cache's pages in use", s["page_usage"]),
                   ("swiftkv_compiled_buckets", "step shapes compiled", s["compiled_buckets"]),
+                  ("swiftkv_prefix_cache_pages", "pages cached for prefix reuse", s["prefix_cache_pages"]),
                   ("swiftkv_engine_healthy", "1 while the engine loop runs", int(self.server.loop.alive)))
         for name, text, value in gauges:
             yield GaugeMetricFamily(name, text, value=value)
@@ -99,7 +100,11 @@ class _EngineCollector:
         counters = (("swiftkv_num_preemptions", "preemptions (a request gave its pages back)", s["preemptions"]),
                     ("swiftkv_prompt_tokens", "prompt tokens run (recomputed ones again)", s["prompt_tokens"]),
                     ("swiftkv_generation_tokens", "tokens generated", s["generated_tokens"]),
-                    ("swiftkv_engine_steps", "engine steps", s["steps"]))
+                    ("swiftkv_engine_steps", "engine steps", s["steps"]),
+                    ("swiftkv_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                     s["prefix_cache_queries"]),
+                    ("swiftkv_prefix_cache_hits", "prompt tokens found in the prefix cache", s["prefix_cache_hits"]),
+                    ("swiftkv_prefix_cache_evictions", "cached pages evicted", s["prefix_cache_evictions"]))
         for name, text, value in counters:
             yield CounterMetricFamily(name, text, value=value)
 
