@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -10,13 +11,18 @@ import sys
 from pathlib import Path
 
 
+@functools.lru_cache(maxsize=None)
+def commit() -> str:
+    """The checkout's commit (asked once: a benchmark may rewrite its file after every row)."""
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
 def write_results(path, script: str, argv, payload: dict, quiet: bool = False) -> Path:
     """Write payload + provenance as JSON to path (parents created); returns the path. quiet: say nothing (a
     benchmark that rewrites its file after every row)."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
     args = list(sys.argv[1:] if argv is None else argv)
-    record = {"command": " ".join(["python", script, *args]), "commit": commit, "host": platform.node(),
+    record = {"command": " ".join(["python", script, *args]), "commit": commit(), "host": platform.node(),
               "cpu_count": os.cpu_count(), **payload}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from kernels import _error, timed
-from results_file import write_results
+from results_file import commit, write_results
 
 # (kernel, tokens the entry covers [min, max], shape) per tuned point
 POINTS = [("flash", (1, 4095), dict(batch=1, tokens=2048)), ("flash", (4096, None), dict(batch=1, tokens=8192)),
@@ -152,12 +152,11 @@ def main(argv=None) -> int:
 
     out = args.out or ("/tmp/swiftkv_jax_tune_smoke.json" if args.smoke else
                        f"benchmarks/results/tune_kernels_{device.platform}.json")
-    path = write_results(out, "benchmarks/tune_kernels.py", argv,
-                         {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
-                          "entries": entries})
+    write_results(out, "benchmarks/tune_kernels.py", argv,
+                  {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
+                   "entries": entries})
     if args.write:
-        write_table(Path(args.table) if args.table else None, device.device_kind, entries,
-                    json.loads(path.read_text())["commit"])
+        write_table(Path(args.table) if args.table else None, device.device_kind, entries, commit())
     return 0
 
 

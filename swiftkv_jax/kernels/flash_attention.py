@@ -42,9 +42,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-# Finite "minus infinity" (the kernels' one): masked logits never give inf - inf = NaN; exp2 of it underflows to 0.
-from swiftkv_jax.kernels.split_k import MASK_VALUE
+# MASK_VALUE: the kernels' finite "minus infinity": masked logits never give inf - inf = NaN; exp2 of it is 0.
+from swiftkv_jax.kernels.split_k import MASK_VALUE, is_power_of_two
 from swiftkv_jax.kernels.tuning import tuned
+
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's dot needs every matrix dimension >= 16
 _MAX_BLOCK = 1024
@@ -53,10 +54,6 @@ _VALID_NUM_WARPS = (1, 2, 4, 8, 16, 32)
 
 def _is_int(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool)
-
-
-def _is_power_of_two(n) -> bool:
-    return _is_int(n) and n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +75,7 @@ class FlashBlockSizes:
     def __post_init__(self):
         for name in ("block_q", "block_k"):
             value = getattr(self, name)
-            if not _is_power_of_two(value) or not _MIN_BLOCK <= value <= _MAX_BLOCK:
+            if not is_power_of_two(value) or not _MIN_BLOCK <= value <= _MAX_BLOCK:
                 raise ValueError(f"FlashBlockSizes.{name} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}], "
                                  f"got {value!r}")
         if not _is_int(self.num_warps) or self.num_warps not in _VALID_NUM_WARPS:
