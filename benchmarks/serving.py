@@ -291,6 +291,26 @@ def make_workload(args) -> dict:
     return dict(prompts=prompts, prompt_lens=prompt_lens, output_lens=output_lens, unit_gaps=unit_gaps)
 
 
+def engine_settings(args, cfg, name: str, pool: dict, max_model_len: int) -> dict:
+    """`sk.Engine`'s settings for configuration `name` (CONFIGS) from the command line: the buckets grow to
+    max-num-seqs and to the engine's largest prompt part."""
+    from swiftkv_jax.serving.scheduler import prompt_token_cost
+
+    c = CONFIGS[name]
+    cost = prompt_token_cost(cfg, c["swiftkv"]) if c["budget_unit"] == "cost" else 1.0
+    most = int(args.max_num_batched_tokens / cost + 1e-9)  # the engine's largest prompt part
+    grow = lambda text, top: tuple(sorted({b for b in _ints(text) if b < top} | {top}))
+    return dict(swiftkv=c["swiftkv"], budget_unit=c["budget_unit"], page_size=args.page_size, **pool,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max_model_len, max_prompt_seqs=args.max_prompt_seqs,
+                cache_dtype=c.get("cache_dtype", args.dtype),
+                attention_impl=c.get("attention_impl", args.attention_impl),
+                decode_attention_impl=c.get("decode_attention_impl", args.decode_attention_impl),
+                single_buckets=grow(args.single_buckets, args.max_num_seqs),
+                mixed_single_buckets=grow(args.mixed_single_buckets, args.max_num_seqs),
+                prompt_buckets=grow(args.prompt_buckets, most))
+
+
 def measure_device(args) -> dict:
     """The matmul rate (a `--matmul-size`^3 matmul in the model's dtype) and the copy bandwidth, on the device."""
     import jax
@@ -693,7 +713,8 @@ def roofline_header(device: dict, rooflines: dict) -> str:
 def targets_text(rows: list) -> str:
     lines = []
     for t in rows:
-        verdict = "not measured" if t["passed"] is None else "PASS" if t["passed"] else "FAIL"
+        verdict = ("not measured" if t["value"] is None else "not judged" if t["passed"] is None else
+                   "PASS" if t["passed"] else "FAIL")
         value = "-" if t["value"] is None else f"{t['value']:,.3f}" if t["value"] < 100 else f"{t['value']:,.0f}"
         lines.append(f"- {t['target']}: {value} ({t['op']} {t['goal']:g}): {verdict}"
                      + (f" ({t['note']})" if t["note"] else ""))
@@ -805,6 +826,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", help="PNG path (default: the JSON's, .png); 'none' for no plot")
     parser.add_argument("--http", action="store_true",
                         help="also run the engines' workloads through `infer.py serve` and report the HTTP overhead")
+    import serving_prefix  # it imports this module's helpers
+
+    serving_prefix.add_arguments(parser)
     args = parser.parse_args(argv)
     args.platform = None
     if args.quick:
@@ -818,8 +842,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--layers/--hidden/--vocab/--head-dim apply to the cpu and quick presets; 8b has its own "
                          "shape")
         preset.update(PART_8B.get(args.part, {}))
-        if args.part != "all":
+        if args.part != "all" or args.workload == "shared-prefix":
             preset["deadline"] = PART_DEADLINE_8B
+    if args.workload == "shared-prefix":
+        preset.update(serving_prefix.PRESETS[args.preset])
     preset.setdefault("deadline", None)
     preset["configs"] = ",".join(c for c in PARTS[args.part].split(",")
                                  if not (args.preset == "cpu" and c in CPU_LEFT_OUT))
@@ -847,12 +873,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--range-ratio must lie in [0, 1)")
     if args.preset != "8b" and args.hidden % args.head_dim:
         parser.error(f"--hidden {args.hidden} must be a multiple of --head-dim {args.head_dim}")
+    if args.workload == "shared-prefix":
+        serving_prefix.check_arguments(parser, args)
     return args
 
 
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    if args.workload == "shared-prefix":
+        import serving_prefix
+
+        return serving_prefix.run_prefix_workloads(args, argv)
     configs = args.configs.split(",")
     order = [name for name in CONFIGS if name in configs]
     engines = [n for n in order if CONFIGS[n]["kind"] == "engine"]
@@ -938,19 +970,7 @@ def main(argv=None) -> int:
     static_attention = args.attention_impl or ("cudnn" if gpu_bf16 else None)
 
     def settings(name) -> dict:
-        c = CONFIGS[name]
-        cost = prompt_token_cost(cfg, c["swiftkv"]) if c["budget_unit"] == "cost" else 1.0
-        most = int(args.max_num_batched_tokens / cost + 1e-9)  # the engine's largest prompt part
-        grow = lambda text, top: tuple(sorted({b for b in _ints(text) if b < top} | {top}))
-        return dict(swiftkv=c["swiftkv"], budget_unit=c["budget_unit"], page_size=args.page_size, **pool,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=max_model_len, max_prompt_seqs=args.max_prompt_seqs,
-                    cache_dtype=c.get("cache_dtype", args.dtype),
-                    attention_impl=c.get("attention_impl", args.attention_impl),
-                    decode_attention_impl=c.get("decode_attention_impl", args.decode_attention_impl),
-                    single_buckets=grow(args.single_buckets, args.max_num_seqs),
-                    mixed_single_buckets=grow(args.mixed_single_buckets, args.max_num_seqs),
-                    prompt_buckets=grow(args.prompt_buckets, most))
+        return engine_settings(args, cfg, name, pool, max_model_len)
 
     mean_len = float(np.mean(p_all + o_all))
 

@@ -364,7 +364,7 @@ def _serve(args) -> int:
 
     import jax
 
-    from swiftkv_jax.serving.server import serve
+    from swiftkv_jax.serving.http import serve
 
     # our own handler: an import may already have configured the root logger (then basicConfig does nothing)
     handler = logging.StreamHandler()

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import swiftkv_jax as sk
 from swiftkv_jax.serving.continuous import Engine
+from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.ragged_step import Sampled, ragged_step, sample_rows
 from swiftkv_jax.serving.scheduler import prompt_token_cost
 
@@ -185,26 +186,30 @@ def test_admission_waits_for_pages():
     assert all(done[i].token_ids == alone("swiftkv-g1", tuple(PROMPTS[2]))[0] for i in ids)
 
 
-@pytest.mark.parametrize("request_, message", [
-    (dict(prompt=[]), "prompt is empty"),
-    (dict(prompt=[1, 96]), r"\[0, 96\)"),
-    (dict(prompt=[1, -1]), r"\[0, 96\)"),
-    (dict(prompt=[1] * 90, max_tokens=10), "max_model_len is 96"),
-    (dict(prompt=[1], temperature=-1.0), "temperature must be >= 0"),
-    (dict(prompt=[1], temperature=float("nan")), "temperature must be a finite number"),
-    (dict(prompt=[1], top_p=0.0), "top_p must lie in"),
-    (dict(prompt=[1], top_k=-2), "top_k must be >= 0"),
-    (dict(prompt=[1], max_tokens=0), "max_tokens must be >= 1"),
-    (dict(prompt=[1], max_tokens="5"), "max_tokens must be a finite number"),
-    (dict(prompt=[1], stop_token_ids=[500]), "stop_token_ids must lie in"),
-    (dict(prompt=["a"]), "token ids"),
-    (dict(prompt=[1], prompt_logprobs=True), "SwiftKV prefill never runs the prompt tokens"),
+@pytest.mark.parametrize("request_, param, message", [
+    (dict(prompt=[]), "prompt", "prompt is empty"),
+    (dict(prompt=[1, 96]), "prompt", r"\[0, 96\)"),
+    (dict(prompt=[1, -1]), "prompt", r"\[0, 96\)"),
+    (dict(prompt=[1] * 90, max_tokens=10), "max_tokens", "max_model_len is 96"),
+    (dict(prompt=[1], temperature=-1.0), "temperature", "temperature must be >= 0"),
+    (dict(prompt=[1], temperature=float("nan")), "temperature", "temperature must be a finite number"),
+    (dict(prompt=[1], top_p=0.0), "top_p", "top_p must lie in"),
+    (dict(prompt=[1], top_k=-2), "top_k", "top_k must be >= 0"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens", "max_tokens must be >= 1"),
+    (dict(prompt=[1], max_tokens="5"), "max_tokens", "max_tokens must be an integer"),
+    (dict(prompt=[1], stop_token_ids=[500]), "stop_token_ids", "stop_token_ids must lie in"),
+    (dict(prompt=["a"]), "prompt", "token ids"),
+    (dict(prompt=[1], seed=2**31), "seed", r"seed must lie in \[0, 2\*\*31\)"),
+    (dict(prompt=[1], prompt_logprobs=21), "prompt_logprobs", "prompt_logprobs must lie in"),
+    (dict(prompt=[1], prompt_logprobs=True), "prompt_logprobs", "prompt_logprobs must be an integer"),
 ])
-def test_bad_requests_are_refused_alone(request_, message):
+def test_bad_requests_are_refused_alone(request_, param, message):
+    """Each bad setting raises InvalidRequest (a ValueError) naming the setting; the engine serves on."""
     eng = engine("swiftkv-g1")
     request_ = dict(request_)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message) as error:
         eng.add_request(request_.pop("prompt"), **request_)
+    assert isinstance(error.value, ValueError) and error.value.param == param
     assert eng.generate([PROMPTS[3]], max_tokens=MAX_TOKENS, logprobs=True, stop_token_ids=[])[0].token_ids == \
         alone("swiftkv-g1", tuple(PROMPTS[3]))[0]
 
@@ -402,6 +407,53 @@ def test_top_logprobs_are_the_full_forwards():
         engine("swiftkv-g2").add_request([1], logprobs=True, top_logprobs=21)
     with pytest.raises(ValueError, match="top_logprobs needs logprobs=True"):
         engine("swiftkv-g2").add_request([1], top_logprobs=2)
+
+
+def full_forward_log_probs(name: str, tokens) -> np.ndarray:
+    model, swiftkv = MODELS[name]
+    return np.asarray(jax.nn.log_softmax(sk.logits(model, np.asarray([tokens]), swiftkv=swiftkv), axis=-1))[0]
+
+
+@pytest.mark.parametrize("name", ["plain", "swiftkv-g1", "swiftkv-g2", "swiftkv-g2-as-teacher"])
+def test_prompt_logprobs_are_the_full_forwards(name):
+    """prompt_logprobs=k: every prompt token's logprob and the k most likely tokens at its position, as the full
+    forward in the engine's wiring (sk.logits) gives them, for prompts scored beside plain requests and decodes,
+    across steps (a budget of 16 tokens, 4 single rows) and preemptions; the tokens generated after are those of the
+    request alone, and the plain requests beside keep theirs."""
+    scored = [PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[6]]  # 40, 13, 1 and 17 tokens
+    eng = engine(name, num_pages=24)
+    done = run(eng, scored + [PROMPTS[4], PROMPTS[3]], arrivals=[0, 0, 2, 3, 1, 5], prompt_logprobs=3)
+    for i, prompt in enumerate(scored):
+        out = done[str(i)]
+        assert out.token_ids == alone(name, tuple(prompt))[0], f"request {i}"
+        want = full_forward_log_probs(name, prompt)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        got = np.asarray(out.prompt_logprobs[1:], np.float64)
+        np.testing.assert_allclose(got, want[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+        for position, top in enumerate(out.prompt_top_logprobs[1:]):
+            assert list(top) == np.argsort(-want[position])[:3].tolist()
+            np.testing.assert_allclose(list(top.values()), np.sort(want[position])[::-1][:3], atol=1e-4)
+    assert_matches_alone(name, [PROMPTS[4], PROMPTS[3]], {"0": done["4"], "1": done["5"]})
+    assert_pool_full(eng)
+
+
+def test_prompt_logprobs_arrive_with_the_first_token_and_cost_full_depth():
+    """The first output of a scored request carries its prompt logprobs; a scored prompt costs 1 a token of the
+    budget in cost units (full depth), where a plain SwiftKV prompt token costs about l/L, and it runs as single
+    tokens: no prompt part in any step, so no prefix-cache lookup either."""
+    eng = engine("swiftkv-g2", budget_unit="cost", max_num_batched_tokens=8, single_buckets=(4, 8), max_num_seqs=8)
+    eng.add_request(PROMPTS[2], request_id="scored", max_tokens=3, prompt_logprobs=0, stop_token_ids=[])
+    first, prompt_parts = None, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.new_token_ids and first is None:
+                first = out
+        prompt_parts += eng._in_flight is not None and bool(eng._in_flight.schedule.prompts)
+    assert first is not None and first.prompt_logprobs is not None and len(first.prompt_logprobs) == 40
+    assert first.prompt_top_logprobs[1] is None  # k = 0: the prompt token's own logprob alone
+    stats = eng.stats()
+    assert prompt_parts == 0 and stats["prompt_tokens"] == 40 and stats["prefix_cache_queries"] == 0
+    assert stats["steps"] == 40 // 8 + 2  # 8 full-depth tokens a step (the budget), then the 2 decodes left
 
 
 @pytest.mark.parametrize("swiftkv", [False, True])

@@ -259,14 +259,17 @@ def test_serving_step_runs_each_part_with_arguments_serving_py_accepts(tmp_path)
     import serving
 
     commands = []
-    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path,
-                  serving_parts=("offline", "sweep", "peer"))
+    parts = ("offline", "sweep", "peer", "prefix")
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, serving_parts=parts)
     pack_steps.serving_step(ctx, commands.append)
-    assert [c.label for c in commands] == [f"benchmarks/serving.py --part {p}" for p in ("offline", "sweep", "peer")]
-    for command, part in zip(commands, ("offline", "sweep", "peer")):
+    assert [c.label for c in commands] == [f"benchmarks/serving.py --part {p}" for p in parts[:3]] + [
+        "benchmarks/serving.py --workload shared-prefix"]
+    for command, part in zip(commands, parts):
         args = serving.parse_args([str(a) for a in command.argv[2:]])
-        assert (args.preset, args.part, args.deadline) == ("8b", part, serving.PART_DEADLINE_8B)
+        workload = "shared-prefix" if part == "prefix" else "random"
+        assert (args.preset, args.workload, args.deadline) == ("8b", workload, serving.PART_DEADLINE_8B)
+        assert args.part == (part if part != "prefix" else "all")
         assert command.output == tmp_path / f"serving_{part}.json" and command.limit_s >= args.deadline + 30
     assert pack_steps.parse_parts("offline, peer") == ("offline", "peer")
-    with pytest.raises(ValueError, match="choose from offline, sweep, peer, all"):
+    with pytest.raises(ValueError, match="choose from offline, sweep, peer, prefix, all"):
         pack_steps.parse_parts("fast")

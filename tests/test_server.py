@@ -192,6 +192,58 @@ def test_chat_equals_generate(client, tokenizer, reference):
     assert chunks[-1].choices[0].finish_reason == _reason(tokens, tokenizer, 10)
 
 
+def test_echo_with_logprobs_scores_the_prompt_at_full_depth(client, student, tokenizer, reference):
+    """echo + logprobs (what lm-eval's loglikelihood tasks send): each prompt token's logprob and top logprobs are
+    the full forward's in SwiftKV wiring (sk.logits), the first null; then the generated tokens as usual. Token-id
+    prompts in a batch, whole and streamed; max_tokens 0 scores the prompt and generates nothing."""
+    import jax
+
+    model = sk.load(student / "student")
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    for prompt, choice in zip(ids, out.choices):
+        want = np.asarray(jax.nn.log_softmax(sk.logits(model, np.asarray([prompt])), axis=-1))[0]
+        lp = choice.logprobs
+        assert choice.text == tokenizer.decode(prompt, skip_special_tokens=True) + reference(prompt, 1)[2]
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        assert lp.tokens[:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+        np.testing.assert_allclose(lp.token_logprobs[1:len(prompt)], want[np.arange(len(prompt) - 1), prompt[1:]],
+                                   atol=1e-4)
+        for position, top in enumerate(lp.top_logprobs[1:len(prompt)]):
+            best = np.argsort(-want[position])[:2]
+            expected = {tokenizer.decode([int(t)]): want[position, t] for t in best}
+            expected[tokenizer.decode([prompt[position + 1]])] = want[position, prompt[position + 1]]
+            assert set(top) == set(expected)
+            np.testing.assert_allclose([top[k] for k in expected], list(expected.values()), atol=1e-4)
+        assert lp.token_logprobs[-1] == pytest.approx(reference(prompt, 1)[1][0], abs=1e-4)
+        assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    scored = httpx.post(f"{client.base_url}completions", timeout=60, json=dict(
+        model=MODEL, prompt=ids[0], max_tokens=0, echo=True, logprobs=0)).json()["choices"][0]
+    assert scored["text"] == tokenizer.decode(ids[0], skip_special_tokens=True) and scored["finish_reason"] == "length"
+    assert scored["logprobs"]["token_logprobs"] == out.choices[0].logprobs.token_logprobs[:len(ids[0])]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids[1], max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[:len(ids[1])] == out.choices[1].logprobs.token_logprobs[:len(ids[1])] and len(streamed) == \
+        len(ids[1]) + 3
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+        tokenizer.decode(ids[1], skip_special_tokens=True) + reference(ids[1], 3)[2]
+
+
+def test_vllm_fields_that_benchmarks_send(server, tokenizer, reference):
+    """guidellm's and vLLM's benchmark requests: ignore_eos with min_tokens = max_tokens, max_completion_tokens on
+    completions, and stream_options with continuous_usage_stats (usage on every chunk)."""
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    body = dict(model=MODEL, prompt=ids, max_completion_tokens=12, min_tokens=12, ignore_eos=True, temperature=0,
+                stream=True, stream_options=dict(include_usage=True, continuous_usage_stats=True))
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    usages = [e["usage"] for e in events]
+    assert usages[-1]["completion_tokens"] == 12 and events[-1]["choices"] == []
+    assert [u["completion_tokens"] for u in usages] == sorted(u["completion_tokens"] for u in usages)
+    assert all(u["prompt_tokens"] == len(ids) for u in usages)
+
+
 def test_n_seed_and_logprobs(client, tokenizer, reference):
     ids = tokenizer(PROMPTS[2])["input_ids"]
     tokens, logprobs, text = reference(ids, 8)
@@ -351,7 +403,6 @@ def test_overload_gets_503_with_retry_after(server, tokenizer):
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------------
-ECHO_REASON = "a SwiftKV prefill never runs the prompt tokens through the layers >= l"
 BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", b"{not json", 400, None, "could not parse the JSON body"),
     ("/v1/completions", b"[1, 2]", 400, None, "must be an object"),
@@ -371,7 +422,12 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", dict(prompt=[10**6]), 400, "prompt", "prompt token ids must lie in"),
     ("/v1/completions", dict(prompt=[]), 400, "prompt", "prompt must be a string"),
     ("/v1/completions", dict(prompt="hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
-    ("/v1/completions", dict(prompt="hi", echo=True, logprobs=1), 400, "echo", ECHO_REASON),
+    ("/v1/completions", dict(prompt="hi", min_tokens=3), 400, "min_tokens", "with ignore_eos: true"),
+    ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), 400, "stop_token_ids", "stop_token_ids must lie"),
+    ("/v1/completions", dict(prompt="hi", stream=True, stream_options=dict(include_usage="yes")), 400,
+     "stream_options", "stream_options takes"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=500), 400,
+     "max_completion_tokens", "maximum context length is 128"),
     ("/v1/chat/completions", dict(messages=[]), 400, "messages", "messages must be a non-empty list"),
     ("/v1/chat/completions", dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role",
      "'wizard' is not a chat role"),

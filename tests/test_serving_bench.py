@@ -282,3 +282,24 @@ def test_a_cut_off_run_counts_the_served_prompts_and_every_token():
     assert run["total_tokens_per_s"] == 18 and run["requests_per_s"] == 0.5
     assert run["ttft_ms"]["p50"] == pytest.approx(1000) and run["tpot_ms"]["p50"] == pytest.approx(250)
     assert run["per_request"]["e2e_s"] == [1.25, None, None]
+
+
+def test_the_shared_prefix_workload_hits_what_it_shares(tmp_path):
+    """`--workload shared-prefix` on the quick preset: every run of the matrix ran; with the system prompt cached
+    before the clock, each single-turn request finds the system prompt's full pages (64 tokens at 16-token pages)
+    and nothing more (its own tokens are random), caching off finds nothing, and without sharing nothing hits."""
+    out = tmp_path / "prefix.json"
+    assert S.main(["--workload", "shared-prefix", "--quick", "--page-size", "16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["complete"] and len(data["runs"]) == 16 and "| workload |" in data["table"]
+    for run in data["runs"]:
+        queries, hits = run["prefix_cache_queries"], run["prefix_cache_hits"]
+        if not run["caching"] or run["workload"] == "no-sharing":
+            assert hits == 0
+        elif run["workload"] == "single-turn":
+            assert queries == run["prompt_tokens"] and hits == 64 * run["num_requests"]
+        else:  # multi-turn: later turns also find their own earlier turns
+            assert hits > 64 * run["num_requests"]
+    assert {t["target"].split(":")[0] for t in data["targets"]} >= {"single-turn teacher", "multi-turn swiftkv-tokens"}
+    with pytest.raises(SystemExit):
+        S.parse_args(["--workload", "shared-prefix", "--suffix-lens", "30,10"])

@@ -12,8 +12,9 @@
             (smoke: distill_step's arguments checked; the dry run on the tiny config with a few overrides)
  5 serving  benchmarks/serving.py --preset 8b: sk.Engine in SwiftKV and teacher wiring, the static engine and
             transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
-            Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer: one
-            call of under 10 minutes each) (smoke: its --smoke, every configuration on a tiny model)
+            Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer, and
+            prefix: --workload shared-prefix, prefix caching on against off; one call of under 10 minutes each)
+            (smoke: its --smoke, every configuration on a tiny model)
  6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
 Standard library only, like the runner.
 """
@@ -167,7 +168,7 @@ def _dry_run(log: str) -> dict:
     return out
 
 
-SERVING_PARTS = ("offline", "sweep", "peer", "all")
+SERVING_PARTS = ("offline", "sweep", "peer", "prefix", "all")  # prefix: --workload shared-prefix
 
 
 def parse_parts(text: str) -> tuple:
@@ -187,8 +188,10 @@ def serving_step(ctx, run):
         return
     for part in ctx.serving_parts:  # each under serving.py's own deadline (500 s), well inside the step's limit
         out = ctx.tmp / f"serving_{part}.json"
-        argv = (ctx.python, "benchmarks/serving.py", "--preset", "8b", "--part", part, "--out", out, "--plot", "none")
-        run(Command(f"benchmarks/serving.py --part {part}", argv, 600, output=out, script="benchmarks/serving.py"))
+        which = ("--workload", "shared-prefix") if part == "prefix" else ("--part", part)
+        argv = (ctx.python, "benchmarks/serving.py", "--preset", "8b", *which, "--out", out, "--plot", "none")
+        run(Command(f"benchmarks/serving.py {' '.join(which)}", argv, 600, output=out,
+                    script="benchmarks/serving.py"))
 
 
 def peers_step(ctx, run):

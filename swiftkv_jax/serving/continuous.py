@@ -40,6 +40,7 @@ from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
 from swiftkv_jax.serving.compile_cache import count_compiles
+from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
@@ -64,6 +65,10 @@ class RequestOutput:
     metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
     new_top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token id: logprob}, when asked
     top_logprobs: Optional[list[dict]] = None  # per generated token, when finished and asked
+    # with prompt_logprobs, on the first token's output and the finished one: per prompt token its logprob (None
+    # for the first) and the most likely tokens there ({id: logprob}, prompt_logprobs of them)
+    prompt_logprobs: Optional[list] = None
+    prompt_top_logprobs: Optional[list] = None
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -269,39 +274,38 @@ class Engine:
     def add_request(self, prompt: Seq[int], *, request_id: Optional[str] = None, max_tokens: int = 16,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
-                    prompt_logprobs: bool = False) -> str:
-        """Queue a request (thread-safe); bad input raises ValueError here, for this request only."""
-        if prompt_logprobs:
-            raise ValueError("prompt logprobs are not available from this engine: "
-                             + ("a SwiftKV prefill never runs the prompt tokens through the layers >= l, so the "
-                                "model has no logits for them; score prompts with `infer.py eval` or `sk.logits`"
-                                if self.swiftkv else "the engine computes logits for sampled positions only; "
-                                "score prompts with `infer.py eval` or `sk.logits`"))
+                    prompt_logprobs: Optional[int] = None) -> str:
+        """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
+        for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
+        and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
+        runs as full-depth single tokens, see the scheduler); on the request's first output."""
         try:
             prompt = [int(t) for t in prompt]
         except (TypeError, ValueError):
-            raise ValueError("a prompt must be a sequence of token ids (integers)") from None
+            raise InvalidRequest("a prompt must be a sequence of token ids (integers)", "prompt") from None
         if not prompt:
-            raise ValueError("the prompt is empty: a request needs at least one token")
+            raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
         vocab = self.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]")
+            raise InvalidRequest(f"prompt token ids must lie in [0, {vocab}), got [{min(prompt)}, {max(prompt)}]",
+                                 "prompt")
         with self._id_lock:
             number = next(self._ids)
         if seed is None:
             seed = number % 2**31
         params = RequestParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()), logprobs,
-                               top_logprobs)
+                               top_logprobs, prompt_logprobs)
         params.validate(vocab)
         needed = len(prompt) + max_tokens
         if needed > self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs {needed} positions, "
-                             f"but the engine's max_model_len is {self.max_model_len}: shorten the prompt or lower "
-                             f"max_tokens")
+            raise InvalidRequest(f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs {needed} "
+                                 f"positions, but the engine's max_model_len is {self.max_model_len}: shorten the "
+                                 f"prompt or lower max_tokens", "max_tokens")
         if -(-needed // self.page_size) > self.allocator.capacity:
-            raise ValueError(f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs "
-                             f"{-(-needed // self.page_size)} pages of {self.page_size} tokens, but the whole KV cache "
-                             f"has {self.allocator.capacity}: raise the cache size or shorten the request")
+            raise InvalidRequest(f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs "
+                                 f"{-(-needed // self.page_size)} pages of {self.page_size} tokens, but the whole KV "
+                                 f"cache has {self.allocator.capacity}: raise the cache size or shorten the request",
+                                 "max_tokens")
         request_id = str(number) if request_id is None else str(request_id)
         stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
         self._inbox.put(("add", Sequence(request_id, -1, prompt, params, stops)))
@@ -376,7 +380,7 @@ class Engine:
             self._compiled.add(key)
         token, logprob, top = self._run_step(step, want_top, key[2])
         self.counters["steps"] += 1
-        self.counters["prompt_tokens"] += sum(c.length for c in schedule.prompts)
+        self.counters["prompt_tokens"] += sum(c.length for c in schedule.prompts) + schedule.scored
         return _InFlight(schedule, token, logprob, top if want_top else None)
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
@@ -394,6 +398,9 @@ class Engine:
                 outputs.append(done)
             else:
                 outputs.append(RequestOutput(seq.request_id, [seq.output[-1]], lp, new_top_logprobs=top_lp))
+                if seq.prompt_logprobs is not None and len(seq.output) == 1:
+                    outputs[-1].prompt_logprobs = list(seq.prompt_logprobs)
+                    outputs[-1].prompt_top_logprobs = list(seq.prompt_top_logprobs)
         return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
@@ -411,9 +418,12 @@ class Engine:
                        tpot_s=(last - first) / (n - 1) if n > 1 else None,
                        e2e_s=time.perf_counter() - seq.arrival_time, preemptions=seq.num_preemptions,
                        prompt_tokens=len(seq.prompt), generated_tokens=len(seq.output))
+        prompt_lp, prompt_top = seq.prompt_logprobs, seq.prompt_top_logprobs
         return RequestOutput(seq.request_id, [], [], True, reason, list(seq.output),
                              list(seq.logprobs) if seq.params.logprobs else None, metrics,
-                             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None)
+                             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
+                             prompt_logprobs=None if prompt_lp is None else list(prompt_lp),
+                             prompt_top_logprobs=None if prompt_top is None else list(prompt_top))
 
     def _shape(self, num_single: int, num_prompt: int, num_pages: int) -> tuple[int, int, int]:
         """The program (single tokens, prompt tokens, table width) a step of these sizes runs in."""
@@ -440,7 +450,8 @@ class Engine:
         singles, prompts, sampling_chunks = schedule.singles, schedule.prompts, schedule.sampling
         for seq in schedule.admitted:
             p = seq.params
-            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs)
+            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed,
+                                             max(p.top_logprobs, p.prompt_logprobs or 0))
         num_prompt = sum(c.length for c in prompts)
         widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
                                                                                default=0))
@@ -453,8 +464,10 @@ class Engine:
         tokens[:n] = [c.token for c in singles]  # plain comprehensions: this runs over every running sequence
         positions[:n] = [c.start for c in singles]
         slots[:n] = [c.seq.slot for c in singles]
-        upper_index = np.full(u, -1, np.int32)
+        upper_index, targets = np.full(u, -1, np.int32), np.full(u, -1, np.int32)
         upper_index[:n] = np.arange(n)
+        if schedule.scored:
+            targets[:n] = [c.target for c in singles]
         rows, offset = n, d
         for segment, chunk in enumerate(prompts):
             end = offset + chunk.length
@@ -479,7 +492,7 @@ class Engine:
         table[0] = self.scheduler.max_num_seqs  # out of range: no entry
         if new:
             table[:, :len(new)] = np.array(new, np.int32).T
-        step = StepInput(tokens, positions, slots, segments, upper_index, sampling, *table)
+        step = StepInput(tokens, positions, slots, segments, upper_index, targets, sampling, *table)
         return key, step, bool(settings[:rows, 4].any())
 
     def _run_step(self, step: StepInput, want_top: bool, width: int):
@@ -512,7 +525,7 @@ class Engine:
         u, a = self._rows(d, r)
         z = lambda n, fill=0: np.full(n, fill, np.int32)
         sampling = Sampled(np.zeros(u, np.float32), z(u), np.ones(u, np.float32), z(u), z(u))
-        return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), z(u, -1), sampling,
+        return StepInput(z(d + r), z(d + r), z(d + r, -1), z(r, -1), z(u, -1), z(u, -1), sampling,
                          z(a, self.scheduler.max_num_seqs), z(a), z(a))
 
     def _step_options(self, width: int) -> dict:

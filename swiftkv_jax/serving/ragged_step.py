@@ -72,6 +72,7 @@ class StepInput:
     slots: jax.Array            # [D + R] the token's sequence's slot (row of the block table); -1 padding
     segments: jax.Array         # [R] prompt segment of each prompt token, -1 padding
     upper_index: jax.Array      # [U] rows run to the head (into the D + R tokens); -1 padding
+    targets: jax.Array          # [U] a scored prompt token's next token, whose logprob the row gives; -1: it samples
     sampling: Sampled           # [U]
     table_slots: jax.Array      # [A] block-table entries to write: slot (out of range: none), index, page id
     table_indices: jax.Array
@@ -80,7 +81,8 @@ class StepInput:
     def pack(self) -> np.ndarray:
         """int32 [n]: the host arrays as one, the floats by their bits, so that a step costs one transfer, not
         fifteen."""
-        ints = [self.tokens, self.positions, self.slots, self.segments, self.upper_index, self.sampling.top_k,
+        ints = [self.tokens, self.positions, self.slots, self.segments, self.upper_index, self.targets,
+                self.sampling.top_k,
                 self.sampling.seed, self.sampling.count, self.table_slots, self.table_indices, self.table_pages]
         floats = [np.asarray(x, np.float32).view(np.int32) for x in (self.sampling.temperature, self.sampling.top_p)]
         return np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ints] + floats)
@@ -89,12 +91,13 @@ class StepInput:
     def unpack(cls, packed, sizes: tuple) -> "StepInput":
         """The inverse of `pack` for a step of sizes (D + R tokens, R prompt tokens, U rows, A table entries)."""
         t, r, u, a = sizes
-        parts = np.cumsum([0, t, t, t, r, u, u, u, u, a, a, a, u, u])
-        (tokens, positions, slots, segments, upper_index, top_k, seed, count, table_slots, table_indices,
+        parts = np.cumsum([0, t, t, t, r, u, u, u, u, u, a, a, a, u, u])
+        (tokens, positions, slots, segments, upper_index, targets, top_k, seed, count, table_slots, table_indices,
          table_pages, temperature, top_p) = (packed[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
         floats = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
         sampling = Sampled(floats(temperature), top_k, floats(top_p), seed, count)
-        return cls(tokens, positions, slots, segments, upper_index, sampling, table_slots, table_indices, table_pages)
+        return cls(tokens, positions, slots, segments, upper_index, targets, sampling, table_slots, table_indices,
+                   table_pages)
 
     @property
     def sizes(self) -> tuple:
@@ -149,10 +152,12 @@ def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swif
     logits = head(params, config, h)[0]
     token = sample_rows(logits, sampling)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    logprob = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+    scored = step.targets >= 0  # a scored prompt token's row: the logprob of its target, and no token kept
+    logprob = jnp.take_along_axis(log_probs, jnp.where(scored, step.targets, token)[:, None], axis=-1)[:, 0]
     k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
     top = jax.lax.cond(want_top, lambda: tuple(jax.lax.top_k(log_probs, k)),
                        lambda: (jnp.zeros((logits.shape[0], k), log_probs.dtype), jnp.zeros((logits.shape[0], k),
                                                                                             jnp.int32)))
-    last_tokens = last_tokens.at[jnp.where(upper_slots >= 0, upper_slots, num_slots)].set(token, mode="drop")
+    keep = (upper_slots >= 0) & ~scored
+    last_tokens = last_tokens.at[jnp.where(keep, upper_slots, num_slots)].set(token, mode="drop")
     return token, logprob, top, PagePool(lower, upper_pool), tables, last_tokens

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax.serving.errors import InvalidRequest
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -16,11 +18,11 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
+            raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}", "top_p")
 
 
 def sample(logits, rng, params: SamplingParams):

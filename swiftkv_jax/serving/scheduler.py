@@ -18,6 +18,12 @@ step N runs: a decode whose input token is still pending reads it on the device.
 pending token (max_tokens, max_model_len) is not scheduled again; one that stops on a stop id gets one decode too many,
 whose token `update` drops. Each active sequence holds a slot (its row of the device's block table).
 
+Prompt logprobs (`RequestParams.prompt_logprobs`): such a prompt runs as single tokens, each through every layer
+in the engine's wiring (in SwiftKV wiring: the layers < l, the owners' K/V, then the layers >= l over the group
+pages, what `sk.logits` computes), each with its logit row and the next prompt token as its target; it costs 1 a
+token in the budget (full depth), takes the single rows the decodes leave (so the largest single bucket bounds it),
+and neither reads nor fills the prefix cache. Requests that do not ask keep the fast prefill.
+
 Prefix caching (`prefix_caching`): a new sequence starts with the cached pages of its prompt's longest cached prefix
 (`PageAllocator.lookup` over its chained page hashes, never its last prompt token) and runs only the rest, as a
 chunk that continues a cached prompt; the full prompt pages a step completes are registered once the whole step is
@@ -36,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
 from swiftkv_jax.serving.sampling import SamplingParams
 
@@ -60,11 +67,13 @@ class RequestParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False      # the sampled token's log-probability under the model (before temperature etc.)
     top_logprobs: int = 0       # and the k most likely tokens' (k <= MAX_TOP_LOGPROBS), with logprobs
+    prompt_logprobs: Optional[int] = None  # each prompt token's logprob and the k most likely there (vLLM's)
 
     def validate(self, vocab_size: int) -> None:
         def number(name, value, kind=(int, float)):
             if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                what = "an integer" if kind is int else "a finite number"
+                raise InvalidRequest(f"{name} must be {what}, got {value!r}", name)
 
         number("temperature", self.temperature)
         number("top_p", self.top_p)
@@ -73,17 +82,23 @@ class RequestParams:
         number("top_logprobs", self.top_logprobs, int)
         number("seed", self.seed, int)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # its own range checks
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            raise InvalidRequest(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                                 "top_logprobs")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=True")
+            raise InvalidRequest("top_logprobs needs logprobs=True", "top_logprobs")
+        if self.prompt_logprobs is not None:
+            number("prompt_logprobs", self.prompt_logprobs, int)
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (or None: off), got "
+                                     f"{self.prompt_logprobs}", "prompt_logprobs")
         if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed must lie in [0, 2**31), got {self.seed}")
+            raise InvalidRequest(f"seed must lie in [0, 2**31), got {self.seed}", "seed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}")
+            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")
 
 
 @dataclasses.dataclass(eq=False, slots=True)  # slots: the engine touches every running one each step
@@ -113,10 +128,19 @@ class Sequence:
     prompt_hashes: Optional[list] = None  # chained hashes of the prompt's full pages (prefix caching)
     num_registered: int = 0     # of its pages, those registered in the prefix cache
     cached_tokens: int = 0      # prompt tokens found in the prefix cache at its admission
+    # with params.prompt_logprobs: per prompt position (None at 0) the prompt token's logprob, and the top ones
+    prompt_logprobs: Optional[list] = None
+    prompt_top_logprobs: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output) + self.num_pending
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt runs at full depth for its logprobs: asked, and no token sampled yet (a sequence preempted
+        after that recomputes by the fast prefill: its prompt logprobs are known)."""
+        return self.params.prompt_logprobs is not None and not self.output and not self.num_pending
 
     @property
     def remaining(self) -> int:
@@ -143,6 +167,7 @@ class Chunk:
     samples: bool     # reaches the end of the sequence's tokens: its last token's logits give the next token
     count: int = 0    # tokens the sequence sampled before this one (its sampling key)
     token: int = -1   # a single token's id (-1: pending, the device has it), known when it is scheduled
+    target: int = -1  # a scored prompt token's next prompt token, whose logprob its row gives (-1: it samples)
 
 
 @dataclasses.dataclass
@@ -154,6 +179,7 @@ class Schedule:
     admitted: list[Sequence] = dataclasses.field(default_factory=list)  # given a slot by this step
     # (slot, pages) of admitted sequences that start with pages found in the prefix cache: their table rows
     cached_rows: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    scored: int = 0  # singles that are scored prompt tokens (their targets matter)
 
     @property
     def empty(self) -> bool:
@@ -307,11 +333,21 @@ class Scheduler:
         prompt_tokens, admitted = 0, []
         candidates = [s for s in continuing if s.status is active] + list(self.waiting)
         tentative = None  # a new sequence holding cached pages, until it is admitted
+        scored = 0
         prefilled = []
         for seq in candidates:
             new = seq.status is Status.WAITING
             if seq in preempted or seq.num_pending or (new and len(self.active) >= self.max_num_seqs):
                 break  # a sequence waiting for its pending token comes back once it has it
+            if seq.scoring:
+                n = self._score(seq, budget, singles, new_pages, admitted)
+                if n < 1:
+                    break
+                budget -= n
+                scored += n
+                if not seq.num_pending:  # cut short: it continues first in the next step
+                    break
+                continue
             if new and self.prefix_caching and not seq.pages:
                 self._take_cached_prefix(seq)
                 tentative = seq
@@ -344,7 +380,26 @@ class Scheduler:
         cached_rows = [(seq.slot, list(seq.pages)) for seq in admitted if seq.cached_tokens]
         if self.prefix_caching:
             self._register(prefilled)
-        return Schedule(singles, prompts, preempted, new_pages, admitted, cached_rows)
+        return Schedule(singles, prompts, preempted, new_pages, admitted, cached_rows, scored)
+
+    def _score(self, seq: Sequence, budget: float, singles: list, new_pages: list, admitted: list) -> int:
+        """Run as many of a scored prompt's tokens as the budget (1 each: full depth), the single rows left and the
+        free pages allow, each a single token whose logit row scores the next prompt token. Returns how many."""
+        room = self.allocator.num_free * self.page_size + (len(seq.pages) * self.page_size - seq.num_computed)
+        n = min(seq.remaining, int(budget + 1e-9), self.max_num_seqs - len(singles), room)
+        if n < 1:
+            return 0
+        self._admit(seq, admitted)
+        start, prompt = seq.num_computed, seq.prompt
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [None] * len(prompt), [None] * len(prompt)
+        self._grow(seq, start + n, new_pages)
+        last = len(prompt) - 1
+        for p in range(start, start + n):
+            singles.append(Chunk(seq, p, 1, p == last, 0, prompt[p], prompt[p + 1] if p < last else -1))
+        seq.num_computed += n
+        seq.num_pending += start + n > last
+        return n
 
     def _admit(self, seq: Sequence, admitted: list) -> None:
         if seq.status is Status.WAITING:
@@ -354,7 +409,7 @@ class Scheduler:
             self.active.sort(key=lambda s: s.arrival)
             seq.status = Status.ACTIVE
             seq.slot = self._free_slots.pop()
-            if self.prefix_caching:
+            if self.prefix_caching and not seq.scoring:  # a scored prompt never looks
                 self.prefix_cache_queries += len(seq.prompt)
                 self.prefix_cache_hits += seq.cached_tokens
             if seq.first_scheduled_time is None:
@@ -373,6 +428,14 @@ class Scheduler:
         for row, chunk in enumerate(schedule.sampling):
             seq = chunk.seq
             if seq.status is finished:
+                continue
+            if chunk.target >= 0:  # a scored prompt token: the logprob of the prompt token after it
+                seq.prompt_logprobs[chunk.start + 1] = logprobs[row]
+                k = seq.params.prompt_logprobs
+                if k:
+                    values, ids = top
+                    seq.prompt_top_logprobs[chunk.start + 1] = dict(zip(ids[row, :k].tolist(),
+                                                                        values[row, :k].tolist()))
                 continue
             token = tokens[row]
             seq.num_pending -= 1

@@ -1,13 +1,19 @@
-"""The OpenAI request bodies, checked field by field, and the error object every refusal carries.
+"""The OpenAI request bodies, parsed field by field, and the error object every refusal carries.
 
 A request is parsed into a `Job`: token-id prompts, the engine's per-request options, and what the response needs
-(stop strings, logprobs, echo, stream). Every problem raises `RequestError`, which becomes
+(stop strings, logprobs, echo, stream). This module checks the shape of the JSON (types, the OpenAI-only fields: n,
+stop strings, echo, stream options); the values the engine takes (temperature, top_p, top_k, seed, stop ids, the
+number of logprobs, max_tokens, the prompt's ids) are checked once, by the engine, whose `InvalidRequest` names the
+setting (`OPENAI_PARAM` maps it to this request's field). Every problem becomes a `RequestError`:
 `{"error": {"message", "type", "param", "code"}}` with its status (400, 404 for an unknown model, 503 when full).
 
 Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument supplied: x"), so a misspelled
 option never silently does nothing. Fields of the OpenAI schema that this server does not implement are accepted
 only at their no-op values (`presence_penalty: 0`, `logit_bias: {}`, `best_of` = n, ...) and refused otherwise.
-vLLM's extensions `top_k`, `stop_token_ids` and `ignore_eos` are accepted.
+vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
+`ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
+completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
+computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generated).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,6 +55,23 @@ class Job:
     echo: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
+    max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
+
+    @property
+    def prompt_logprobs(self) -> Optional[int]:
+        """echo with logprobs: the prompt's logprobs and top `logprobs` at each position, from the engine."""
+        return self.top_logprobs if self.echo and self.logprobs else None
+
+    def param(self, engine_param: Optional[str]) -> Optional[str]:
+        """The request field an engine `InvalidRequest` is about."""
+        if engine_param == "max_tokens":
+            return self.max_tokens_field
+        if engine_param == "prompt":
+            return "messages" if self.kind == "chat" else "prompt"
+        if engine_param in ("top_logprobs", "prompt_logprobs") and self.kind == "completion":
+            return "logprobs"
+        return engine_param
 
 
 # no-op values of OpenAI fields that are not implemented: field -> predicate on the value
@@ -67,11 +89,11 @@ NO_OP = {
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "parallel_tool_calls": lambda v: True,
 }
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
-          "stop_token_ids", "ignore_eos"}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stream",
+          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {
     "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
 
 
 def _number(body: dict, name: str, default, integer: bool = False):
@@ -105,28 +127,30 @@ def _check_fields(body: dict, allowed: set) -> None:
                                code="unsupported_parameter")
 
 
-def _sampling(body: dict, vocab_size: int) -> dict:
-    temperature = _number(body, "temperature", 1.0)
-    top_p = _number(body, "top_p", 1.0)
+def _sampling(body: dict) -> dict:
+    """The engine's sampling options, typed (their ranges are the engine's to check)."""
     top_k = _number(body, "top_k", 0, integer=True)
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p must lie in (0, 1], got {top_p}", "top_p")
-    if top_k == -1:  # vLLM's "off"
-        top_k = 0
-    if top_k < 0:
-        raise RequestError(f"top_k must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids):
-            raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {stop_ids!r}",
-                               "stop_token_ids")
-        bad = [t for t in stop_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")
-    return dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), extra_stop_ids=stop_ids or [],
-                ignore_eos=_bool(body, "ignore_eos"))
+    if stop_ids is not None and (not isinstance(stop_ids, list) or
+                                 any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
+        raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {stop_ids!r}",
+                           "stop_token_ids")
+    return dict(temperature=float(_number(body, "temperature", 1.0)), top_p=float(_number(body, "top_p", 1.0)),
+                top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
+                extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"))
+
+
+def _min_tokens(body: dict, sampling: dict, stop: list) -> None:
+    """vLLM's min_tokens: no stop before that many tokens. Accepted where nothing could stop the request earlier
+    (0, or ignore_eos with no stop_token_ids and no stop strings: guidellm's and vLLM's benchmark requests);
+    otherwise refused, since this engine does not mask stop tokens."""
+    min_tokens = _number(body, "min_tokens", 0, integer=True)
+    if min_tokens < 0:
+        raise RequestError(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    if min_tokens and not (sampling["ignore_eos"] and not sampling["extra_stop_ids"] and not stop):
+        raise RequestError("min_tokens > 0 is supported only where nothing could stop the request earlier: with "
+                           "ignore_eos: true and no stop or stop_token_ids (this server does not mask stop tokens)",
+                           "min_tokens", code="unsupported_parameter")
 
 
 def _stop_strings(body: dict) -> list:
@@ -142,33 +166,38 @@ def _stop_strings(body: dict) -> list:
     return stop
 
 
-def _common(body: dict, kind: str, vocab_size: int) -> dict:
+def _common(body: dict) -> dict:
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must lie in [1, {MAX_N}], got {n}", "n")
     seed = _number(body, "seed", None, integer=True)
-    if seed is not None and not 0 <= seed < 2**31:
-        raise RequestError(f"seed must lie in [0, 2**31), got {seed}", "seed")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise RequestError(f"stream_options takes {{'include_usage': bool}}, got {options!r}", "stream_options")
-    include_usage = bool(options and options.get("include_usage"))
-    return dict(n=n, seed=seed, stream=stream, include_usage=include_usage, sampling=_sampling(body, vocab_size),
-                stop=_stop_strings(body))
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or \
+                any(not isinstance(v, bool) for v in options.values()):
+            raise RequestError(f"stream_options takes {{'include_usage': bool, 'continuous_usage_stats': bool}}, got "
+                               f"{options!r}", "stream_options")
+    options = options or {}
+    sampling, stop = _sampling(body), _stop_strings(body)
+    _min_tokens(body, sampling, stop)
+    return dict(n=n, seed=seed, stream=stream, include_usage=options.get("include_usage", False),
+                continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop)
 
 
-def _max_tokens(body: dict, *names) -> Optional[int]:
-    for name in names:
+def _max_tokens(body: dict, zero_ok: bool = False) -> tuple[Optional[int], str]:
+    """(max_tokens or None, the field it came from): max_completion_tokens wins over max_tokens, as OpenAI's. 0 only
+    where `zero_ok` (echo: the prompt scored, nothing generated)."""
+    for name in ("max_completion_tokens", "max_tokens"):
         value = _number(body, name, None, integer=True)
         if value is not None:
-            if value < 1:
-                raise RequestError(f"{name} must be >= 1, got {value}", name)
-            return value
-    return None
+            if value < 1 and not (zero_ok and value == 0):
+                raise RequestError(f"{name} must be >= 1" + (" (or 0 with echo)" if zero_ok else "") +
+                                   f", got {value}", name)
+            return value, name
+    return None, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
 
 
 def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
@@ -193,23 +222,22 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
     return ids, texts
 
 
-def parse_completion(body: dict, tokenizer, vocab_size: int) -> Job:
+def parse_completion(body: dict, tokenizer) -> Job:
     _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
-    common = _common(body, "completion", vocab_size)
+    common = _common(body)
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
         raise RequestError(f"best_of={best_of!r} is not supported (only best_of = n)", "best_of",
                            code="unsupported_parameter")
     logprobs = _number(body, "logprobs", None, integer=True)
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
     echo = _bool(body, "echo")
+    max_tokens, field = _max_tokens(body, zero_ok=echo)
     prompts, texts = _prompts(body["prompt"], tokenizer)
-    return Job("completion", prompts, texts, common["n"], common["sampling"], _max_tokens(body, "max_tokens") or 16,
+    return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
-               common["include_usage"])
+               common["include_usage"], common["continuous_usage"], field)
 
 
 def _content(message: dict, i: int) -> str:
@@ -265,18 +293,16 @@ def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 
-def parse_chat(body: dict, tokenizer, vocab_size: int) -> Job:
+def parse_chat(body: dict, tokenizer) -> Job:
     _check_fields(body, CHAT_FIELDS)
     if "messages" not in body:
         raise RequestError("messages is required", "messages", code="missing_required_parameter")
-    common = _common(body, "chat", vocab_size)
+    common = _common(body)
     logprobs = _bool(body, "logprobs")
     top = _number(body, "top_logprobs", 0, integer=True)
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    max_tokens, field = _max_tokens(body)
     ids, text = render_messages(body["messages"], tokenizer)
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
-               logprobs, top, False, common["stream"], common["include_usage"])
+               logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field)

@@ -1,0 +1,101 @@
+"""The server process (`python infer.py serve`): build and warm up the engine, then listen until SIGTERM/SIGINT.
+
+    engine, startup = start_engine(model, engine_options)   # build + warm up, counting XLA programs
+    serve(model, tokenizer, "my-model", port=8000, engine_options=...)  # what the CLI runs
+
+On SIGTERM/SIGINT no new connection is accepted, requests in flight get a grace period, then whatever is left is
+aborted (a stream ends with an error event and `data: [DONE]`) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from typing import Optional
+
+from swiftkv_jax.serving.engine_loop import EngineLoop
+from swiftkv_jax.serving.http.routes import make_app
+
+log = logging.getLogger(__name__)
+
+
+def _uvicorn_server(config, engine_loop: EngineLoop, grace: float):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On SIGTERM/SIGINT uvicorn stops accepting and waits `grace` seconds for the responses in flight, then
+        cancels them mid-body. Here the engine aborts what is left a little earlier, so that every stream still ends
+        with an error event and `data: [DONE]`; and a graceful shutdown exits 0 (uvicorn re-raises the signal)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                log.info("signal %d: no new connections; requests in flight get %.1f s", sig, grace)
+                timer = threading.Timer(max(0.0, grace - min(1.0, grace / 2)), engine_loop.abort_all)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def start_engine(model, engine_options: Optional[dict] = None):
+    """Build the engine and compile every step bucket (or load it from JAX's persistent compilation cache, when
+    `compile_cache.enable_compilation_cache` turned it on). Returns (engine, startup): startup holds `seconds` (build
+    and warm-up, wall clock), `warmup_seconds`, `buckets`, the XLA programs of both (`programs` = `compiled` +
+    `loaded` from the cache; `written` to it), `compile_seconds` (in XLA) and `compilation_cache` (its directory or
+    None)."""
+    from swiftkv_jax.serving.compile_cache import active_cache_dir, count_compiles
+    from swiftkv_jax.serving.continuous import Engine
+
+    start = time.perf_counter()
+    with count_compiles() as counts:
+        engine = Engine(model, **(engine_options or {}))
+        warmup_seconds = engine.warmup()
+    startup = dict(seconds=time.perf_counter() - start, warmup_seconds=warmup_seconds,
+                   buckets=engine.stats()["compiled_buckets"], compile_seconds=counts.seconds,
+                   programs=counts.programs, compiled=counts.compiled, loaded=counts.loaded, written=counts.written,
+                   compilation_cache=active_cache_dir())
+    log.info("warm-up: compiled %d step buckets (singles %s x prompts %s) in %.1f s", startup["buckets"],
+             engine.single_buckets, engine.prompt_buckets, warmup_seconds)
+    log.info("start-up: %d XLA programs compiled, %d loaded from the compilation cache (%s); %.1f s in XLA, %.1f s "
+             "in all", counts.compiled, counts.loaded, startup["compilation_cache"] or "off", counts.seconds,
+             startup["seconds"])
+    return engine, startup
+
+
+def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+          engine_options: Optional[dict] = None, max_waiting: int = 256, shutdown_grace: float = 10.0,
+          stop_token_ids=None) -> int:
+    """Build the engine, compile every step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new
+    connections are refused at once, requests in flight get `shutdown_grace` seconds to finish, the rest are aborted.
+    Returns 0."""
+    import uvicorn
+
+    if shutdown_grace < 0:
+        raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
+    began = time.perf_counter()
+    engine, startup = start_engine(model, engine_options)
+    app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids,
+                   startup=startup)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace, access_log=False,
+                            log_level="info", lifespan="on")
+    log.info("serving %s on http://%s:%d (ready %.1f s after the engine build began)", model_name, host, port,
+             time.perf_counter() - began)
+    _uvicorn_server(config, app.state.server.loop, shutdown_grace).run()
+    log.info("stopped")
+    return 0

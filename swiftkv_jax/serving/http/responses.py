@@ -1,0 +1,173 @@
+"""OpenAI response bodies: one request's choices as they accumulate, and the JSON (whole, or server-sent chunks)
+with logprob objects built from token ids: completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (the
+prompt's own first with echo: its first token has no logprob, `null`), chat's `{content: [{token, logprob, bytes,
+top_logprobs}]}` with each token's exact bytes."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from swiftkv_jax.serving.http.protocol import Job
+from swiftkv_jax.serving.http.text import ChoiceText
+
+
+def _gpt2_byte_decoder() -> dict:
+    """The byte-level BPE alphabet (GPT-2, Llama 3): printable character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenStrings:
+    """A token id's text and exact bytes (a byte-level token may hold part of a character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self.byte_decoder = _gpt2_byte_decoder()
+
+    def __call__(self, token_id: int) -> tuple[str, list]:
+        if token_id not in self.cache:
+            text = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if self.byte_level and piece and all(c in self.byte_decoder for c in piece) and \
+                    token_id not in self.tokenizer.all_special_ids:
+                data = bytes(self.byte_decoder[c] for c in piece)
+            else:
+                data = text.encode("utf-8")
+            self.cache[token_id] = (text, list(data))
+        return self.cache[token_id]
+
+    def text(self, token_id: int) -> str:
+        return self(token_id)[0]
+
+
+class Choice:
+    """One choice of a request: its engine request, text, tokens and logprob rows as they arrive."""
+
+    def __init__(self, index: int, prompt_index: int, prompt_ids, tokenizer, stop, keep_output: bool = True):
+        self.index, self.prompt_index, self.prompt_ids = index, prompt_index, list(prompt_ids)
+        self.text = ChoiceText(tokenizer, prompt_ids, stop)
+        self.keep_output = keep_output      # False: max_tokens 0 with echo, the prompt scored and nothing kept
+        self.request_id: Optional[str] = None
+        self.tokens: list[int] = []
+        self.logprobs: list[tuple] = []     # (token id, logprob, {id: logprob}, text offset)
+        self.prompt_rows: Optional[list] = None  # with prompt logprobs: (token id, logprob or None, {id: logprob})
+        self.finish_reason: Optional[str] = None
+        self.done = False
+
+
+def prompt_rows(prompt_ids, logprobs, tops) -> list:
+    """The engine's prompt logprobs as rows: each prompt token with its logprob (None first) and the most likely
+    tokens there, itself among them (as vLLM's)."""
+    rows = []
+    for token, lp, top in zip(prompt_ids, logprobs, tops):
+        rows.append((token, lp, None if lp is None else {**(top or {}), token: lp}))
+    return rows
+
+
+def completion_logprobs(strings: TokenStrings, rows, prompt: Optional[list] = None, echo_len: int = 0) -> dict:
+    """OpenAI's completion logprobs object of generated rows, after the prompt's (`prompt`: prompt_rows) with echo:
+    text offsets count from the start of the echoed prompt."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = 0
+    for token, lp, top in prompt or ():
+        tokens.append(strings.text(token))
+        values.append(lp)
+        tops.append(None if top is None else {strings.text(t): v for t, v in top.items()})
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    for token, lp, top, at in rows:
+        tokens.append(strings.text(token))
+        values.append(lp)
+        tops.append({strings.text(t): v for t, v in top.items()} if top else {tokens[-1]: lp})
+        offsets.append(at + echo_len)
+    return dict(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
+
+
+def chat_logprobs(strings: TokenStrings, rows) -> dict:
+    content = []
+    for token, lp, top, _ in rows:
+        text, data = strings(token)
+        content.append(dict(token=text, logprob=lp, bytes=data, top_logprobs=[
+            dict(token=strings.text(t), logprob=v, bytes=strings(t)[1]) for t, v in top.items()]))
+    return dict(content=content, refusal=None)
+
+
+def usage(job: Job, choices) -> dict:
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(len(c.tokens) for c in choices)
+    return dict(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def whole(job: Job, choices, head: dict, strings: TokenStrings) -> dict:
+    """The non-streaming response body."""
+    out = []
+    for c in choices:
+        if job.kind == "completion":
+            echo = job.prompt_texts[c.prompt_index] if job.echo else ""
+            lp = completion_logprobs(strings, c.logprobs, c.prompt_rows, len(echo)) if job.logprobs else None
+            out.append(dict(index=c.index, text=echo + c.text.text, logprobs=lp, finish_reason=c.finish_reason))
+        else:
+            out.append(dict(index=c.index, message=dict(role="assistant", content=c.text.text, refusal=None),
+                            logprobs=chat_logprobs(strings, c.logprobs) if job.logprobs else None,
+                            finish_reason=c.finish_reason))
+    obj = "text_completion" if job.kind == "completion" else "chat.completion"
+    return dict(head, object=obj, choices=out, usage=usage(job, choices), system_fingerprint=None)
+
+
+def sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class Chunks:
+    """A streamed response's server-sent events, one choice's piece at a time."""
+
+    def __init__(self, job: Job, choices, head: dict, strings: TokenStrings):
+        self.job, self.choices, self.strings = job, choices, strings
+        self.chat = job.kind == "chat"
+        self.base = dict(head, object="chat.completion.chunk" if self.chat else "text_completion")
+        if job.include_usage:
+            self.base["usage"] = None
+
+    def _event(self, entry: dict) -> str:
+        body = dict(self.base, choices=[entry])
+        if self.job.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far on every chunk
+            body["usage"] = usage(self.job, self.choices)
+        return sse(body)
+
+    def opening(self, choice: Choice) -> Optional[str]:
+        """The first event of a choice: chat's role; a completion's echoed prompt, unless its logprobs are still to
+        come (then `echo` sends it with them)."""
+        if self.chat:
+            return self._event(dict(index=choice.index, delta=dict(role="assistant", content=""), logprobs=None,
+                                    finish_reason=None))
+        if self.job.echo and not self.job.logprobs:
+            return self.piece(choice, self.job.prompt_texts[choice.prompt_index], [], None)
+        return None
+
+    def echo(self, choice: Choice) -> str:
+        """A completion's echoed prompt with its logprobs (once the engine has them)."""
+        lp = completion_logprobs(self.strings, [], choice.prompt_rows)
+        return self._event(dict(index=choice.index, text=self.job.prompt_texts[choice.prompt_index], logprobs=lp,
+                                finish_reason=None))
+
+    def piece(self, choice: Choice, text: str, rows, finish) -> str:
+        if self.chat:
+            lp = chat_logprobs(self.strings, rows) if self.job.logprobs and rows else None
+            entry = dict(index=choice.index, delta={"content": text} if text else {}, logprobs=lp,
+                         finish_reason=finish)
+        else:
+            lp = completion_logprobs(self.strings, rows) if self.job.logprobs and rows else None
+            entry = dict(index=choice.index, text=text, logprobs=lp, finish_reason=finish)
+        return self._event(entry)
+
+    def usage(self) -> str:
+        return sse(dict(self.base, choices=[], usage=usage(self.job, self.choices)))

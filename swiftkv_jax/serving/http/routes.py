@@ -1,0 +1,328 @@
+"""The OpenAI-compatible app on the continuous-batching engine: admission, each request's outputs, the endpoints.
+
+    app = make_app(engine, tokenizer, "my-model", max_waiting=256)      # a FastAPI app, for tests and embedding
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with `stream: true`),
+GET /v1/models, /health (200 while the engine loop runs, 503 otherwise) and /metrics (Prometheus text).
+
+The engine steps on one background thread (`serving.engine_loop.EngineLoop`); each HTTP request adds its choices
+to the engine and reads their outputs from its own asyncio.Queue. A client that goes away has its requests aborted
+at once mid-stream, within DISCONNECT_POLL_S while it waits for a whole response, so their pages go back to the
+pool. Admission is bounded: at most `max_num_seqs + max_waiting` engine requests are open at a time; beyond that a
+request gets 503 with Retry-After, so memory never grows with the offered load. Every refusal is an OpenAI error
+object (`protocol.RequestError`); a bad value the engine refuses (`InvalidRequest`) names the request's field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Optional
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+
+from swiftkv_jax.serving.engine_loop import EngineFailed, EngineLoop
+from swiftkv_jax.serving.errors import InvalidRequest
+from swiftkv_jax.serving.http.metrics import CountRequests, Metrics
+from swiftkv_jax.serving.http.protocol import Job, RequestError, parse_chat, parse_completion
+from swiftkv_jax.serving.http.responses import Choice, Chunks, TokenStrings, prompt_rows, sse, whole
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there
+
+
+class Server:
+    """What the handlers share: the engine loop, the tokenizer and the limits."""
+
+    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None):
+        self.engine, self.tokenizer, self.model_name, self.startup = engine, tokenizer, model_name, startup
+        self.created = int(time.time())
+        self.max_model_len = engine.max_model_len
+        self.capacity_tokens = (engine.allocator.capacity) * engine.page_size
+        self.limit = engine.scheduler.max_num_seqs + max_waiting
+        if stop_token_ids is None:
+            stop_token_ids = set(engine.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None})
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.token_strings = TokenStrings(tokenizer)
+        self.metrics = Metrics(self)
+        self.loop = EngineLoop(engine, on_finish=self.metrics.on_finish)
+
+    # ---- admission --------------------------------------------------------------------------------------------
+    def engine_options(self, job: Job, prompt_ids: list, choice: int) -> dict:
+        """add_request's options for one choice; the context check in OpenAI's words (clients look for its code)."""
+        p = len(prompt_ids)
+        param = "messages" if job.kind == "chat" else "prompt"
+        room = self.max_model_len - p
+        if room < 1:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                               f"{param} has {p} tokens: no room is left for a completion. Shorten the {param}.",
+                               param, code="context_length_exceeded")
+        max_tokens = job.max_tokens if job.max_tokens is not None else min(room, self.capacity_tokens - p)
+        if p + max_tokens > self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {p + max_tokens} tokens ({p} in the {param}, {max_tokens} for the "
+                               f"completion). Reduce the {param} or {job.max_tokens_field} (at most {room} here).",
+                               job.max_tokens_field, code="context_length_exceeded")
+        s = job.engine
+        stops = sorted(set(s["extra_stop_ids"]) | (set() if s["ignore_eos"] else set(self.stop_token_ids)))
+        seed = job.seed if job.seed is None or choice == 0 else (job.seed + choice) % 2**31
+        return dict(max_tokens=max(1, max_tokens), temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                    seed=seed, stop_token_ids=stops, logprobs=job.logprobs, top_logprobs=job.top_logprobs,
+                    prompt_logprobs=job.prompt_logprobs)
+
+    def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
+        """Check the job against the limits and add its choices to the engine; all or none."""
+        if not self.loop.alive:
+            raise RequestError(self.loop.error or "the server is shutting down", None, 503, type="server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        wanted = len(job.prompts) * job.n
+        if wanted > self.limit:
+            raise RequestError(f"this request needs {wanted} sequences (prompts x n) but the server admits at most "
+                               f"{self.limit} at a time", "n")
+        if self.loop.in_flight + wanted > self.limit:
+            raise RequestError(f"the server is at capacity ({self.loop.in_flight} requests in flight, at most "
+                               f"{self.limit}): retry later", None, 503, code="overloaded", type="server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        plans = []
+        for i, ids in enumerate(job.prompts):
+            for j in range(job.n):
+                plans.append((Choice(i * job.n + j, i, ids, self.tokenizer, job.stop, job.max_tokens != 0), ids,
+                              self.engine_options(job, ids, j)))
+        loop = asyncio.get_running_loop()
+        try:
+            for choice, ids, options in plans:
+                choice.request_id = self.loop.add(ids, queue, loop, **options)
+        except InvalidRequest as e:
+            self.abort(c for c, _, _ in plans)
+            raise RequestError(str(e), job.param(e.param)) from None
+        except RuntimeError as e:
+            self.abort(c for c, _, _ in plans)
+            raise RequestError(str(e), None, 503, type="server_error",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        return [c for c, _, _ in plans]
+
+    def abort(self, choices) -> None:
+        for choice in choices:
+            if choice.request_id is not None and not choice.done:
+                self.loop.abort(choice.request_id)
+
+    # ---- outputs ----------------------------------------------------------------------------------------------
+    async def outputs(self, choices: list[Choice], queue: asyncio.Queue, request=None):
+        """Yield (choice, new text, new logprob rows) as tokens arrive, until every choice is done; a choice's prompt
+        logprobs (echo with logprobs) are set on it before its first yield. With `request` (a non-streaming
+        response) check every DISCONNECT_POLL_S that the client is still there."""
+        by_id = {c.request_id: c for c in choices}
+        left, poll = len(choices), [0.0]
+        while left:
+            if request is None:
+                item = await queue.get()
+            else:
+                item = await _get_or_poll(queue, request, poll)
+            if isinstance(item, EngineFailed):
+                raise RequestError(item.message, None, 500, type="server_error")
+            choice = by_id.get(item.request_id)
+            if choice is None or choice.done:
+                continue
+            if item.finished and item.finish_reason == "abort":
+                raise RequestError("the request was aborted: the server is shutting down", None, 503,
+                                   type="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+            if item.prompt_logprobs is not None and choice.prompt_rows is None:
+                choice.prompt_rows = prompt_rows(choice.prompt_ids, item.prompt_logprobs, item.prompt_top_logprobs)
+            delta, rows = "", []
+            if not choice.keep_output:  # max_tokens 0: the prompt scored, the token it needed dropped
+                choice.finish_reason = "length"
+                self.loop.abort(choice.request_id, reason="stop")
+            else:
+                offset = len(choice.text.text)
+                delta = choice.text.add(item.new_token_ids)
+                for k, token in enumerate(item.new_token_ids):
+                    lp = item.new_logprobs[k] if k < len(item.new_logprobs) else None
+                    top = item.new_top_logprobs[k] if k < len(item.new_top_logprobs) else {}
+                    rows.append((token, lp, top, offset))
+                choice.tokens.extend(item.new_token_ids)
+                choice.logprobs.extend(rows)
+                if choice.text.stopped:
+                    choice.finish_reason = "stop"
+                    self.loop.abort(choice.request_id, reason="stop")
+                elif item.finished:
+                    delta += choice.text.finish()
+                    choice.finish_reason = "stop" if choice.text.stopped else item.finish_reason
+            if choice.finish_reason is not None:
+                choice.done = True
+                left -= 1
+            yield choice, delta, rows
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _get_or_poll(queue: asyncio.Queue, request, state: list):
+    """queue.get(), checking at most every DISCONNECT_POLL_S (state[0]: the next check, loop time) that the client is
+    still there, whether or not outputs keep arriving. The get is never cut short by a timeout (which could drop an
+    item), only cancelled with the caller."""
+    loop = asyncio.get_running_loop()
+    getter = None
+    try:
+        while True:
+            if loop.time() >= state[0]:
+                state[0] = loop.time() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    raise _ClientGone()
+            if getter is None:
+                if not queue.empty():
+                    return queue.get_nowait()
+                getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, state[0] - loop.time()))
+            if done:
+                return getter.result()
+    finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
+
+
+def _error_response(error: RequestError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+# ---- the app -----------------------------------------------------------------------------------------------------
+def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None,
+             startup: Optional[dict] = None):
+    """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
+
+    stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
+    its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `process.start_engine`'s figures,
+    shown in /metrics (swiftkv_startup_*). app.state.server holds the shared state (app.state.server.loop.stats: the
+    engine's last stats)."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+        raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(server.loop.stop)
+
+    app = FastAPI(title="swiftkv-jax", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(CountRequests, counter=server.metrics.requests, endpoints=ENDPOINTS)
+    server.loop.start()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):  # unknown paths and methods, as OpenAI error objects
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
+                                       "type": "invalid_request_error", "param": None, "code": code}},
+                            status_code=exc.status_code)
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise RequestError(f"We could not parse the JSON body of your request ({e}). The body must be a JSON "
+                               f"object.", None, code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError(f"the JSON body must be an object, got {type(body).__name__}", None,
+                               code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != server.model_name:
+            raise RequestError(f"The model `{model}` does not exist: this server serves `{server.model_name}`",
+                               "model", 404, code="model_not_found")
+        return body
+
+    async def run(request: Request, parse, kind: str):
+        try:
+            body = await read_body(request)
+            job = parse(body, tokenizer)
+            queue = asyncio.Queue()
+            choices = server.start(job, queue)
+        except RequestError as e:
+            return _error_response(e)
+        rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        head = dict(id=rid, created=int(time.time()), model=server.model_name)
+        if job.stream:
+            return _Stream(stream(job, choices, queue, head), server, choices, media_type="text/event-stream")
+        try:
+            async for _ in server.outputs(choices, queue, request):
+                pass
+        except RequestError as e:
+            return _error_response(e)
+        except _ClientGone:
+            return PlainTextResponse("", status_code=499)
+        finally:
+            server.abort(choices)
+        return JSONResponse(whole(job, choices, head, server.token_strings))
+
+    async def stream(job: Job, choices, queue, head):
+        chunks = Chunks(job, choices, head, server.token_strings)
+        echoed = set()
+        for c in choices:
+            opening = chunks.opening(c)
+            if opening:
+                yield opening
+        try:
+            async for c, text, rows in server.outputs(choices, queue):
+                if job.echo and job.logprobs and c.index not in echoed:
+                    echoed.add(c.index)
+                    yield chunks.echo(c)
+                if text or (job.logprobs and rows) or c.done:
+                    yield chunks.piece(c, text, rows, c.finish_reason if c.done else None)
+        except RequestError as e:
+            yield sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        if job.include_usage:
+            yield chunks.usage()
+        yield "data: [DONE]\n\n"
+
+    class _Stream(StreamingResponse):
+        """A stream that aborts its choices however it ends: finished, client gone (cancelled) or never started."""
+
+        def __init__(self, content, server_, choices, **kwargs):
+            super().__init__(content, **kwargs)
+            self._server, self._choices = server_, choices
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self._server.abort(self._choices)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, parse_completion, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, parse_chat, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        return dict(object="list", data=[dict(id=server.model_name, object="model", created=server.created,
+                                              owned_by="swiftkv-jax", max_model_len=server.max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        if server.loop.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "error": server.loop.error or "shutting down"},
+                            status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return PlainTextResponse(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
