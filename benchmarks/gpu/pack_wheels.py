@@ -83,6 +83,11 @@ def read_host(path=HOST) -> tuple[str, dict[str, str | None]]:
     return date, packages
 
 
+# extras the GPU pack never installs: `clients` (lm-eval, guidellm) serves CPU tests only, which `pytest -m gpu`
+# skips (tests/test_server_clients.py skips itself where they are missing, outside CI)
+NOT_ON_THE_GPU_HOST = {"clients"}
+
+
 def project_requirements(pyproject=REPO / "pyproject.toml") -> list[tuple[str, str]]:
     """[(requirement, who needs it)]: the project's dependencies and every optional extra's."""
     import tomllib
@@ -90,7 +95,8 @@ def project_requirements(pyproject=REPO / "pyproject.toml") -> list[tuple[str, s
     project = tomllib.loads(Path(pyproject).read_text())["project"]
     out = [(r, "pyproject") for r in project.get("dependencies", [])]
     for extra, reqs in project.get("optional-dependencies", {}).items():
-        out += [(r, f"pyproject [{extra}]") for r in reqs]
+        if extra not in NOT_ON_THE_GPU_HOST:
+            out += [(r, f"pyproject [{extra}]") for r in reqs]
     return out
 
 
