@@ -295,10 +295,11 @@ def targets(runs: list) -> list:
         passed = None if value is None or not applies else (value >= goal if op == ">=" else value <= goal)
         rows.append(dict(target=name, value=value, op=op, goal=goal, passed=passed, note=note))
 
-    def ratio(on, off, key):
-        return on[key] / off[key] if on and off and on.get(key) and off.get(key) else None
+    def ratio(on, off, value):
+        """value(on) / value(off), None where either run or value is missing."""
+        mine, theirs = (value(r) if r else None for r in (on, off))
+        return mine / theirs if mine and theirs else None
 
-    p50 = lambda r: r and dict(ttft=r["ttft_s"]["p50"])
     for wiring in WIRINGS:
         for workload, finite in (("single-turn", True), ("multi-turn", None)):
             on, off = (next(iter(_pick(runs, workload, wiring, c, finite)), None) for c in (True, False))
@@ -306,11 +307,11 @@ def targets(runs: list) -> list:
             applies = hits is not None and hits >= TARGETS["hit_rate"]
             note = "" if hits is None else f"hit rate {hits:.0%}" + ("" if applies else
                                                                      ": below 80%, the target does not apply")
-            row(f"{workload} {wiring}: TTFT p50 caching on / off", ratio(p50(on), p50(off), "ttft"), "<=",
+            row(f"{workload} {wiring}: TTFT p50 caching on / off", ratio(on, off, lambda r: r["ttft_s"]["p50"]), "<=",
                 TARGETS["ttft_p50"], note, applies)
             if workload == "single-turn":
                 on, off = (next(iter(_pick(runs, workload, wiring, c, False)), None) for c in (True, False))
-            row(f"{workload} {wiring}: total tokens/s caching on / off", ratio(on, off, "total_tokens_per_s"), ">=",
+            row(f"{workload} {wiring}: total tokens/s caching on / off", ratio(on, off, lambda r: r["total_tokens_per_s"]), ">=",
                 TARGETS["throughput"], note, applies)
     best = lambda c: max((r["total_tokens_per_s"] for r in _pick(runs, "no-sharing", "swiftkv-tokens", c)),
                          default=None)

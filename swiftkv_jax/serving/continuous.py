@@ -450,8 +450,7 @@ class Engine:
         singles, prompts, sampling_chunks = schedule.singles, schedule.prompts, schedule.sampling
         for seq in schedule.admitted:
             p = seq.params
-            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed,
-                                             max(p.top_logprobs, p.prompt_logprobs or 0))
+            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs)
         num_prompt = sum(c.length for c in prompts)
         widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
                                                                                default=0))
@@ -493,7 +492,11 @@ class Engine:
         if new:
             table[:, :len(new)] = np.array(new, np.int32).T
         step = StepInput(tokens, positions, slots, segments, upper_index, targets, sampling, *table)
-        return key, step, bool(settings[:rows, 4].any())
+        # top logprobs: for rows that asked, and for scored prompt tokens that did (only while they are scored, so
+        # a request's decodes after its prompt pay nothing for them)
+        want_top = bool(settings[:rows, 4].any()) or bool(schedule.scored) and any(
+            c.seq.params.prompt_logprobs for c in singles if c.target >= 0)
+        return key, step, want_top
 
     def _run_step(self, step: StepInput, want_top: bool, width: int):
         """Launch the step (asynchronously): its outputs on the device; the engine's state moves on."""

@@ -4,7 +4,7 @@ A request is parsed into a `Job`: token-id prompts, the engine's per-request opt
 (stop strings, logprobs, echo, stream). This module checks the shape of the JSON (types, the OpenAI-only fields: n,
 stop strings, echo, stream options); the values the engine takes (temperature, top_p, top_k, seed, stop ids, the
 number of logprobs, max_tokens, the prompt's ids) are checked once, by the engine, whose `InvalidRequest` names the
-setting (`OPENAI_PARAM` maps it to this request's field). Every problem becomes a `RequestError`:
+setting (`Job.param` maps it to this request's field). Every problem becomes a `RequestError`:
 `{"error": {"message", "type", "param", "code"}}` with its status (400, 404 for an unknown model, 503 when full).
 
 Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument supplied: x"), so a misspelled
@@ -187,9 +187,9 @@ def _common(body: dict) -> dict:
                 continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop)
 
 
-def _max_tokens(body: dict, zero_ok: bool = False) -> tuple[Optional[int], str]:
-    """(max_tokens or None, the field it came from): max_completion_tokens wins over max_tokens, as OpenAI's. 0 only
-    where `zero_ok` (echo: the prompt scored, nothing generated)."""
+def _max_tokens(body: dict, default_field: str, zero_ok: bool = False) -> tuple[Optional[int], str]:
+    """(max_tokens or None, the field it came from, else `default_field`): max_completion_tokens wins over
+    max_tokens, as OpenAI's. 0 only where `zero_ok` (echo: the prompt scored, nothing generated)."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = _number(body, name, None, integer=True)
         if value is not None:
@@ -197,7 +197,7 @@ def _max_tokens(body: dict, zero_ok: bool = False) -> tuple[Optional[int], str]:
                 raise RequestError(f"{name} must be >= 1" + (" (or 0 with echo)" if zero_ok else "") +
                                    f", got {value}", name)
             return value, name
-    return None, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return None, default_field
 
 
 def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
@@ -233,7 +233,7 @@ def parse_completion(body: dict, tokenizer) -> Job:
                            code="unsupported_parameter")
     logprobs = _number(body, "logprobs", None, integer=True)
     echo = _bool(body, "echo")
-    max_tokens, field = _max_tokens(body, zero_ok=echo)
+    max_tokens, field = _max_tokens(body, "max_tokens", zero_ok=echo)
     prompts, texts = _prompts(body["prompt"], tokenizer)
     return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
@@ -302,7 +302,7 @@ def parse_chat(body: dict, tokenizer) -> Job:
     top = _number(body, "top_logprobs", 0, integer=True)
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    max_tokens, field = _max_tokens(body)
+    max_tokens, field = _max_tokens(body, "max_completion_tokens")
     ids, text = render_messages(body["messages"], tokenizer)
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field)
