@@ -41,12 +41,47 @@ PRESETS = {
     "1b": dict(model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
                           rope_theta=500000.0),
-               l=8, batch=1, seq_len=8192, chunk=1024, dtype="bfloat16", frozen_dtype="bfloat16", steps=10),
+               l=8, batch=1, seq_len=8192, chunk=1024, dtype="bfloat16", frozen_dtype="bfloat16", steps=10,
+               attention_impl="xla_chunked", remat="auto"),
+    # Llama-3.1-8B shapes (serving.bench's llama-3.1-8b), SwiftKV at l = 16, one 8K-token packed sequence per step,
+    # frozen weights bf16, trainable weights and AdamW state fp32. remat "auto": the least recomputation whose
+    # compiled peak fits 85% of an 80 GB H100 (plan_row; --plan prints every policy). The naive step's AdamW covers
+    # the trainable weights only (an fp32 master + AdamW of all 8B weights, ~135 GB, fits no single GPU); it still
+    # computes every weight's gradient, two full forwards and the full-vocabulary KL.
+    "8b": dict(model="llama-3.1-8b", l=16, batch=1, seq_len=8192, chunk=1024, dtype="bfloat16",
+               frozen_dtype="bfloat16", steps=5, attention_impl="xla_chunked", remat="auto",
+               naive_adam="trainable"),
+    # the test suite's: the plan and the arguments, in seconds
+    "test": dict(model=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                 l=2, batch=2, seq_len=64, chunk=32, dtype="float32", frozen_dtype="float32", steps=2),
 }
+VARIANTS = ("ours", "naive")
+REMATS = ("none", "dots", "full")  # swiftkv_jax.model.config.REMAT_POLICIES, least recomputation first
+H100_BYTES = 80 * 10**9  # the issue's budget: one H100 80 GB
+PLAN_MARGIN = 0.85  # a plan fits when XLA's peak is at most this share of the budget (fragmentation, cuBLAS, NCCL)
 CHILD_FLAG = "--child"
 
 
-def _child(preset_name: str, variant: str) -> dict:
+def model_config(preset: dict, remat: str):
+    """The student's ModelConfig of a preset (SwiftKV at its l, g = 1) with `remat`."""
+    import swiftkv_jax as sk
+    from swiftkv_jax.model.config import RopeConfig
+    from swiftkv_jax.serving import bench
+
+    runtime = dict(param_dtype=preset["frozen_dtype"], dtype=preset["dtype"])
+    if isinstance(preset["model"], str):
+        config = bench.preset_config(preset["model"], **runtime)
+    else:
+        model_kw = dict(preset["model"])
+        config = sk.ModelConfig(**model_kw, rope=RopeConfig(theta=model_kw.pop("rope_theta", 10000.0)), **runtime)
+    return config.replace(num_key_value_layers=preset["l"], key_value_group_size=1, remat=remat,
+                          attention_impl=preset.get("attention_impl", config.attention_impl))
+
+
+def _build(preset: dict, variant: str, remat: str, abstract: bool):
+    """(jitted step, its arguments, run: args -> next args, student config, counts). abstract: the arguments are
+    ShapeDtypeStructs (nothing allocated; for compiling the step to read its memory)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -56,55 +91,167 @@ def _child(preset_name: str, variant: str) -> dict:
     from swiftkv_jax.distill import loss as losses
     from swiftkv_jax.distill import step as step_lib
     from swiftkv_jax.distill import trainable as trainable_lib
-    from swiftkv_jax.distill.model_flops import distill_step_flops
     from swiftkv_jax.distill.config import LossSection, OptimSection
-    from swiftkv_jax.model.config import RopeConfig
+    from swiftkv_jax.serving import bench
 
-    preset = PRESETS[preset_name]
-    model_kw = dict(preset["model"])
-    rope = RopeConfig(theta=model_kw.pop("rope_theta", 10000.0))
-    config = sk.ModelConfig(**model_kw, rope=rope, param_dtype=preset["frozen_dtype"], dtype=preset["dtype"],
-                            remat="full")
-    student = sk.to_swiftkv(sk.init(config, 0), preset["l"], 1)
+    config = model_config(preset, remat)
     b, t = preset["batch"], preset["seq_len"]
-    rng = np.random.default_rng(0)
-    batch = {"tokens": jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32),
-             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
-             "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.int32)}
+    if abstract:
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(preset["frozen_dtype"])),
+                              sk.abstract_params(config))
+        batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in step_lib.BATCH_KEYS}
+    else:
+        params = bench.random_model(config, dtype=preset["frozen_dtype"]).params
+        rng = np.random.default_rng(0)
+        batch = {"tokens": jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32),
+                 "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                 "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.int32)}
+    fp32 = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32) if abstract else a.astype(jnp.float32), tree)
+    init = lambda fn, *a: jax.eval_shape(fn, *a) if abstract else fn(*a)
     optim, loss_cfg = OptimSection(), LossSection(chunk_size=preset["chunk"])
     optimizer = step_lib.make_optimizer(optim, 1000)
-    trainable, frozen = trainable_lib.split(student.params)
-    trainable = jax.tree.map(lambda a: a.astype(jnp.float32), trainable)
+    trainable, frozen = trainable_lib.split(params)
+    trainable = fp32(trainable)
+    counts = {"trainable_params": sum(x.size for x in jax.tree.leaves(trainable)),
+              "params": sum(x.size for x in jax.tree.leaves(params))}
 
     if variant == "ours":
-        state = step_lib.TrainState(jnp.zeros((), jnp.int32), trainable, optimizer.init(trainable))
-        fn = jax.jit(functools.partial(step_lib.train_step, config=student.config, loss=loss_cfg, optimizer=optimizer,
+        state = init(lambda t: step_lib.TrainState(jnp.zeros((), jnp.int32), t, optimizer.init(t)), trainable)
+        fn = jax.jit(functools.partial(step_lib.train_step, config=config, loss=loss_cfg, optimizer=optimizer,
                                        schedule=step_lib.learning_rate_schedule(optim, 1000)), donate_argnums=(0,))
-        args = (state, frozen, batch)
-        run = lambda args: (fn(*args)[0], args[1], args[2])
+        return fn, (state, frozen, batch), lambda args: (fn(*args)[0], args[1], args[2]), config, counts
+
+    if preset.get("naive_adam", "all") == "all":  # one fp32 master tree, AdamW state for every weight
+        params = fp32(params)
+        labels = trainable_lib.merge(jax.tree.map(lambda _: "train", trainable),
+                                     jax.tree.map(lambda _: "frozen", trainable_lib.split(params)[1]))
+        naive_opt = optax.chain(optimizer, optax.multi_transform(
+            {"train": optax.identity(), "frozen": optax.set_to_zero()}, labels))
+    else:  # frozen weights as stored, fp32 trainable master; AdamW state for the trainable only
+        params = trainable_lib.merge(trainable, frozen)
+        labels = trainable_lib.merge(jax.tree.map(lambda _: "train", trainable),
+                                     jax.tree.map(lambda _: "frozen", frozen))
+        # every weight's gradient is computed and enters the global-norm clip, as in the "all" form
+        adamw = optax.adamw(step_lib.learning_rate_schedule(optim, 1000), b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                            weight_decay=optim.weight_decay)
+        naive_opt = optax.chain(optax.clip_by_global_norm(optim.grad_clip), optax.multi_transform(
+            {"train": adamw, "frozen": optax.set_to_zero()}, labels))
+
+    def naive_step(params, opt_state, batch):
+        def objective(params):
+            fwd = functools.partial(sk.forward, params, batch["tokens"], batch["positions"],
+                                    batch["segment_ids"], config=config)
+            teacher = jax.lax.stop_gradient(fwd(swiftkv=False))
+            kl = losses.kl_per_position(teacher, fwd(swiftkv=True), loss_cfg.temperature)
+            return loss_cfg.temperature**2 * jnp.mean(kl)
+        loss, grads = jax.value_and_grad(objective)(params)
+        updates, opt_state = naive_opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    fn = jax.jit(naive_step, donate_argnums=(0, 1))
+    return fn, (params, init(naive_opt.init, params), batch), lambda args: (*fn(*args)[:2], args[2]), config, counts
+
+
+def memory_record(compiled) -> dict:
+    """XLA's accounting of a compiled step: arguments, temporaries, outputs, aliases, and its peak."""
+    m = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "temp_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "peak_memory_in_bytes")
+    record = {f.replace("_size_in_bytes", "_bytes").replace("_memory_in_bytes", "_bytes"): int(getattr(m, f, 0))
+              for f in fields}
+    record["xla_peak_bytes"] = (record["argument_bytes"] + record["temp_bytes"] + record["output_bytes"]
+                                - record["alias_bytes"])
+    return record
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def plan_row(preset: dict, variant: str, remat: str, budget: int = H100_BYTES) -> dict:
+    """XLA's memory accounting of one step compiled on abstract arguments (nothing allocated).
+
+    On a GPU the step is compiled as it runs: the figure is XLA's own. On a CPU a bf16 step is no guide (the CPU
+    converts bf16 weights to fp32 for its matmuls, whole stacked weights at a time: 3.8 GB each of 8B's MLP), so the
+    estimate is the step's arguments in their own dtypes (exact) plus the temporaries of the same step compiled in
+    fp32: an upper bound, as each bf16 buffer is half its fp32 counterpart and the fp32 ones are fp32 either way."""
+    import jax
+
+    start = time.perf_counter()
+    fn, args, _, _, counts = _build(preset, variant, remat, abstract=True)
+    proxy = jax.devices()[0].platform == "cpu" and "float32" != preset["dtype"]
+    if proxy:
+        fn, proxy_args, _, _, _ = _build(dict(preset, dtype="float32", frozen_dtype="float32"), variant, remat,
+                                         abstract=True)
+        memory = memory_record(fn.lower(*proxy_args).compile())
+        memory["argument_bytes"] = _tree_bytes(args)
+        memory["xla_peak_bytes"] = (memory["argument_bytes"] + memory["temp_bytes"] + memory["output_bytes"]
+                                    - memory["alias_bytes"])
     else:
-        params = jax.tree.map(lambda a: a.astype(jnp.float32), student.params)  # one fp32 master tree
-        mask = jax.tree.map(lambda _: False, params)
-        mask = trainable_lib.merge(jax.tree.map(lambda _: True, trainable), trainable_lib.split(mask)[1])
+        memory = memory_record(fn.lower(*args).compile())
+    return {"variant": variant, "remat": remat, "compile_s": round(time.perf_counter() - start, 1),
+            "estimate": "cpu: arguments + fp32 temporaries (upper bound)" if proxy else "xla",
+            **counts, **memory, "fits": memory["xla_peak_bytes"] <= PLAN_MARGIN * budget}
 
-        def naive_step(params, opt_state, batch):
-            def objective(params):
-                fwd = functools.partial(sk.forward, params, batch["tokens"], batch["positions"],
-                                        batch["segment_ids"], config=student.config)
-                teacher = jax.lax.stop_gradient(fwd(swiftkv=False))
-                kl = losses.kl_per_position(teacher, fwd(swiftkv=True), loss_cfg.temperature)
-                return loss_cfg.temperature**2 * jnp.mean(kl)
-            loss, grads = jax.value_and_grad(objective)(params)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            updates = jax.tree.map(lambda u, m: u * m, updates, mask)
-            return optax.apply_updates(params, updates), opt_state, loss
 
-        fn = jax.jit(naive_step, donate_argnums=(0, 1))
-        args = (params, optimizer.init(params), batch)
-        run = lambda args: (*fn(*args)[:2], args[2])
+def choose_remat(rows: list) -> str | None:
+    """The policy with least recomputation (REMATS order) whose planned peak fits, or None."""
+    fitting = {r["remat"] for r in rows if r["fits"]}
+    return next((r for r in REMATS if r in fitting), None)
 
+
+def plan(preset_name: str, remats=REMATS, variants=VARIANTS, budget: int = H100_BYTES, print_fn=print) -> dict:
+    """Plan rows for each remat policy (ours) and the naive step (its preset's policy, "auto" as ours'); the policy
+    ours uses under remat "auto" is the one with least recomputation within PLAN_MARGIN of `budget`."""
+    import jax
+
+    preset = PRESETS[preset_name]
+    rows = []
+    for variant in variants:
+        for remat in (remats if variant == "ours" else (preset.get("naive_remat", "full"),)):
+            row = plan_row(preset, variant, remat, budget)
+            rows.append(row)
+            print_fn(f"plan {preset_name} {variant:<6} remat {remat:<5}: peak {row['xla_peak_bytes'] / 2**30:7.2f} GiB "
+                     f"(arguments {row['argument_bytes'] / 2**30:.2f}, temporaries {row['temp_bytes'] / 2**30:.2f}, "
+                     f"outputs {row['output_bytes'] / 2**30:.2f}, aliased {row['alias_bytes'] / 2**30:.2f}; "
+                     f"{row['estimate']}): {'fits' if row['fits'] else 'does NOT fit'} {PLAN_MARGIN:.0%} of "
+                     f"{budget / 1e9:.0f} GB [{row['compile_s']} s]")
+    chosen = choose_remat([r for r in rows if r["variant"] == "ours"])
+    device = jax.devices()[0]
+    print_fn(f"plan: remat {chosen!r} for ours (least recomputation that fits {PLAN_MARGIN:.0%} of "
+             f"{budget / 1e9:.0f} GB); the preset's remat is {preset.get('remat', 'full')!r}")
+    return {"budget_bytes": budget, "margin": PLAN_MARGIN, "platform": device.platform,
+            "device_kind": device.device_kind, "rows": rows, "chosen_remat": chosen,
+            "preset_remat": preset.get("remat", "full")}
+
+
+def resolve_remat(preset: dict, variant: str) -> tuple[str, list]:
+    """(the remat policy a variant runs with, the plan rows behind an "auto" choice)."""
+    remat = preset.get("remat", "full") if variant == "ours" else preset.get("naive_remat", "full")
+    if remat != "auto":
+        return remat, []
+    rows = [plan_row(preset, variant, r) for r in REMATS]
+    chosen = choose_remat(rows)
+    if chosen is None:
+        raise SystemExit(f"no remat policy fits the {variant} step within {PLAN_MARGIN:.0%} of {H100_BYTES / 1e9:.0f} "
+                         f"GB: " + ", ".join(f"{r['remat']} {r['xla_peak_bytes'] / 2**30:.1f} GiB" for r in rows))
+    return chosen, rows
+
+
+def _child(preset_name: str, variant: str) -> dict:
+    import jax
+
+    from swiftkv_jax.distill.model_flops import distill_step_flops
+
+    preset = PRESETS[preset_name]
+    remat, plan_rows = resolve_remat(preset, variant)
+    fn, args, run, config, counts = _build(preset, variant, remat, abstract=False)
     compiled = fn.lower(*args).compile()
-    memory = compiled.memory_analysis()
+    memory = memory_record(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     args = run(args)  # warm-up (includes nothing compiled twice: same shapes)
@@ -117,63 +264,114 @@ def _child(preset_name: str, variant: str) -> dict:
         times.append(time.perf_counter() - start)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    xla_bytes = (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
-                 - memory.alias_size_in_bytes)
+    b, t = preset["batch"], preset["seq_len"]
     return {
-        "variant": variant, "step_s": statistics.median(times), "tokens_per_step": b * t,
-        "xla_peak_bytes": int(xla_bytes), "xla_temp_bytes": int(memory.temp_size_in_bytes),
-        "device_peak_bytes": stats.get("peak_bytes_in_use"), "flops_per_step": float(cost.get("flops", 0.0)),
-        "model_flops_per_step": distill_step_flops(student.config, t).total * b * t,
-        "platform": device.platform, "device_kind": device.device_kind,
-        "trainable_params": sum(x.size for x in jax.tree.leaves(trainable)),
-        "params": sum(x.size for x in jax.tree.leaves(student.params)),
+        "variant": variant, "remat": config.remat, "attention_impl": config.attention_impl,
+        "step_s": statistics.median(times), "step_times_s": times, "tokens_per_step": b * t,
+        "xla_peak_bytes": memory["xla_peak_bytes"], "xla_temp_bytes": memory["temp_bytes"], "xla_memory": memory,
+        "device_peak_bytes": stats.get("peak_bytes_in_use"), "device_limit_bytes": stats.get("bytes_limit"),
+        "flops_per_step": float(cost.get("flops", 0.0)),
+        "model_flops_per_step": distill_step_flops(config, t).total * b * t,
+        "platform": device.platform, "device_kind": device.device_kind, **counts, "remat_plan": plan_rows,
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/distill_step_<preset>_<platform>.json)")
-    parser.add_argument(CHILD_FLAG, nargs=2, metavar=("PRESET", "VARIANT"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(_child(*args.child)))
-        return 0
-
-    rows = []
-    for variant in ("ours", "naive"):
-        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant], capture_output=True,
-                             text=True, check=True, env=os.environ)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    ours, naive = rows
-    gpu = ours["platform"] == "gpu"
+def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
+    """The table of measured variants; the naive / ours ratios when both ran."""
+    first = rows[0]
+    gpu = first["platform"] == "gpu"
     gib = lambda b: f"{b / 2**30:8.3f}" if b else "     n/a"
-    print(f"distillation step, preset {args.preset} on {ours['device_kind']} ({ours['platform']}); "
-          f"{ours['tokens_per_step']} tokens/step; trainable {ours['trainable_params']:,} of {ours['params']:,}")
+    print(f"distillation step, preset {preset} on {first['device_kind']} ({first['platform']}); "
+          f"{first['tokens_per_step']} tokens/step; trainable {first['trainable_params']:,} of {first['params']:,}")
     print(f"model FLOPs (the method's work, no recomputation): {FORMULA}")
-    print(f"{'variant':<8}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}{'device peak GiB':>17}"
-          f"{'model TFLOP':>12}{'XLA TFLOP':>11}" + (f"{'MFU':>8}{'HFU':>8}" if gpu else ""))
+    print(f"{'variant':<8}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}"
+          f"{'device peak GiB':>17}{'model TFLOP':>12}{'XLA TFLOP':>11}" + (f"{'MFU':>8}{'HFU':>8}" if gpu else ""))
     for r in rows:
         r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
-        peak = args.peak_tflops * 1e12
+        peak = peak_tflops * 1e12
         # MFU: model FLOPs (the same work for both variants) / time; HFU: what XLA says the compiled step executes
         r["mfu"] = r["model_flops_per_step"] / r["step_s"] / peak if gpu else None
         r["hfu"] = r["flops_per_step"] / r["step_s"] / peak if gpu else None
-        print(f"{r['variant']:<8}{r['step_s']:>10.4f}{r['tokens_per_s']:>12,.0f}{gib(r['xla_peak_bytes']):>14}"
-              f"{gib(r['xla_temp_bytes']):>10}{gib(r['device_peak_bytes']):>17}"
+        print(f"{r['variant']:<8}{r['remat']:>6}{r['step_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
+              f"{gib(r['xla_peak_bytes']):>14}{gib(r['xla_temp_bytes']):>10}{gib(r['device_peak_bytes']):>17}"
               f"{r['model_flops_per_step'] / 1e12:>12.3f}{r['flops_per_step'] / 1e12:>11.3f}"
               + (f"{r['mfu']:>8.1%}{r['hfu']:>8.1%}" if gpu else ""))
+    by = {r["variant"]: r for r in rows}
+    if set(by) != set(VARIANTS):
+        return {}
+    ours, naive = by["ours"], by["naive"]
     ratios = {"time_naive_over_ours": naive["step_s"] / ours["step_s"],
               "xla_peak_naive_over_ours": naive["xla_peak_bytes"] / ours["xla_peak_bytes"],
               "flops_naive_over_ours": naive["flops_per_step"] / max(ours["flops_per_step"], 1.0)}
     if ours["device_peak_bytes"] and naive["device_peak_bytes"]:
         ratios["device_peak_naive_over_ours"] = naive["device_peak_bytes"] / ours["device_peak_bytes"]
     print("naive / ours: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return ratios
 
-    write_results(args.out or f"benchmarks/results/distill_step_{args.preset}_{ours['platform']}.json",
-                  "benchmarks/distill_step.py", argv,
-                  {"preset": args.preset, "config": PRESETS[args.preset], "results": rows, "ratios": ratios})
+
+# Issue 24's targets for the 8b preset on one H100 (bf16): MFU in model FLOPs, tokens/s, and speed over the naive step
+TARGETS_8B = {"mfu": 0.40, "tokens_per_s": 10_000, "time_naive_over_ours": 1.3}
+
+
+def targets(rows: list, ratios: dict) -> dict:
+    """PASS/FAIL of each 8b target that was measured (ours' row; the ratio only when both variants ran)."""
+    ours = next((r for r in rows if r["variant"] == "ours"), None)
+    got = {"mfu": ours and ours.get("mfu"), "tokens_per_s": ours and ours.get("tokens_per_s"),
+           "time_naive_over_ours": ratios.get("time_naive_over_ours")}
+    return {k: {"target": v, "measured": got[k], "pass": got[k] >= v} for k, v in TARGETS_8B.items()
+            if got[k] is not None}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--variants", default="ours,naive",
+                        help="which steps to measure, comma-separated (ours, naive), each in its own process")
+    parser.add_argument("--plan", action="store_true",
+                        help="compile the step for each remat policy on abstract inputs (nothing allocated), print "
+                             "XLA's peak memory against an 80 GB H100 and the policy chosen, then exit")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/distill_step_<preset>_<platform>.json, "
+                                      "with --plan distill_step_plan_<preset>_<platform>.json)")
+    parser.add_argument(CHILD_FLAG, nargs=2, metavar=("PRESET", "VARIANT"), help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser_ = parser()
+    args = parser_.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(*args.child)))
+        return 0
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if not variants or set(variants) - set(VARIANTS):
+        parser_.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    if args.plan:
+        import jax
+
+        result = plan(args.preset, variants=variants)
+        write_results(args.out or f"benchmarks/results/distill_step_plan_{args.preset}_{jax.devices()[0].platform}.json",
+                      "benchmarks/distill_step.py", argv, {"preset": args.preset, "config": PRESETS[args.preset],
+                                                           "plan": result})
+        return 0
+
+    rows = []
+    for variant in variants:
+        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant], capture_output=True,
+                             text=True, env=os.environ)
+        if out.returncode != 0:
+            sys.stderr.write(out.stderr[-5000:])
+            raise SystemExit(f"the {variant} step failed (exit {out.returncode}); its error is above")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    ratios = _print_rows(rows, args.preset, args.peak_tflops)
+    payload = {"preset": args.preset, "config": PRESETS[args.preset], "results": rows, "ratios": ratios}
+    if args.preset == "8b" and rows[0]["platform"] == "gpu":
+        payload["targets"] = targets(rows, ratios)
+        print("targets (one H100, bf16): " + ", ".join(
+            f"{k} {t['measured']:.3g} vs {t['target']:g} {'PASS' if t['pass'] else 'FAIL'}"
+            for k, t in payload["targets"].items()))
+    write_results(args.out or f"benchmarks/results/distill_step_{args.preset}_{rows[0]['platform']}.json",
+                  "benchmarks/distill_step.py", argv, payload)
     return 0
 
 

@@ -40,8 +40,8 @@ from swiftkv_jax.tiny_assets import make_tiny_assets
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 L, LAYER_L = 4, 2  # the tiny teacher's layers, the recipe's l
-METRIC_FIELDS = {"step", "loss", "kl", "hidden_mse", "lr", "grad_norm", "tokens", "tokens_per_s"}
-COMPARED = ("loss", "kl", "hidden_mse", "lr", "grad_norm", "tokens")  # all but the timing
+METRIC_FIELDS = {"step", "loss", "kl", "hidden_mse", "lr", "grad_norm", "tokens", "tokens_per_s", "step_s", "host_s"}
+COMPARED = ("loss", "kl", "hidden_mse", "lr", "grad_norm", "tokens")  # all but the timings
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,7 @@ def test_tiny_recipe_trains_and_the_loss_falls(full_run):
     assert all(set(r) == METRIC_FIELDS for r in records)
     assert all(np.isfinite(r[k]) and r[k] >= 0 for r in records for k in METRIC_FIELDS)
     assert all(r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 8 * 256 for r in records)
+    assert all(0 < r["host_s"] and 0 < r["step_s"] for r in records)
     for r in records:  # loss = T^2 KL + hidden_loss_mult MSE, T = 2, mult = 1 (the recipe)
         np.testing.assert_allclose(r["loss"], 4 * r["kl"] + r["hidden_mse"], rtol=1e-6)
     # warmup over round(5% of 57) = 3 steps to 3e-3, then linear decay to 0

@@ -318,17 +318,21 @@ def train(config: TrainConfig, print_fn=print) -> int:
 
     step_fn = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
     progress = _progress(total_steps, start, lead)
+    load = functools.partial(_load_batch, batches, compiled.batch_sharding, shape)
+    loaded = load() if start < total_steps else None
     with _StopRequest() as stop:
         for step in range(start, total_steps):
-            local = next(batches)
-            batch = {k: jax.make_array_from_process_local_data(compiled.batch_sharding, local[k].astype(np.int32), shape)
-                     for k in step_lib.BATCH_KEYS}
             t0 = time.perf_counter()
-            state, metrics = step_fn(state, frozen, batch)
+            batch, position, host_s = loaded
+            state, metrics = step_fn(state, frozen, batch)  # dispatched: runs while the next batch is loaded
+            loaded = load() if step + 1 < total_steps else None
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             seconds = time.perf_counter() - t0
+            # step_s: this step's whole iteration (the step, the next batch's loading beside it, the metrics back);
+            # host_s: loading its batch (reading packed rows, device_put), hidden behind the previous step
             record = {"step": step + 1, **{k: v for k, v in metrics.items() if k != "tokens"},
-                      "tokens": int(metrics["tokens"]), "tokens_per_s": metrics["tokens"] / seconds}
+                      "tokens": int(metrics["tokens"]), "tokens_per_s": metrics["tokens"] / seconds,
+                      "step_s": seconds, "host_s": host_s}
             if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                 manager.wait_until_finished()
                 progress.close()
@@ -345,14 +349,14 @@ def train(config: TrainConfig, print_fn=print) -> int:
             progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             progress.update(1)
             if stop.requested():
-                _save(manager, step + 1, state, batches.position, config, force=True)
+                _save(manager, step + 1, state, position, config, force=True)
                 manager.wait_until_finished()
                 progress.close()
                 say(f"{stop.signal or 'stop'} received: checkpoint saved at step {step + 1} in {out / CHECKPOINT_DIR}; "
                     f"continue with train.resume=true")
                 manager.close()
                 return 0
-            _save(manager, step + 1, state, batches.position, config)
+            _save(manager, step + 1, state, position, config)
         progress.close()
     if manager.latest_step() != total_steps:
         _save(manager, total_steps, state, batches.position, config, force=True)
@@ -367,6 +371,16 @@ def train(config: TrainConfig, print_fn=print) -> int:
             plot_losses(records, out / PLOT_FILE, title=f"{config.stage}: {_describe(model_config, config.stage)}")
         say(f"metrics: {out / 'metrics.jsonl'}; loss curves: {out / PLOT_FILE}")
     return 0
+
+
+def _load_batch(batches, batch_sharding: NamedSharding, shape) -> tuple[dict, int, float]:
+    """(the next global batch on the devices, the data position after it, host seconds spent): this process's rows
+    read from the packed dataset and put on its devices (asynchronously: the copy overlaps a running step)."""
+    start = time.perf_counter()
+    local = next(batches)
+    batch = {k: jax.make_array_from_process_local_data(batch_sharding, local[k].astype(np.int32), shape)
+             for k in step_lib.BATCH_KEYS}
+    return batch, batches.position, time.perf_counter() - start
 
 
 def _progress(total: int, start: int, enabled: bool):

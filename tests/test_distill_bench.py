@@ -1,0 +1,84 @@
+"""benchmarks/distill_step.py's memory plan and targets, and benchmarks/train_pipeline.py end to end (issue 24).
+
+The default suite checks the choices by hand-made rows and the arguments (no compile); `-m slow` compiles the plan
+of the tiny preset (XLA's accounting: less recomputation costs more memory; the CPU's bf16 estimate is the fp32
+compile's temporaries beside the step's own argument bytes) and runs train_pipeline's tiny preset through train.py.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import distill_step  # noqa: E402
+import train_pipeline  # noqa: E402
+
+
+def row(remat, fits, variant="ours"):
+    return {"variant": variant, "remat": remat, "fits": fits}
+
+
+def test_remat_choice_is_the_least_recomputation_that_fits():
+    assert distill_step.choose_remat([row("full", True), row("dots", True), row("none", False)]) == "dots"
+    assert distill_step.choose_remat([row("full", True), row("dots", True), row("none", True)]) == "none"
+    assert distill_step.choose_remat([row("full", False), row("dots", False), row("none", False)]) is None
+
+
+def test_8b_preset_is_the_issues_shape():
+    preset = distill_step.PRESETS["8b"]
+    config = distill_step.model_config(preset, "full")
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (32, 4096, 128256)
+    assert (config.num_key_value_layers, config.key_value_group_size) == (16, 1)
+    assert (preset["batch"], preset["seq_len"], preset["dtype"], preset["frozen_dtype"]) == (1, 8192, "bfloat16",
+                                                                                             "bfloat16")
+    assert preset["remat"] == "auto" and config.attention_impl == "xla_chunked"
+
+
+def test_targets_are_judged_only_where_measured():
+    ours = {"variant": "ours", "mfu": 0.45, "tokens_per_s": 9000.0}
+    got = distill_step.targets([ours], {})
+    assert got == {"mfu": {"target": 0.40, "measured": 0.45, "pass": True},
+                   "tokens_per_s": {"target": 10_000, "measured": 9000.0, "pass": False}}
+    assert distill_step.targets([ours], {"time_naive_over_ours": 1.2})["time_naive_over_ours"]["pass"] is False
+
+
+def test_unknown_variant_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        distill_step.main(["--preset", "test", "--variants", "ours,fast"])
+    assert "choose from ours, naive" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plan_of_the_tiny_preset(tmp_path, monkeypatch):
+    out = tmp_path / "plan.json"
+    assert distill_step.main(["--preset", "test", "--plan", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())["plan"]
+    rows = {(r["variant"], r["remat"]): r for r in plan["rows"]}
+    assert set(rows) == {("ours", "none"), ("ours", "dots"), ("ours", "full"), ("naive", "full")}
+    temp = {r: rows["ours", r]["temp_bytes"] for r in ("none", "dots", "full")}
+    assert temp["none"] >= temp["dots"] >= temp["full"] > 0
+    assert rows["naive", "full"]["xla_peak_bytes"] > rows["ours", "full"]["xla_peak_bytes"]
+    assert plan["chosen_remat"] == "none" and all(r["estimate"] == "xla" for r in plan["rows"])  # fp32: as compiled
+    # a bf16 step on the CPU: its own argument bytes (half of fp32's weights), the fp32 compile's temporaries
+    monkeypatch.setitem(distill_step.PRESETS, "test", dict(distill_step.PRESETS["test"], dtype="bfloat16",
+                                                           frozen_dtype="bfloat16"))
+    bf16 = distill_step.plan_row(distill_step.PRESETS["test"], "ours", "full")
+    assert bf16["estimate"].startswith("cpu") and bf16["temp_bytes"] == rows["ours", "full"]["temp_bytes"]
+    assert bf16["argument_bytes"] < rows["ours", "full"]["argument_bytes"]
+
+
+@pytest.mark.slow
+def test_train_pipeline_tiny_preset_end_to_end(tmp_path):
+    out = tmp_path / "pipeline.json"
+    assert train_pipeline.main(["--preset", "test", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    preset = train_pipeline.PRESETS["test"]
+    assert result["end_to_end"]["steps"] == preset["steps"] - preset["skip"]
+    assert result["end_to_end"]["host_s_mean"] > 0 and result["bare"]["step_s"] > 0
+    assert result["end_to_end_over_bare"] > 0 and result["pass"] is None  # judged on a GPU only
+    checkpoints = sorted(p.name for p in (tmp_path / "work" / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert checkpoints == ["2", "4"]
