@@ -163,17 +163,18 @@ def test_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("step", STEPS, ids=str)
-@pytest.mark.parametrize("loop", ["dynamic", "static"])
-def test_engine_xla_path_matches_numpy(step, loop):
+@pytest.mark.parametrize("loop, block_tokens", [("dynamic", None), ("dynamic", 2), ("static", None)])
+def test_engine_xla_path_matches_numpy(step, loop, block_tokens):
     """The engine's XLA form of the same launches (`model.paged.ragged_attend`), each loop, against the float64 walk;
-    several chunks continuing cached prompts in one step included."""
-    from swiftkv_jax.model.paged import ragged_attend
+    several chunks continuing cached prompts in one step included. 2-token blocks: many blocks, which the dynamic
+    loop runs in groups sorted by length (empty blocks, short and long ones in one step)."""
+    from swiftkv_jax.model.paged import XLA_BLOCK_TOKENS, ragged_attend
 
     q, k, v, tables, slots, positions = make_step(step)
     # whole blocks are read and masked: unused slots must be finite (the engine's are zeros or stale K/V)
     k, v = (jnp.where(jnp.isnan(x), 1e3, x).astype(x.dtype) for x in (k, v))
     out = ragged_attend("xla", q, k, v, tables, slots, positions, num_single=step.num_single,
-                        max_runs=len(step.runs) + 1, xla_loop=loop)
+                        max_runs=len(step.runs) + 1, xla_loop=loop, xla_block_tokens=block_tokens or XLA_BLOCK_TOKENS)
     tol = TOLERANCE[step.dtype]
     np.testing.assert_allclose(np.asarray(out, np.float32), numpy_ragged(q, k, v, tables, slots, positions), atol=tol,
                                rtol=tol)

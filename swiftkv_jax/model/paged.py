@@ -20,7 +20,8 @@ the pages in the one call, as vLLM's kernels do.
 
 Work follows each sequence's own length, never the block tables' width: the Pallas kernel stops at each length;
 the XLA path (the reference, and the CPU's default) walks blocks of pages with an online softmax, as a loop that
-stops after the longest sequence (`xla_loop="dynamic"`, the CPU's form) or, off the CPU, a fixed number of blocks
+stops after the longest sequence (`xla_loop="dynamic"`, the CPU's form; blocks of prompt tokens run sorted by length
+in a few groups, each a loop that stops at its own longest block) or, off the CPU, a fixed number of blocks
 over a table whose width the engine buckets to the step's longest sequence (`"static"`: a loop whose trip count
 depends on the data returns its condition to the host at every iteration on a GPU).
 
@@ -46,9 +47,18 @@ NULL_PAGE = 0  # written by padding tokens, read by nothing
 PAGES_PER_BLOCK = 4  # pages a loop step of the dynamic XLA path reads per sequence (64 keys at 16-token pages)
 XLA_LOOPS = ("dynamic", "static")
 STATIC_SCORES = 1 << 26  # fp32 scores alive per block of the static XLA path (256 MiB)
-# Prompt tokens per block of the XLA path's ragged layout: it computes every block row (the kernel skips empty
-# blocks), so small blocks waste less on the partial block of each run; each block gathers its pages, so not 1.
-XLA_BLOCK_TOKENS = 8
+# Prompt tokens per block of the XLA path's ragged layout. Each block gathers its sequence's pages, so that traffic
+# falls as blocks grow; every block row is computed, so the partial block of each run wastes more as they grow.
+# 16 (16 pages, 256 keys, a loop step; blocks grouped by length) was about the fastest of 8-64 tokens x 4-32 pages
+# on the CPU, for 512-token steps of chunks continuing 1-2K-token prompts (benchmarks/serving.py --workload
+# shared-prefix's multi-turn steps): 0.4-0.8x the time of 8-token blocks of 4 pages, ungrouped.
+XLA_BLOCK_TOKENS = 16
+PREFILL_PAGES_PER_BLOCK = 16  # pages a loop step of the dynamic XLA path reads per block of prompt tokens
+# The dynamic path runs the prompt blocks sorted by length in groups of at least this many, each group a loop that
+# stops at its own longest block: a block costs about its own keys, and one that reads no page (a fresh prompt's
+# tokens, padding) nothing; at most MAX_LENGTH_GROUPS loops, so that the program stays small.
+LENGTH_GROUP_BLOCKS = 4
+MAX_LENGTH_GROUPS = 8
 
 
 def default_xla_loop() -> str:
@@ -139,11 +149,32 @@ _PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas}
 assert set(_PAGED_IMPLS) == set(_DECODE_IMPLS), "every decode_attention_impl needs its paged form"
 
 
+def _by_length(attend, q, tables, lengths, q_positions, group: int):
+    """`attend` over D blocks in groups of `group`, longest first (each group a call of its own, e.g. a loop that
+    stops at its longest block); the results back in the blocks' order."""
+    d = q.shape[0]
+    if d <= group:
+        return attend(q, tables, lengths, q_positions)
+    order = jnp.argsort(-lengths)
+    pad = -d % group
+    take = lambda x: jnp.pad(x[order], [(0, pad)] + [(0, 0)] * (x.ndim - 1))  # padding blocks: length 0
+    q, tables, lengths, q_positions = map(take, (q, tables, lengths, q_positions))
+    out = jnp.concatenate([attend(q[i:i + group], tables[i:i + group], lengths[i:i + group],
+                                  q_positions[i:i + group]) for i in range(0, d + pad, group)])
+    return jnp.zeros_like(out[:d]).at[order].set(out[:d])
+
+
 def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None,
-                 xla_loop: str = "dynamic"):
+                 xla_loop: str = "dynamic", prefill: bool = False):
     """q [D, T, N, H] over the pages of D sequences (tables [D, M], lengths [D], q_positions [D, T]) by the named
-    `decode_attention_impl`; `xla_loop` is the XLA path's form (`default_xla_loop`)."""
+    `decode_attention_impl`; `xla_loop` is the XLA path's form (`default_xla_loop`). `prefill`: the D are blocks of
+    prompt tokens (many queries each), which the dynamic XLA path reads in larger steps, grouped by length."""
     if impl == "xla":
+        if prefill and xla_loop == "dynamic":
+            group = max(LENGTH_GROUP_BLOCKS, -(-q.shape[0] // MAX_LENGTH_GROUPS))
+            return _by_length(lambda q, tables, lengths, q_positions: _paged_xla(
+                q, k_pages, v_pages, tables, lengths, q_positions, PREFILL_PAGES_PER_BLOCK, k_scale, v_scale),
+                q, tables, lengths, q_positions, group)
         return _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=k_scale, v_scale=v_scale,
                           loop=xla_loop)
     try:
@@ -154,11 +185,12 @@ def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions, k
 
 
 def ragged_attend(impl: str, q, k_pages, v_pages, tables, slots, positions, *, num_single: int, max_runs: int,
-                  k_scale=None, v_scale=None, xla_loop: str = "dynamic"):
+                  k_scale=None, v_scale=None, xla_loop: str = "dynamic", xla_block_tokens: int = XLA_BLOCK_TOKENS):
     """One step's tokens q [T, N, H] over their sequences' pages (tables [S, M] a row per slot, slots [T] -1 for
     padding, positions [T]: token t sees keys <= positions[t]; -1 sees nothing) by the named
     `decode_attention_impl`, with the launches of `kernels.ragged_paged_attention`: the `num_single` leading single
-    tokens a sequence each, then runs of prompt tokens in blocks of one sequence."""
+    tokens a sequence each, then runs of prompt tokens in blocks of one sequence (`xla_block_tokens` tokens a block
+    in the XLA path)."""
     from swiftkv_jax.kernels.ragged_paged_attention import ragged_layout, ragged_paged_attention
 
     if impl == "pallas":
@@ -173,13 +205,13 @@ def ragged_attend(impl: str, q, k_pages, v_pages, tables, slots, positions, *, n
 
     def attend(q, tables, lengths, q_positions, prefill):
         run = lambda: paged_attend(impl, q, k_pages, v_pages, tables, lengths, q_positions, k_scale, v_scale,
-                                   xla_loop)
+                                   xla_loop, prefill)
         if prefill and impl == "xla" and xla_loop == "static":  # a fixed-cost loop: skipped when no block reads
             return jax.lax.cond(jnp.any(lengths > 0), run, lambda: jnp.zeros_like(q))
         return run()
 
     return ragged_layout(attend, q, tables, slots, positions, num_single=num_single, max_runs=max_runs,
-                         block_tokens=XLA_BLOCK_TOKENS)
+                         block_tokens=xla_block_tokens)
 
 
 @struct.dataclass
