@@ -1,12 +1,19 @@
 """Distillation step: ours against a naive step, same model and batch, measured side by side in one run.
 
-    python benchmarks/distill_step.py [--preset cpu|1b] [--out benchmarks/results/distill_step_cpu.json]
+    python benchmarks/distill_step.py [--preset cpu|1b|8b] [--variants ours,naive] [--out JSON]
+    python benchmarks/distill_step.py --preset 8b --plan      # XLA's peak memory of every remat policy, no weights
 
 ours  = swiftkv_jax.distill.step.train_step: layers < l once, teacher's later layers without gradients,
         backward through the student's later layers only, optimizer state for the trainable 5-7% only,
         KL in sequence chunks.
 naive = two full forwards (teacher and student wiring) from the embeddings, backward through the whole
-        student, AdamW state for every weight (updates of frozen weights masked to zero), full-vocab KL.
+        student, AdamW state for every weight (updates of frozen weights masked to zero), full-vocab KL; at 8b
+        AdamW for the trainable only (an fp32 AdamW of all 8B weights fits no single GPU), every weight's
+        gradient still computed (it enters the global-norm clip).
+
+remat "auto" (1b, 8b): each policy (none, dots, full) is compiled on abstract inputs first and the one with least
+recomputation whose XLA peak is within 85% of an 80 GB H100 runs (on a GPU, XLA's own figure; on a CPU an upper
+bound, see plan_row).
 
 Each variant runs in its own process, so peaks do not mix. Memory: XLA's accounting of the compiled step
 (arguments + temporaries + outputs - aliased), plus the device's peak bytes in use where the backend
@@ -74,7 +81,8 @@ def model_config(preset: dict, remat: str):
         config = bench.preset_config(preset["model"], **runtime)
     else:
         model_kw = dict(preset["model"])
-        config = sk.ModelConfig(**model_kw, rope=RopeConfig(theta=model_kw.pop("rope_theta", 10000.0)), **runtime)
+        rope = RopeConfig(theta=model_kw.pop("rope_theta", 10000.0))
+        config = sk.ModelConfig(**model_kw, rope=rope, **runtime)
     return config.replace(num_key_value_layers=preset["l"], key_value_group_size=1, remat=remat,
                           attention_impl=preset.get("attention_impl", config.attention_impl))
 

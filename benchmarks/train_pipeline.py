@@ -29,8 +29,8 @@ PRESETS = {
                                   num_attention_heads=8, num_key_value_heads=2, head_dim=32),
                 l=4, seq_len=512, batch=4, chunk=128, dtype="float32", remat="none", attention_impl="xla",
                 steps=16, skip=2, checkpoint_every=5, bare_steps=5, max_files=400, vocab=4096),
-    # Llama-3.2-1B shapes, one 8K-token packed row a step, bf16 (distill_step's 1b preset; remat none: its plan
-    # fits an 80 GB H100 without recomputation)
+    # Llama-3.2-1B shapes, one 8K-token packed row a step, bf16 (distill_step's 1b preset; remat none: its CPU plan,
+    # `distill_step.py --preset 1b --plan`, puts the step at 22.1 GiB at most without recomputation)
     "1b": dict(architecture=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0),
                l=8, seq_len=8192, batch=1, chunk=1024, dtype="bfloat16", remat="none", attention_impl="xla_chunked",
@@ -59,9 +59,9 @@ def prepare(work: Path, preset: dict):
     teacher = work / "teacher"
     if not (teacher / "config.json").is_file():
         arch = dict(preset["architecture"])
-        config = sk.ModelConfig(**{**arch, "vocab_size": max(arch["vocab_size"], len(tokenizer))},
-                                rope=RopeConfig(theta=arch.pop("rope_theta", 10000.0)) if "rope_theta" in arch
-                                else RopeConfig(), bos_token_id=tokenizer.bos_token_id,
+        rope = RopeConfig(theta=arch.pop("rope_theta", 10000.0))
+        config = sk.ModelConfig(**{**arch, "vocab_size": max(arch["vocab_size"], len(tokenizer))}, rope=rope,
+                                bos_token_id=tokenizer.bos_token_id,
                                 eos_token_id=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
                                 max_position_embeddings=max(4096, preset["seq_len"]))
         checkpoints.save(bench.random_model(config, dtype=preset["dtype"]), teacher, "hf", dtype=preset["dtype"],

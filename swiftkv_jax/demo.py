@@ -1,12 +1,13 @@
 """The embedded default, end to end with nothing downloaded: the Python standard library's source is the corpus.
 
-    python demo.py [--quick] [--out artifacts/demo]
+    python demo.py [--quick | --budget full|quick|gpu] [--out artifacts/demo] [--results DIR]
 
 build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs/stdlib-teacher.yaml; skipped
 when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped, and 50% + 2-way AcrossKV ->
 distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
 print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
-settings left in --out, so a rerun only evaluates.
+settings left in --out, so a rerun only evaluates. The gpu budget pretrains a 247M-parameter teacher in bf16 on one
+GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the table, JSON and plots to a folder of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,8 @@ class DemoSettings:
     prompt_tokens: int
     new_tokens: int = 64
     prefill_len: int = 1024
+    pretrain_overrides: tuple = ()  # recipe keys for this budget (e.g. bf16 compute on a GPU)
+    distill_overrides: tuple = ()
 
 
 SETTINGS = {
@@ -49,6 +53,45 @@ SETTINGS = {
                           architecture=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4,
                                             num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
 }
+# One GPU (H100/H200), bf16 compute (fp32 masters): a 247M-parameter teacher (16 layers of 1024, GQA 16/4, MLP 4096,
+# tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 200 steps
+# each. Under 10 minutes by FLOP arithmetic (gpu_seconds: ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s,
+# plus compiling and evaluation); not yet measured on a GPU.
+_GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
+                "model.remat=dots", "model.attention_impl=xla", "loss.chunk_size=256")
+SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
+                               distill_steps=200, val_rows=256, prompts=64, prompt_tokens=128, prefill_len=2048,
+                               architecture=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                                                 num_attention_heads=16, num_key_value_heads=4, head_dim=64),
+                               pretrain_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",
+                                                                  "checkpoint.every=400"),
+                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",))
+ASSUMED_MFU, PEAK_FLOPS = 0.30, 989e12  # gpu_seconds' assumptions (H100/H200 dense bf16), not measurements
+
+
+def gpu_seconds(settings: DemoSettings, mfu: float = ASSUMED_MFU, peak: float = PEAK_FLOPS) -> dict:
+    """Seconds of matmul work of the training stages at `mfu` of `peak`: pretraining at 6 FLOPs a parameter a token
+    plus causal attention (6 n h T a layer), each distillation by `distill_step_flops` (no recomputation counted:
+    remat adds to this). Compiling, evaluation and the corpus come on top (a few minutes, not estimated here)."""
+    import swiftkv_jax as sk
+    from swiftkv_jax.distill.model_flops import distill_step_flops
+
+    a, v, t = settings.architecture, settings.vocab_size, settings.seq_len
+    config = sk.ModelConfig(vocab_size=v, tie_word_embeddings=True, **a)
+    d, n, k, h, f, layers = (a["hidden_size"], a["num_attention_heads"], a["num_key_value_heads"], a["head_dim"],
+                             a["intermediate_size"], a["num_hidden_layers"])
+    matmul_params = layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + d * v
+    tokens = settings.batch_size * t
+    pretrain = settings.pretrain_steps * tokens * (6 * matmul_params + 6 * n * h * t * layers)
+    distill = sum(settings.distill_steps * tokens * distill_step_flops(
+        config.replace(num_key_value_layers=var.l, key_value_group_size=var.g), t).total
+        for var in variants(layers) if var.distilled)
+    rate = mfu * peak
+    return {"parameters": matmul_params, "pretrain_tokens": settings.pretrain_steps * tokens,
+            "pretrain_s": pretrain / rate, "distill_s": distill / rate, "total_s": (pretrain + distill) / rate,
+            "assumed_mfu": mfu, "peak_flops": peak}
+
+
 # The test suite's: the quick pipeline on a budget too small to learn anything (its table is complete, not ordered).
 SETTINGS["smoke"] = dataclasses.replace(SETTINGS["quick"], max_files=100, vocab_size=512, seq_len=64, batch_size=8,
                                         pretrain_steps=20, distill_steps=5, val_rows=8, prompts=4, prompt_tokens=16,
@@ -81,7 +124,7 @@ def _say(message: str) -> None:
 
 def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
     """One --out per settings: a run of other settings would mix models; refuse instead of overwriting."""
-    record = {"settings": name, **dataclasses.asdict(settings)}
+    record = json.loads(json.dumps({"settings": name, **dataclasses.asdict(settings)}))  # tuples as JSON lists
     path = out / "demo_settings.json"
     if path.is_file() and json.loads(path.read_text()) != record:
         raise ValueError(f"{out} holds a demo run with other settings (see {path}): choose another --out, or delete it")
@@ -146,7 +189,8 @@ def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Pat
 def pretrain(out: Path, settings: DemoSettings, init_dir: Path) -> Path:
     run_dir = out / "teacher"
     _train("stdlib-teacher.yaml", [f"model.teacher={init_dir}"]
-           + common_overrides(out, settings, settings.pretrain_steps, run_dir), run_dir / "model_hf")
+           + common_overrides(out, settings, settings.pretrain_steps, run_dir) + list(settings.pretrain_overrides),
+           run_dir / "model_hf")
     return run_dir / "model_hf"
 
 
@@ -154,7 +198,8 @@ def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Varia
     run_dir = out / "distill" / variant.name
     _train("stdlib-swiftkv.yaml", [f"model.teacher={teacher_dir}", f"model.num_key_value_layers={variant.l}",
                                    f"model.key_value_group_size={variant.g}"]
-           + common_overrides(out, settings, settings.distill_steps, run_dir), run_dir / "student_hf")
+           + common_overrides(out, settings, settings.distill_steps, run_dir) + list(settings.distill_overrides),
+           run_dir / "student_hf")
     return run_dir / "student_hf"
 
 
@@ -271,27 +316,53 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def run(out: Path, name: str = "full") -> dict:
-    """The whole pipeline with SETTINGS[name] ("full", "quick" or "smoke"), in `out`."""
+RESULT_FILES = ("results.md", "results.json", "quality_vs_layers_skipped.png", "analysis/similarity.png",
+                "teacher/loss.png")
+GAP_CLOSED_TARGET = 0.9  # issue 24, gpu budget: the distilled 50% student closes >= 90% of the undistilled one's gap
+
+
+def run(out: Path, name: str = "full", results: Optional[Path] = None) -> dict:
+    """The whole pipeline with SETTINGS[name] ("full", "quick", "gpu" or "smoke"), in `out`; `results`: a folder
+    that receives RESULT_FILES (flat, "/" as "_"), e.g. benchmarks/results/gpu-DATE/demo."""
+    import jax
+
     import swiftkv_jax as sk
 
     settings = SETTINGS[name]
+    if name == "gpu" and jax.devices()[0].platform != "gpu":
+        raise ValueError(f"the gpu budget needs a GPU, but JAX's backend is {jax.devices()[0].platform!r}: use "
+                         f"--quick or the full budget on a CPU")
     _settings_guard(out, name, settings)
     start = time.perf_counter()
+    stages = {}
+
+    def lap(stage: str) -> None:
+        stages[stage] = round(time.perf_counter() - start - sum(stages.values()), 1)
+
     _, tokenizer = build_data(out, settings)
+    lap("data")
     teacher_dir = pretrain(out, settings, teacher_init(out, settings, tokenizer))
+    lap("pretrain")
     teacher = sk.load(teacher_dir)
     models = {"teacher": (teacher, None)}
     for v in variants(teacher.config.num_hidden_layers):
         student = sk.load(distill(out, settings, teacher_dir, v)) if v.distilled else sk.to_swiftkv(teacher, v.l, v.g)
         models[v.name] = (student, v)
+    lap("distill")
     batches, prompts = held_out(out, settings, tokenizer)
     rows = evaluate(teacher, models, batches, prompts, settings)
+    lap("evaluate")
     checks = shape_checks(rows)
+    if name == "gpu":
+        checks["gap_closed_target"] = GAP_CLOSED_TARGET
+        checks["gap_closed_pass"] = bool(checks["gap_closed_by_distillation_at_50"] >= GAP_CLOSED_TARGET)
     table = markdown_table(rows)
     every = markdown_table(rows, sorted((r["model"] for r in rows), key=lambda n: (n != "teacher", n)))
     (out / "results.md").write_text(f"{table}\n\nAll models:\n\n{every}\n")
-    result = {"settings": name, "rows": rows, "checks": checks, "seconds": time.perf_counter() - start}
+    device = jax.devices()[0]
+    result = {"settings": name, "rows": rows, "checks": checks, "seconds": time.perf_counter() - start,
+              "stage_seconds": stages, "device": f"{device.device_kind} ({device.platform})",
+              "estimate": gpu_seconds(settings) if name == "gpu" else None}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, out / "quality_vs_layers_skipped.png")
     from swiftkv_jax.evaluation.analyze import analyze
@@ -301,21 +372,47 @@ def run(out: Path, name: str = "full") -> dict:
     print(table)
     print(f"\ndistillation closes {checks['gap_closed_by_distillation_at_50']:.0%} of the 50% gap; quality falls "
           f"{'faster' if checks['quality_falls_faster_beyond_50'] else 'NOT faster'} beyond 50% skipped")
-    _say(f"done in {result['seconds'] / 60:.1f} min: {out / 'results.md'}, {out / 'results.json'}, "
-         f"{out / 'quality_vs_layers_skipped.png'}, {out / 'analysis' / 'similarity.png'}")
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        for name_ in RESULT_FILES:
+            shutil.copyfile(out / name_, results / name_.replace("/", "_"))
+        _say(f"results copied to {results}")
+    _say(f"done in {result['seconds'] / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}): "
+         f"{out / 'results.md'}, {out / 'results.json'}, {out / 'quality_vs_layers_skipped.png'}, "
+         f"{out / 'analysis' / 'similarity.png'}")
     return result
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python demo.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller corpus, model and budget (about 5 minutes)")
-    parser.add_argument("--out", default=None, help="working folder (default artifacts/demo or artifacts/demo-quick)")
-    args = parser.parse_args(argv)
-    out = Path(args.out or ("artifacts/demo-quick" if args.quick else "artifacts/demo"))
+    parser.add_argument("--quick", action="store_true", help="a smaller corpus, model and budget (about 5 minutes); "
+                                                              "the same as --budget quick")
+    parser.add_argument("--budget", choices=("full", "quick", "gpu"), default=None,
+                        help="full (CPU, ~25 minutes), quick (CPU, ~5 minutes) or gpu (one GPU, bf16, a 247M teacher, "
+                             "under 10 minutes)")
+    parser.add_argument("--out", default=None, help="working folder (default artifacts/demo, artifacts/demo-quick or "
+                                                    "artifacts/demo-gpu)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="also copy the table, results JSON and plots into this folder (flat)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser_ = parser()
+    args = parser_.parse_args(argv)
+    if args.quick and args.budget not in (None, "quick"):
+        parser_.error(f"--quick and --budget {args.budget} disagree: give one")
+    budget = "quick" if args.quick else args.budget or "full"
+    out = Path(args.out or {"full": "artifacts/demo", "quick": "artifacts/demo-quick", "gpu": "artifacts/demo-gpu"}[budget])
     from swiftkv_jax.configuration import ConfigError
 
+    if budget == "gpu":
+        e = gpu_seconds(SETTINGS["gpu"])
+        _say(f"gpu budget: a {e['parameters'] / 1e6:.0f}M-parameter teacher on {e['pretrain_tokens'] / 1e6:.0f}M tokens; "
+             f"matmul work {e['pretrain_s']:.0f} s pretraining + {e['distill_s']:.0f} s distilling at an assumed "
+             f"{e['assumed_mfu']:.0%} of {e['peak_flops'] / 1e12:.0f} TFLOP/s (compiling and evaluation on top)")
     try:
-        run(out, "quick" if args.quick else "full")
+        run(out, budget, args.results)
     except (ValueError, ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

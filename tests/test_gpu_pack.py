@@ -240,7 +240,16 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert bench["prompt 1048576 x batch 64"]["status"] == "skipped"
     assert bench["prompt 1048576 x batch 64"]["reason"].startswith("does not fit (33.0 GiB needed")
     assert records["distill"]["status"] == "ok", why("distill")
-    assert records["distill"]["commands"][-1]["result"]["bytes_per_device_gib"]["total"] >= 0
+    distill = {c["label"].split(" (smoke")[0]: c for c in records["distill"]["commands"]}
+    assert distill["train.py --config configs/llama-3.1-8b-instruct.yaml --dry-run"]["result"][
+        "bytes_per_device_gib"]["total"] >= 0
+    for preset in ("8b", "1b"):  # the plan of the tiny preset, every remat policy compiled
+        plan = distill[f"benchmarks/distill_step.py --preset {preset}"]["result"]["plan"]
+        assert {r["remat"] for r in plan["rows"]} == {"none", "dots", "full"} and plan["chosen_remat"] == "none"
+    pipeline = distill["benchmarks/train_pipeline.py --preset 1b"]["result"]
+    assert pipeline["preset"] == "test" and pipeline["end_to_end"]["host_s_mean"] > 0
+    assert distill["demo.py --budget gpu"]["status"] == "ok"
+    assert "memory plan (cpu)" in (out / "summary.md").read_text()
     for name in ("serving", "peers"):  # skipped until the script exists, then its smoke runs
         assert records[name]["status"] in ("ok", "skipped"), why(name)
         if not (REPO / "benchmarks" / f"{name}.py").exists():
@@ -273,3 +282,34 @@ def test_serving_step_runs_each_part_with_arguments_serving_py_accepts(tmp_path)
     assert pack_steps.parse_parts("offline, peer") == ("offline", "peer")
     with pytest.raises(ValueError, match="choose from offline, sweep, peer, prefix, all"):
         pack_steps.parse_parts("fast")
+
+
+def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(tmp_path):
+    """On the GPU the distill step runs one command a part (--distill-parts), each under its own limit of at most
+    10 minutes and writing a JSON the record keeps; every argv parses with its script's parser."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import distill_step
+    import train_pipeline
+
+    from swiftkv_jax import demo
+
+    commands = []
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, distill_parts=pack_steps.DISTILL_PARTS)
+    pack_steps.distill_step(ctx, lambda c: commands.append(c) or {"status": "ok"})
+    by_label = {c.label: c for c in commands}
+    assert list(by_label)[:4] == ["benchmarks/distill_step.py --preset 8b", "benchmarks/distill_step.py --preset 1b",
+                                  "benchmarks/train_pipeline.py --preset 1b", "demo.py --budget gpu"]
+    assert all(c.limit_s <= 600 for c in commands)
+    for preset in ("8b", "1b"):
+        c = by_label[f"benchmarks/distill_step.py --preset {preset}"]
+        args = distill_step.parser().parse_args([str(a) for a in c.argv[2:]])
+        assert (args.preset, args.plan, args.variants) == (preset, False, "ours,naive") and c.output == Path(args.out)
+    c = by_label["benchmarks/train_pipeline.py --preset 1b"]
+    assert train_pipeline.parser().parse_args([str(a) for a in c.argv[2:]]).preset == "1b"
+    c = by_label["demo.py --budget gpu"]
+    args = demo.parser().parse_args([str(a) for a in c.argv[2:]])
+    assert args.budget == "gpu" and c.output == args.results / "results.json"
+    assert pack_steps.parse_distill_parts("8b, demo") == ("8b", "demo")
+    with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, dryrun"):
+        pack_steps.parse_distill_parts("9b")
+

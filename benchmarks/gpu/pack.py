@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 import pack_runner
-from pack_steps import BENCH, SERVING_PARTS, STEPS, parse_parts, parse_points, select, summarize
+from pack_steps import (BENCH, DISTILL_PARTS, SERVING_PARTS, STEPS, parse_distill_parts, parse_parts, parse_points,
+                        select, summarize)
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
@@ -74,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--serving-parts", type=parse_parts, default=("offline",),
                    help="benchmarks/serving.py --part for the serving step, comma-separated, one command each, in "
                         f"order ({', '.join(SERVING_PARTS)}; default offline): about one call of 10 minutes each")
+    r.add_argument("--distill-parts", type=parse_distill_parts, default=None,
+                   help=f"the distill step's commands, comma-separated, in order ({', '.join(DISTILL_PARTS)}; default "
+                        "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, and demo "
+                        "each")
     r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
     r.add_argument("--site", type=Path, default=Path("/tmp/swiftkv-jax-site"), help="where the wheels go")
     r.add_argument("--no-install", action="store_true", help="use this environment as it is (--smoke implies it)")
@@ -109,11 +114,13 @@ def _run(args) -> int:
         smoke=args.smoke, python=sys.executable, repo=REPO, env=env,
         usable_memory=int(memory * args.mem_fraction) if memory else None,
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
-        bench_points=args.bench_points, serving_parts=args.serving_parts)
+        bench_points=args.bench_points, serving_parts=args.serving_parts,
+        distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts))
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
-               args.bench_points, "serving_parts": list(args.serving_parts), "inject_failure": args.inject_failure}
+               args.bench_points, "serving_parts": list(args.serving_parts), "distill_parts": list(ctx.distill_parts),
+               "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),
                            options=options, echo=echo, smi=smi)

@@ -76,6 +76,7 @@ class Context:
     memory_bandwidth: Optional[float] = None         # bytes/s
     bench_points: Optional[tuple] = None             # ((prompt_len, batch), ...) to override the step's
     serving_parts: tuple = ("offline",)              # benchmarks/serving.py --part, one command each
+    distill_parts: tuple = ("8b", "1b", "dryrun")    # the distill step's commands (pack_steps.DISTILL_PARTS)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def run_process(argv, limit_s: float, cwd, env, echo: Callable[[str], None] = No
 class StepRun:
     """Runs one step's commands within its time limit and the call's deadline, and keeps their records."""
 
-    def __init__(self, step: Step, ctx: Context, deadline: float, echo=None):
-        self.ctx, self.echo = ctx, echo
+    def __init__(self, step: Step, ctx: Context, deadline: float, echo=None, on_record=None):
+        self.ctx, self.echo, self.on_record = ctx, echo, on_record
         limit = step.smoke_limit_s if ctx.smoke else step.limit_s
         self.end = min(time.monotonic() + limit, deadline)
         self.records: list[dict] = []
@@ -166,6 +167,8 @@ class StepRun:
                 else:
                     record["result_error"] = why
         self.records.append(record)
+        if self.on_record is not None:  # the step's file holds every command as it ends
+            self.on_record(self.records)
         return record
 
 
@@ -188,10 +191,11 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def run_step(step: Step, ctx: Context, deadline: float, echo=None, inject_failure: bool = False) -> dict:
-    """Run one step and return its record (never raises)."""
+def run_step(step: Step, ctx: Context, deadline: float, echo=None, inject_failure: bool = False,
+             on_record=None) -> dict:
+    """Run one step and return its record (never raises). on_record(records so far) after each command."""
     started, start = now(), time.monotonic()
-    runner = StepRun(step, ctx, deadline, echo)
+    runner = StepRun(step, ctx, deadline, echo, on_record)
     error = None
     try:
         step.fn(ctx, runner.run)
@@ -382,8 +386,17 @@ def run(steps: list[Step], ctx: Context, out: Path, wheelhouse: Path, site: Path
                               "reason": "started but never finished: the call was stopped", "started": now(),
                               "smoke": ctx.smoke, "env": brief, "commands": []})
         step_tmp = Path(tempfile.mkdtemp(prefix=f"gpu-pack-{step.name}-", dir=ctx.tmp))
+
+        def written(records, step=step, path=path, old=old, started=now()):
+            """The step's file after each command: its commands so far (merged into an earlier call's), running."""
+            status, reason = step_status(records)
+            partial = {"step": step.name, "index": step.index, "title": step.title, "status": status,
+                       "reason": reason, "smoke": ctx.smoke, "started": started, "env": brief, "commands": list(records)}
+            write_json(path, {**merge(old, partial), "status": "running",
+                              "reason": f"still running: {len(records)} command(s) recorded (a stopped call ends here)"})
+
         record = run_step(step, Context(**{**ctx.__dict__, "tmp": step_tmp}), deadline, echo,
-                          inject_failure=step.name in inject_failure)
+                          inject_failure=step.name in inject_failure, on_record=written)
         record["env"] = brief
         write_json(path, merge(old, record))
         (out / "summary.md").write_text(summarize(out))

@@ -7,9 +7,13 @@
             TPOT roofline, one process a point; a point whose estimated memory exceeds the device's is skipped
             ("does not fit"), and large batch x prompt prefills are chunked to bound their activations
             (smoke: the tiny preset, one chunked point and one that does not fit)
- 4 distill  benchmarks/distill_step.py --preset 1b, and the 8B recipe's `train.py --dry-run` compiled for the
-            device, its teacher a folder holding Llama-3.1-8B's config.json alone
-            (smoke: distill_step's arguments checked; the dry run on the tiny config with a few overrides)
+ 4 distill  one bounded command per --distill-parts part, each writing its result as it ends: 8b and 1b
+            (benchmarks/distill_step.py --preset 8b|1b: ours and the naive step, MFU; the 8b plan first), train
+            (benchmarks/train_pipeline.py --preset 1b: train.py end to end against its bare step), demo (demo.py
+            --budget gpu: pretrain, distil and evaluate, results.json kept), dryrun (the 8B recipe's train.py
+            --dry-run compiled for the device, its teacher a folder holding Llama-3.1-8B's config.json alone)
+            (smoke: distill_step's plan and train_pipeline on their tiny presets, demo.py's arguments checked, the
+            dry run on the tiny config with a few overrides)
  5 serving  benchmarks/serving.py --preset 8b: sk.Engine in SwiftKV and teacher wiring, the static engine and
             transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
             Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer, and
@@ -137,15 +141,56 @@ def bench_step(ctx, run):
                           "estimate": estimate or None}))
 
 
+DISTILL_PARTS = ("8b", "1b", "train", "demo", "dryrun")
+# each part's time limit on the GPU: one device call of 10 minutes holds the install, the probe and one heavy part
+DISTILL_LIMITS = {"8b": 540, "1b": 420, "train": 480, "demo": 570, "dryrun": 360}
+
+
+def parse_distill_parts(text: str) -> tuple:
+    """"8b,1b" -> ("8b", "1b"): the distill step's commands, in order."""
+    return parse_parts(text, DISTILL_PARTS, "distill")
+
+
 def distill_step(ctx, run):
-    out = ctx.tmp / "distill_step.json"
-    argv = (ctx.python, "benchmarks/distill_step.py", "--preset", "1b", "--out", out)
-    if ctx.smoke:  # its smallest preset takes minutes on a CPU: check that the GPU arguments parse
-        run(Command("benchmarks/distill_step.py --preset 1b (smoke: arguments checked only)", (*argv, "--help"), 60,
-                    script="benchmarks/distill_step.py"))
-    else:
-        run(Command("benchmarks/distill_step.py --preset 1b", argv, 420, output=out,
-                    script="benchmarks/distill_step.py"))
+    for part in ctx.distill_parts:
+        DISTILL_COMMANDS[part](ctx, run)
+
+
+def _distill_bench(preset: str):
+    def command(ctx, run):
+        out = ctx.tmp / f"distill_step_{preset}.json"
+        script = "benchmarks/distill_step.py"
+        if ctx.smoke:  # the GPU presets take minutes on a CPU: the plan of the tiny preset, compiled, nothing allocated
+            out = ctx.tmp / "distill_step_plan_test.json"
+            run(Command(f"{script} --preset {preset} (smoke: --preset test --plan)",
+                        (ctx.python, script, "--preset", "test", "--plan", "--out", out), 120, output=out,
+                        script=script))
+            return
+        run(Command(f"{script} --preset {preset}", (ctx.python, script, "--preset", preset, "--out", out),
+                    DISTILL_LIMITS[preset], output=out, script=script))
+    return command
+
+
+def _train_pipeline(ctx, run):
+    script, preset = "benchmarks/train_pipeline.py", "test" if ctx.smoke else "1b"
+    out = ctx.tmp / f"train_pipeline_{preset}.json"
+    run(Command(f"{script} --preset 1b" + (" (smoke: --preset test)" if ctx.smoke else ""),
+                (ctx.python, script, "--preset", preset, "--work", ctx.tmp / "train_pipeline", "--out", out),
+                120 if ctx.smoke else DISTILL_LIMITS["train"], output=out, script=script,
+                env={"XLA_FLAGS": ""} if ctx.smoke else {}))  # smoke: one CPU device, whatever the caller forces
+
+
+def _demo(ctx, run):
+    results = ctx.tmp / "demo_results"
+    argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.tmp / "demo", "--results", results)
+    if ctx.smoke:  # its GPU budget refuses a CPU and its smoke budget takes minutes: the arguments parse
+        run(Command("demo.py --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script="demo.py"))
+        return
+    run(Command("demo.py --budget gpu", argv, DISTILL_LIMITS["demo"], output=results / "results.json",
+                script="demo.py"))
+
+
+def _dry_run_command(ctx, run):
     teacher = ctx.tmp / "teacher"
     made = run(Command("teacher folder: config.json only", (ctx.python, PACK_JAX, "teacher", teacher, "--preset",
                                                             "tiny" if ctx.smoke else "llama-3.1-8b"), 120,
@@ -155,6 +200,10 @@ def distill_step(ctx, run):
     run(Command(f"train.py --config {DRY_RUN_RECIPE} --dry-run",
                 (ctx.python, "train.py", "--config", DRY_RUN_RECIPE, "--dry-run", *overrides), 360,
                 parse=_dry_run, script="train.py", skip=None if made["status"] == "ok" else "no teacher folder"))
+
+
+DISTILL_COMMANDS = {"8b": _distill_bench("8b"), "1b": _distill_bench("1b"), "train": _train_pipeline, "demo": _demo,
+                    "dryrun": _dry_run_command}
 
 
 def _dry_run(log: str) -> dict:
@@ -171,12 +220,13 @@ def _dry_run(log: str) -> dict:
 SERVING_PARTS = ("offline", "sweep", "peer", "prefix", "all")  # prefix: --workload shared-prefix
 
 
-def parse_parts(text: str) -> tuple:
-    """"offline,sweep" -> ("offline", "sweep"): benchmarks/serving.py --part values, in order."""
+def parse_parts(text: str, choices: tuple = SERVING_PARTS, what: str = "serving") -> tuple:
+    """"offline,sweep" -> ("offline", "sweep"): benchmarks/serving.py --part values (or another step's `choices`),
+    in order."""
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in parts if p not in SERVING_PARTS]
+    bad = [p for p in parts if p not in choices]
     if bad or not parts:
-        raise ValueError(f"serving parts {text!r}: choose from {', '.join(SERVING_PARTS)}")
+        raise ValueError(f"{what} parts {text!r}: choose from {', '.join(choices)}")
     return parts
 
 
@@ -210,8 +260,8 @@ STEPS = (
          kernels_step),
     Step(3, "bench", "infer.py bench, Llama-3.1-8B (SwiftKV l=16), random weights: 2K/8K/32K x batch 1/16/64",
          560, bench_step),
-    Step(4, "distill", "benchmarks/distill_step.py --preset 1b, and the 8B recipe's train.py --dry-run", 540,
-         distill_step),
+    Step(4, "distill", "distillation: the 8b and 1b steps against naive, train.py end to end, the gpu demo, the 8B "
+         "dry run (--distill-parts)", 590, distill_step, smoke_limit_s=300),
     Step(5, "serving", "benchmarks/serving.py --preset 8b: engine (SwiftKV, teacher), static engine, transformers; "
          "offline and Poisson, against the roofline", 540, serving_step),
     Step(6, "peers", "benchmarks/peers.py --shape 1b: our engine against transformers", 480, peers_step),
@@ -288,11 +338,8 @@ def _details(record: dict) -> list[str]:
         if name == "distill" and "dry-run" in c["label"] and result:
             lines += [f"8B recipe dry run ({result.get('platform', '?')}, mesh {result.get('mesh', '?')}), GiB per "
                       "device: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_device_gib"].items())]
-        if name == "distill" and c["label"].startswith("benchmarks/distill_step.py") and result.get("results"):
-            lines += _table(["variant", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB"], [
-                [r["variant"], f"{r['step_s']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
-                 f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r["xla_peak_bytes"]),
-                 gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-"] for r in result["results"]])
+        if name == "distill" and result:
+            lines += _distill_lines(c["label"], result)
     if name == "bench":
         lines += _bench_table(record)
     if name == "serving":
@@ -301,6 +348,45 @@ def _details(record: dict) -> list[str]:
                 not (name == "bench" and "point" in c and c["status"] == "skipped")]
     lines += [f"- {c['label']}: **{c['status']}** {c.get('reason') or _first_line(_last(c.get('log_tail', '')))}"
               for c in problems]
+    return lines
+
+
+def _distill_lines(label: str, result: dict) -> list[str]:
+    """A distill command's numbers: the step table and targets, the memory plan, train.py against its bare step, the
+    demo's table."""
+    lines = []
+    if result.get("results"):
+        lines += ["", f"`{label}`", ""] + _table(
+            ["variant", "remat", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB"],
+            [[r["variant"], r.get("remat", "-"), f"{r['step_s']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
+              f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r["xla_peak_bytes"]),
+              gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-"] for r in result["results"]])
+        if result.get("ratios"):
+            lines.append("naive / ours: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+        if result.get("targets"):
+            lines.append("targets: " + ", ".join(f"{k} {t['measured']:.3g} vs {t['target']:g} "
+                                                 f"{'PASS' if t['pass'] else 'FAIL'}" for k, t in result["targets"].items()))
+    if result.get("plan"):
+        plan = result["plan"]
+        lines.append(f"memory plan ({plan['platform']}): " + ", ".join(
+            f"{r['variant']} {r['remat']} {gib(r['xla_peak_bytes'])} GiB" for r in plan["rows"])
+            + f"; chosen remat {plan['chosen_remat']}")
+    if result.get("end_to_end"):
+        e2e, bare = result["end_to_end"], result["bare"]
+        verdict = {True: "PASS", False: "FAIL", None: "not judged"}[result.get("pass")]
+        lines.append(f"train.py end to end ({result['preset']}): {e2e['step_s_mean'] * 1e3:.1f} ms a step against the bare "
+                     f"step's {bare['step_s'] * 1e3:.1f} ms = {result['end_to_end_over_bare']:.3f} (target "
+                     f"{result['target']}: {verdict}); host {e2e['host_s_mean'] * 1e3:.2f} ms a step")
+    if result.get("rows") and result.get("checks"):
+        checks = result["checks"]
+        lines += ["", f"demo ({result['settings']}, {result.get('device', '?')}, {result['seconds'] / 60:.1f} min: "
+                      + ", ".join(f"{k} {v:.0f} s" for k, v in result.get("stage_seconds", {}).items()) + ")", ""]
+        lines += _table(["model", "val loss", "KL to teacher", "greedy agreement", "prefill vs teacher"],
+                        [[r["model"], f"{r['val_loss']:.4f}", f"{r['kl_to_teacher']:.4f}",
+                          f"{r['greedy_agreement']:.3f}", f"{r['prefill_time_vs_teacher']:.3f}"] for r in result["rows"]])
+        lines.append(f"gap closed by distillation at 50%: {checks['gap_closed_by_distillation_at_50']:.1%}"
+                     + (f" (target {checks['gap_closed_target']:.0%}: "
+                        f"{'PASS' if checks['gap_closed_pass'] else 'FAIL'})" if "gap_closed_pass" in checks else ""))
     return lines
 
 
