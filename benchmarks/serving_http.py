@@ -88,38 +88,64 @@ def _server_metrics(url: str) -> dict:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
-async def _http_workload(url: str, prompts, output_lens, arrivals) -> dict:
-    """Streaming clients, one per request, each sent at its arrival time: per-request token times (one chunk per
-    token, stamped as it arrives), like `serve` does in-process."""
+def completion_bodies(prompts, output_lens) -> list:
+    """The benchmark's requests as streaming /v1/completions bodies: token ids as the prompt, greedy, `ignore_eos`,
+    `max_tokens` the output length."""
+    return [dict(model="bench", prompt=[int(t) for t in p], max_tokens=int(o), temperature=0, ignore_eos=True,
+                 stream=True, stream_options={"include_usage": True}) for p, o in zip(prompts, output_lens)]
+
+
+def new_tokens(choice: dict, usage, counted: int) -> int:
+    """The tokens a streamed chunk's choice (completions' or chat's) brings, `counted` so far: with the usage so far
+    on the chunk (continuous usage stats), as many as it adds (a chunk with text at least one; the last chunk may
+    bring tokens whose text was empty); without, one for a chunk with text. Chat's opening role chunk brings none."""
+    text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
+    so_far = (usage or {}).get("completion_tokens")
+    if so_far is None:
+        return 1 if text else 0
+    return max(so_far - counted, 1 if text else 0) if text or choice.get("finish_reason") else 0
+
+
+async def http_workload(url: str, bodies, arrivals, path: str = "/v1/completions", watch_pages: bool = True) -> dict:
+    """Streaming clients, one per request: bodies[i] POSTed to url + path at arrivals[i] s (completions or chat
+    completions), each chunk with text stamped as it arrives, once per token it carries (by the usage on every chunk
+    when the body asks for continuous usage stats, else one: a chunk a token). Per request: `added` (the client's
+    clock when it started the request), `sent` (when its headers began to go out, as guidellm stamps it: an httpx
+    trace), `times` (a time per token). `watch_pages`: poll /metrics for the pages in use meanwhile (4 times a
+    second, on the server's loop too)."""
     import asyncio
 
     import httpx
 
     n = len(arrivals)
-    times, added, reasons, usage = [[] for _ in range(n)], [None] * n, [None] * n, [None] * n
+    times, added, sent = [[] for _ in range(n)], [None] * n, [None] * n
+    reasons, usage = [None] * n, [None] * n
     peak = {"pages": 0}
     start = time.perf_counter()
 
     async def one(i, http):
         await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-        body = dict(model="bench", prompt=list(prompts[i]), max_tokens=int(output_lens[i]), temperature=0,
-                    ignore_eos=True, stream=True, stream_options={"include_usage": True})
+
+        async def trace(event, info):
+            if sent[i] is None and event.endswith(".send_request_headers.started"):
+                sent[i] = time.perf_counter() - start
+
         added[i] = time.perf_counter() - start
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with http.stream("POST", f"{url}{path}", json=bodies[i], extensions={"trace": trace}) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"request {i}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                now = time.perf_counter() - start
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage[i] = chunk["usage"]
                 for choice in chunk.get("choices", []):
-                    if choice["text"]:
-                        times[i].append(time.perf_counter() - start)
+                    times[i].extend([now] * new_tokens(choice, chunk.get("usage"), len(times[i])))
                     reasons[i] = choice["finish_reason"] or reasons[i]
 
-    async def watch_pages(done):
+    async def watch(done):
         while not done.is_set():
             m = await asyncio.to_thread(_server_metrics, url)
             peak["pages"] = max(peak["pages"], int(m["swiftkv_kv_pages_total"] - m["swiftkv_kv_pages_free"]))
@@ -128,13 +154,14 @@ async def _http_workload(url: str, prompts, output_lens, arrivals) -> dict:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         done = asyncio.Event()
-        watcher = asyncio.create_task(watch_pages(done))
+        watcher = asyncio.create_task(watch(done)) if watch_pages else None
         try:
             await asyncio.gather(*[one(i, http) for i in range(n)])
         finally:
             done.set()
-            await watcher
-    return dict(times=times, added=added, finish_reasons=reasons, usage=usage, peak_pages=peak["pages"])
+            if watcher:
+                await watcher
+    return dict(times=times, added=added, sent=sent, finish_reasons=reasons, usage=usage, peak_pages=peak["pages"])
 
 
 def http_runs(model_dir: Path, plan: dict, settings, workload, args, log_dir: Path) -> dict:
@@ -162,7 +189,8 @@ def http_runs(model_dir: Path, plan: dict, settings, workload, args, log_dir: Pa
                 before = _server_metrics(url)
                 arrivals = (np.zeros(n) if math.isinf(rate) else workload["unit_gaps"][:n] / rate).tolist()
                 prompt_lens, output_lens = workload["prompt_lens"][:n], workload["output_lens"][:n]
-                done = asyncio.run(_http_workload(url, workload["prompts"][:n], output_lens, arrivals))
+                done = asyncio.run(http_workload(url, completion_bodies(workload["prompts"][:n], output_lens),
+                                                 arrivals))
                 after = _server_metrics(url)
                 delta = lambda key: after.get(key, 0) - before.get(key, 0)
                 served = dict(times=done["times"], added=done["added"], engine_metrics=[None] * n,

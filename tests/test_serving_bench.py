@@ -1,10 +1,12 @@
 """The serving benchmarks (CPU, fp32, tiny presets). `infer.py bench` (serving/bench.py): fields, exact KV ratios, and
 that it measures the real engine (its tokens are `sk.generate`'s); the presets against the published Llama-3.1-8B
 numbers. `benchmarks/serving.py`: every configuration (engines, static, the transformers peer) on the quick preset, the
-roofline against the issue's figures, the GPU pack's parts."""
+roofline against the issue's figures, the GPU pack's parts. `benchmarks/serving_guidellm.py`: guidellm's report
+read back to its own figures, our driver's requests in guidellm's definitions, the 20% verdict."""
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -303,3 +305,102 @@ def test_the_shared_prefix_workload_hits_what_it_shares(tmp_path):
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {"single-turn teacher", "multi-turn swiftkv-tokens"}
     with pytest.raises(SystemExit):
         S.parse_args(["--workload", "shared-prefix", "--suffix-lens", "30,10"])
+
+
+# ---- benchmarks/serving_guidellm.py: guidellm's report read as guidellm computes it, our driver's definitions -------
+
+import serving_guidellm as SG  # noqa: E402
+import serving_http  # noqa: E402
+
+GUIDELLM_REPORT = Path(__file__).resolve().parent / "data" / "guidellm_report.json"
+
+
+def _guidellm():
+    if os.environ.get("CI"):  # the clients extra is installed in CI
+        import guidellm  # noqa: F401
+    else:
+        pytest.importorskip("guidellm")
+
+
+def test_a_recorded_guidellm_report_reads_back_to_its_own_figures():
+    """A guidellm 0.8.1 run (8 requests, constant 2/s, synthetic 64-in / 16-out, on the tiny student through `infer.py
+    serve`; its JSON cut to the fields read): the requests in their scheduled order, 0.5 s apart, the chat bodies it
+    sent, and the per-request TTFT / ITL give back its reported p50, mean and p99 by our summary (ITL weighted by
+    output tokens - 1)."""
+    _guidellm()
+    r = SG.read_report(GUIDELLM_REPORT)
+    assert r["totals"] == dict(successful=8, errored=0, incomplete=0, total=8)
+    np.testing.assert_allclose(r["offsets_s"], [0.5 * i for i in range(8)], atol=1e-6)
+    assert r["output_tokens"] == [16] * 8
+    body = r["bodies"][0]
+    assert body["stream"] and body["ignore_eos"] and body["max_completion_tokens"] == 16
+    assert body["stream_options"] == dict(include_usage=True, continuous_usage_stats=True)
+    assert body["messages"][0]["role"] == "user"
+    ours = SG.summarise_round(r)
+    for metric in SG.METRICS:
+        for stat in ("p50", "mean", "p99"):
+            assert ours[metric][stat] == pytest.approx(r["reported"][metric][stat], rel=1e-12), (metric, stat)
+    assert ours["itl_ms"]["count"] == r["reported"]["itl_ms"]["count"] == 8 * 15
+
+
+def test_our_requests_in_guidellms_definitions():
+    """TTFT from the request's headers going out (not its scheduled arrival) to its first token; ITL = (last -
+    first token) / (tokens - 1)."""
+    done = dict(times=[[1.010, 1.020, 1.030], [2.5, 2.5, 2.6, 2.8]], sent=[1.002, 2.1])
+    r = SG.per_request(done, arrivals=[1.0, 2.0])
+    np.testing.assert_allclose(r["ttft_ms"], [8.0, 400.0])
+    np.testing.assert_allclose(r["itl_ms"], [10.0, 100.0])
+    np.testing.assert_allclose(r["dispatch_s"], [0.002, 0.1])
+    assert r["output_tokens"] == [3, 4]
+
+
+def test_a_streamed_chunk_counts_the_tokens_it_brings():
+    """Chat's role chunk brings none; without continuous usage a chunk with text brings one; with it, as many as the
+    usage adds (two tokens whose text came out together), and the last chunk its tokens without text."""
+    n = serving_http.new_tokens
+    assert n(dict(index=0, delta=dict(role="assistant", content=""), finish_reason=None), None, 0) == 0
+    assert n(dict(index=0, text="t5", finish_reason=None), None, 3) == 1
+    assert n(dict(index=0, text="", finish_reason=None), None, 3) == 0
+    assert n(dict(index=0, delta=dict(content="ab"), finish_reason=None), dict(completion_tokens=3), 1) == 2
+    assert n(dict(index=0, delta=dict(content="a"), finish_reason=None), dict(completion_tokens=3), 3) == 1
+    assert n(dict(index=0, delta={}, finish_reason=None), dict(completion_tokens=4), 3) == 0
+    assert n(dict(index=0, delta={}, finish_reason="length"), dict(completion_tokens=16), 15) == 1
+
+
+def test_the_comparison_passes_within_twenty_percent_and_not_outside():
+    """guidellm / ours of the pooled p50s: 1.15 passes, 1.25 and 1 / 1.3 fail (TTFT and ITL alike); an errored
+    guidellm request, or a request short of its tokens, fails whatever the ratios."""
+    _guidellm()
+    g = SG.read_report(GUIDELLM_REPORT)
+
+    def ours(scale, tokens=16):
+        return dict(ttft_ms=[v / scale for v in g["ttft_ms"]], itl_ms=[v / scale for v in g["itl_ms"]],
+                    output_tokens=[tokens] * 8, dispatch_s=[0.001] * 8)
+
+    ok = SG.compare([g, g], [ours(1.15), ours(1.15)], expected_requests=8, output_tokens=16)
+    assert ok["passed"] and ok["ratios"]["ttft_ms_p50"] == pytest.approx(1.15)
+    assert ok["ratios"]["itl_ms_p50"] == pytest.approx(1.15) and ok["ratios"]["itl_ms_mean"] == pytest.approx(1.15)
+    assert ok["guidellm"]["ttft_ms"]["count"] == 16 and "PASS" in SG.verdict(ok) and "FAIL" not in SG.verdict(ok)
+    for scale in (1.25, 1 / 1.3):
+        off = SG.compare([g], [ours(scale)], expected_requests=8, output_tokens=16)
+        assert not off["passed"] and off["within"] == dict(ttft_ms=False, itl_ms=False)
+        assert off["ratios"]["ttft_ms_p50"] == pytest.approx(scale) and "FAIL" in SG.verdict(off)
+    errored = dict(g, totals=dict(successful=7, errored=1, incomplete=0, total=8))
+    bad = SG.compare([errored], [ours(1.0)], expected_requests=8, output_tokens=16)
+    assert not bad["passed"] and bad["guidellm_errored"] == 1 and bad["within"] == dict(ttft_ms=True, itl_ms=True)
+    assert not SG.compare([g], [ours(1.0, tokens=15)], expected_requests=8, output_tokens=16)["passed"]
+    assert "| guidellm / ours |" in SG.table([g], [ours(1.0)], SG.compare([g], [ours(1.0)], 8, 16))
+
+
+@pytest.mark.slow
+def test_the_guidellm_comparison_runs_end_to_end(tmp_path):
+    """The script itself, one short round: guidellm and our driver on one server, every request of both complete
+    with its tokens and none errored (the 20% verdict is the recorded run's: milliseconds on a shared CPU)."""
+    _guidellm()
+    out = tmp_path / "cmp.json"
+    assert SG.main(["--requests", "6", "--rounds", "1", "--rate", "4", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    result = data["result"]
+    assert result["guidellm_errored"] == 0 and result["all_requests_complete"] and result["all_output_lengths"]
+    assert len(data["guidellm_rounds"]) == len(data["our_rounds"]) == 1
+    assert data["our_rounds"][0]["output_tokens"] == [16] * 6
