@@ -82,3 +82,24 @@ def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
     (tmp_path / "demo_settings.json").write_text(json.dumps({"settings": "full"}))
     assert demo.main(["--quick", "--out", str(tmp_path)]) == 2
     assert "holds a demo run with other settings" in capsys.readouterr().err
+
+
+def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls(tmp_path):
+    """The gpu budget's overrides load with both recipes (the smoke run above covers the code they drive), its
+    FLOP-arithmetic estimate stays well inside 10 minutes, and a CPU is refused before anything is written."""
+    from swiftkv_jax import configuration
+    from swiftkv_jax.distill.config import TrainConfig
+
+    settings = demo.SETTINGS["gpu"]
+    common = demo.common_overrides(tmp_path, settings, 1, tmp_path / "run")
+    teacher = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-teacher.yaml",
+                                 ["model.teacher=x"] + common + list(settings.pretrain_overrides))
+    student = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-swiftkv.yaml",
+                                 ["model.teacher=x"] + common + list(settings.distill_overrides))
+    for config in (teacher, student):
+        assert (config.model.compute_dtype, config.model.trainable_dtype) == ("bfloat16", "float32")
+    estimate = demo.gpu_seconds(settings)
+    assert 200e6 < estimate["parameters"] < 500e6 and estimate["total_s"] < 300
+    with pytest.raises(ValueError, match="the gpu budget needs a GPU"):
+        demo.run(tmp_path / "gpu", "gpu")
+    assert not (tmp_path / "gpu").exists()
