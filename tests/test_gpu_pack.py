@@ -243,12 +243,11 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     distill = {c["label"].split(" (smoke")[0]: c for c in records["distill"]["commands"]}
     assert distill["train.py --config configs/llama-3.1-8b-instruct.yaml --dry-run"]["result"][
         "bytes_per_device_gib"]["total"] >= 0
-    for preset in ("8b", "1b"):  # the plan of the tiny preset, every remat policy compiled
-        plan = distill[f"benchmarks/distill_step.py --preset {preset}"]["result"]["plan"]
-        assert {r["remat"] for r in plan["rows"]} == {"none", "dots", "full"} and plan["chosen_remat"] == "none"
-    pipeline = distill["benchmarks/train_pipeline.py --preset 1b"]["result"]
-    assert pipeline["preset"] == "test" and pipeline["end_to_end"]["host_s_mean"] > 0
-    assert distill["demo.py --budget gpu"]["status"] == "ok"
+    plan = distill["benchmarks/distill_step.py --preset 8b"]["result"]["plan"]  # the tiny preset's, every policy
+    assert {r["remat"] for r in plan["rows"]} == {"none", "dots", "full"} and plan["chosen_remat"] == "none"
+    assert all(distill[label]["status"] == "ok" for label in ("benchmarks/distill_step.py --preset 1b",
+                                                             "benchmarks/train_pipeline.py --preset 1b",
+                                                             "demo.py --budget gpu"))
     assert "memory plan (cpu)" in (out / "summary.md").read_text()
     for name in ("serving", "peers"):  # skipped until the script exists, then its smoke runs
         assert records[name]["status"] in ("ok", "skipped"), why(name)

@@ -12,8 +12,8 @@
             (benchmarks/train_pipeline.py --preset 1b: train.py end to end against its bare step), demo (demo.py
             --budget gpu: pretrain, distil and evaluate, results.json kept), dryrun (the 8B recipe's train.py
             --dry-run compiled for the device, its teacher a folder holding Llama-3.1-8B's config.json alone)
-            (smoke: distill_step's plan and train_pipeline on their tiny presets, demo.py's arguments checked, the
-            dry run on the tiny config with a few overrides)
+            (smoke: distill_step's plan of its tiny preset; the 1b, train and demo arguments checked; the dry run
+            on the tiny config with a few overrides)
  5 serving  benchmarks/serving.py --preset 8b: sk.Engine in SwiftKV and teacher wiring, the static engine and
             transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
             Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer, and
@@ -160,11 +160,14 @@ def _distill_bench(preset: str):
     def command(ctx, run):
         out = ctx.tmp / f"distill_step_{preset}.json"
         script = "benchmarks/distill_step.py"
-        if ctx.smoke:  # the GPU presets take minutes on a CPU: the plan of the tiny preset, compiled, nothing allocated
+        if ctx.smoke:  # the GPU presets take minutes on a CPU: 8b: the plan of the tiny preset (ours, every remat
+            # policy compiled, nothing allocated); 1b: the arguments
             out = ctx.tmp / "distill_step_plan_test.json"
-            run(Command(f"{script} --preset {preset} (smoke: --preset test --plan)",
-                        (ctx.python, script, "--preset", "test", "--plan", "--out", out), 120, output=out,
-                        script=script))
+            argv = ((ctx.python, script, "--preset", "test", "--plan", "--variants", "ours", "--out", out)
+                    if preset == "8b" else (ctx.python, script, "--preset", preset, "--out", out, "--help"))
+            run(Command(f"{script} --preset {preset} (smoke: " + ("--preset test --plan)" if preset == "8b" else
+                                                                   "arguments checked only)"), argv, 120,
+                        output=out if preset == "8b" else None, script=script))
             return
         run(Command(f"{script} --preset {preset}", (ctx.python, script, "--preset", preset, "--out", out),
                     DISTILL_LIMITS[preset], output=out, script=script))
@@ -172,12 +175,13 @@ def _distill_bench(preset: str):
 
 
 def _train_pipeline(ctx, run):
-    script, preset = "benchmarks/train_pipeline.py", "test" if ctx.smoke else "1b"
-    out = ctx.tmp / f"train_pipeline_{preset}.json"
-    run(Command(f"{script} --preset 1b" + (" (smoke: --preset test)" if ctx.smoke else ""),
-                (ctx.python, script, "--preset", preset, "--work", ctx.tmp / "train_pipeline", "--out", out),
-                120 if ctx.smoke else DISTILL_LIMITS["train"], output=out, script=script,
-                env={"XLA_FLAGS": ""} if ctx.smoke else {}))  # smoke: one CPU device, whatever the caller forces
+    script = "benchmarks/train_pipeline.py"
+    out = ctx.tmp / "train_pipeline_1b.json"
+    argv = (ctx.python, script, "--preset", "1b", "--work", ctx.tmp / "train_pipeline", "--out", out)
+    if ctx.smoke:  # its tiny preset runs under `pytest -m slow` (tests/test_distill_bench.py): the arguments here
+        run(Command(f"{script} --preset 1b (smoke: arguments checked only)", (*argv, "--help"), 60, script=script))
+        return
+    run(Command(f"{script} --preset 1b", argv, DISTILL_LIMITS["train"], output=out, script=script))
 
 
 def _demo(ctx, run):
