@@ -14,8 +14,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
   (attention_impl="cudnn": our position mask as a bias), jax's Mosaic GPU kernel (`attention_mgpu`, causal, no
-  segments: what Pallas on Hopper reaches) and XLA (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of
-  memory at the largest shapes, reported so).
+  segments: what Pallas on Hopper reaches), ours on Mosaic GPU (`mosaic`: flash_attention_mgpu in FA3's form;
+  `mosaic_smem`: the form jax's interpreter runs, compiled) and XLA (`xla_attention`, fp32 logits [B, N, T, T]:
+  it runs out of memory at the largest shapes, reported so).
 Rows are written to the JSON as they are measured (`--deadline S`: no point is started after S seconds, the rest
 recorded as not measured; `complete` says whether the run finished). Each implementation is first checked against
 an fp32 reference at one small shape; one that disagrees or fails gets an error in its rows instead of timings. Timings: compiled first, then the median of --repeats
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
 
     from swiftkv_jax.kernels.decode_attention import decode_attention
     from swiftkv_jax.kernels.flash_attention import flash_attention
+    from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
     from swiftkv_jax.model.kv_quant import quantize
     from swiftkv_jax.model.paged import paged_attend
@@ -266,8 +268,11 @@ def main(argv=None) -> int:
         "cudnn": lambda q, k, v, p, g: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
         "cudnn_mask": lambda q, k, v, p, g: attend("cudnn", q, k, v, p, p, g, g),  # the engine's cuDNN path
         "xla": lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g),
+        # our Mosaic GPU kernel (FA3 form), and its interpreter form compiled (P V through SMEM)
+        "mosaic": lambda q, k, v, p, g: flash_attention_mgpu(q, k, v, p, p, g, g),
+        "mosaic_smem": lambda q, k, v, p, g: flash_attention_mgpu(q, k, v, p, p, g, g, interpreter_safe=True),
     }
-    segmented = ("pallas", "cudnn_mask", "xla")
+    segmented = ("pallas", "cudnn_mask", "xla", "mosaic", "mosaic_smem")
     # jax's bundled Mosaic GPU kernel (FA3-style: warp specialisation, wgmma, TMA; causal, no segment ids): what
     # Pallas on Hopper reaches. It needs jaxlib's CUDA plugin even to lower, so on a CPU its rows carry the error.
     try:
@@ -284,7 +289,10 @@ def main(argv=None) -> int:
     for b, t in (prefill_points if "prefill" in parts else []):
         if prefill_errors is None:
             small = prefill_inputs(1, 256)
-            prefill_errors = {name: check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
+            # our Mosaic GPU kernel interpreted takes minutes even here (tests/ interpret it at tiny shapes)
+            gpu_only = ("mosaic", "mosaic_smem") if interpret else ()
+            prefill_errors = {name: "Mosaic GPU kernel: timed on a GPU only" if name in gpu_only else
+                              check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
             if mosaic_error:
                 prefill_errors["jax_mosaic"] = mosaic_error
             del small

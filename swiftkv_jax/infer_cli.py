@@ -25,7 +25,7 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
                    help="KV-cache dtype: bfloat16 (default), float32, float16, or quantised float8_e4m3fn (fp8) / int8")
     p.add_argument("--kv-scales", default=None, help="scales of a quantised KV cache: per-token-head (default) or "
                                                        "per-layer (a static scale of 1.0)")
-    p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "cudnn"), default=None,
+    p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "mosaic", "cudnn"), default=None,
                    help="prefill attention (default: the checkpoint's, xla_flash)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
                    help="few-query attention over the cache (decode; SwiftKV's later layers in prefill)")

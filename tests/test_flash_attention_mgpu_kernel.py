@@ -247,3 +247,17 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="multiple of kv heads"):
         flash_attention_mgpu(**{**two_kv_heads, "q": two_kv_heads["q"][:, :, :1].repeat(3, axis=2)},
                              interpret=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_thread_map is None, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode")
+def test_model_picks_it_by_name():
+    """attention_impl="mosaic" (the model's prefill choice) runs this kernel and agrees with the XLA path."""
+    from swiftkv_jax.model.attention import ATTENTION_IMPLS, attend
+
+    assert "mosaic" in ATTENTION_IMPLS
+    inputs = make_inputs(BY_NAME["packed_segments"], jnp.bfloat16, seed=8)
+    args = [inputs[name] for name in ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
+                                      "kv_segment_ids")]
+    assert_close(attend("mosaic", *args), attend("xla", *[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                                                           for a in args]), BF16_TOL)

@@ -155,6 +155,14 @@ def _pallas_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, k
                           heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
 
 
+def _mosaic_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
+    """The Mosaic GPU (Hopper) flash kernel: bf16/fp16 only (it raises otherwise); jax's GPU interpreter on a CPU."""
+    from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu  # Pallas imports only when chosen
+
+    return map_over_heads(flash_attention_mgpu, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+                          heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
+
+
 def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids):
     """cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`), NVIDIA GPUs only.
 
@@ -179,10 +187,10 @@ def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
                          f"or 'pallas'") from e
 
 
-# A name not in this table raises, there is no fallback. "xla_flash", "pallas" and "cudnn" serve prefill only:
-# none is validated for training (cuDNN's backward is untested here, no GPU in CI).
+# A name not in this table raises, there is no fallback. "xla_flash", "pallas", "mosaic" and "cudnn" serve prefill
+# only: none is validated for training (cuDNN's backward is untested here, no GPU in CI).
 _IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention, "xla_flash": xla_flash_attention,
-          "pallas": _pallas_flash_attention, "cudnn": cudnn_attention}
+          "pallas": _pallas_flash_attention, "mosaic": _mosaic_flash_attention, "cudnn": cudnn_attention}
 DIFFERENTIABLE_IMPLS = ("xla", "xla_chunked")
 ATTENTION_IMPLS = tuple(_IMPLS)
 
