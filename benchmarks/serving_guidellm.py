@@ -185,7 +185,7 @@ def server_argv(model: Path, port: int, args) -> list:
     max_len = -(-longest // 8) * 8
     return [sys.executable, str(Path(__file__).resolve().parents[1] / "infer.py"), "serve", "--model", str(model),
             "--port", str(port), "--served-model-name", MODEL_NAME, "--cache-dtype", "float32", "--page-size", "8",
-            "--num-pages", str(1 + 8 * max_len // 8), "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
+            "--num-pages", str(1 + 8 * (max_len // 8)), "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
             "--single-buckets", "8", "--prompt-buckets", "128", "--max-model-len", str(max_len),
             "--no-enable-prefix-caching"]
 

@@ -51,7 +51,7 @@ STATIC_SCORES = 1 << 26  # fp32 scores alive per block of the static XLA path (2
 # falls as blocks grow; every block row is computed, so the partial block of each run wastes more as they grow.
 # 16 (16 pages, 256 keys, a loop step; blocks grouped by length) was about the fastest of 8-64 tokens x 4-32 pages
 # on the CPU, for 512-token steps of chunks continuing 1-2K-token prompts (benchmarks/serving.py --workload
-# shared-prefix's multi-turn steps): 0.4-0.8x the time of 8-token blocks of 4 pages, ungrouped.
+# shared-prefix's multi-turn steps): 0.3-0.8x the time of 8-token blocks of 4 pages, ungrouped.
 XLA_BLOCK_TOKENS = 16
 PREFILL_PAGES_PER_BLOCK = 16  # pages a loop step of the dynamic XLA path reads per block of prompt tokens
 # The dynamic path runs the prompt blocks sorted by length in groups of at least this many, each group a loop that
@@ -161,7 +161,7 @@ def _by_length(attend, q, tables, lengths, q_positions, group: int):
     q, tables, lengths, q_positions = map(take, (q, tables, lengths, q_positions))
     out = jnp.concatenate([attend(q[i:i + group], tables[i:i + group], lengths[i:i + group],
                                   q_positions[i:i + group]) for i in range(0, d + pad, group)])
-    return jnp.zeros_like(out[:d]).at[order].set(out[:d])
+    return out[jnp.argsort(order)]  # the inverse permutation: each block's result back in its place
 
 
 def paged_attend(impl: str, q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None,
