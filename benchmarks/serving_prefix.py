@@ -2,7 +2,8 @@
 teacher wiring of the same weights, in one run.
 
     python benchmarks/serving.py --workload shared-prefix [--preset cpu|8b|quick] [--prefix-len 1000]
-                                 [--suffix-lens 100,300] [--conversations C --turns T] [--out PATH.json]
+                                 [--suffix-lens 100,300] [--conversations C --turns T]
+                                 [--answer-range-ratio 0.2] [--out PATH.json]
 
 Model and engine settings: serving.py's (its presets; the pool sized as there). Workloads (`--seed`):
 - single-turn: every request is one system prompt of `--prefix-len` tokens (1,000) and distinct tokens of its own
@@ -12,6 +13,12 @@ Model and engine settings: serving.py's (its presets; the pool sized as there). 
 - multi-turn: `--conversations` conversations of `--turns` turns, all started at t = 0; each turn resends the
   system prompt and the whole conversation (its earlier turns and the model's answers) with a new user message
   (`--suffix-lens` tokens), sent the moment the previous answer is complete (a closed loop, as chat clients do).
+  Each answer's length is drawn uniformly within `--answer-range-ratio` (0.2) of `--output-len`, as vLLM's
+  multi-turn benchmark draws them (benchmarks/multi_turn/generate_multi_turn.json: 80-120 output tokens).
+- multi-turn-lockstep: the same conversations with every answer `--output-len` tokens (not run when the ratio is 0).
+  Started together and answering alike, the conversations stay in step: each turn arrives with the others' and
+  queues behind their prompts, with caching or without; reported beside multi-turn, not judged (no traffic answers
+  in lockstep).
 - no sharing: prompts of the single-turn workload's lengths made of random tokens (nothing in common), SwiftKV
   wiring at rate inf, caching off, on, off, on: the cost of caching where it finds nothing (the best of each pair).
 Each run has an engine of its own, whose cache holds the system prompt alone before the clock starts (one request
@@ -23,7 +30,7 @@ Per run: total and output tokens/s, TTFT p50/p99, TPOT p50, the token hit rate (
 prefix_cache_queries of `engine.stats()`: prompt tokens found cached over prompt tokens admitted).
 Targets (the prefix-caching issue's; a miss prints FAIL, the exit status stays 0), per wiring, where the hit rate is
 at least 80%: TTFT p50 with caching <= 0.3x without, throughput at rate inf >= 2x (for multi-turn: its closed-loop
-throughput); with no sharing, caching on >= 0.97x off.
+throughput); with no sharing, caching on >= 0.97x off. multi-turn-lockstep's ratios are printed, not judged.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--suffix-lens", help="shared-prefix: each request's own tokens, 'low,high' (100,300)")
     parser.add_argument("--conversations", type=int, help="shared-prefix: multi-turn conversations (cpu: 4)")
     parser.add_argument("--turns", type=int, help="shared-prefix: turns a conversation (4)")
+    parser.add_argument("--answer-range-ratio", type=float, default=0.2,
+                        help="shared-prefix: multi-turn answers are uniform in (1 +- this) x --output-len tokens (0.2, "
+                             "vLLM's multi-turn benchmark's 80-120); 0: all --output-len, and no lockstep run")
     parser.add_argument("--cold", action="store_true",
                         help="shared-prefix: each run starts with an empty cache (default: the system prompt cached)")
     parser.add_argument("--ttft-load", type=float, default=0.5,
@@ -79,11 +89,13 @@ def check_arguments(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.ttft_load > 0:
         parser.error("--ttft-load must be > 0")
+    if not 0 <= args.answer_range_ratio < 1:
+        parser.error(f"--answer-range-ratio must be in [0, 1), got {args.answer_range_ratio}")
 
 
 def make_workload(args, vocab: int) -> dict:
     """The system prompt, the single-turn prompts, the same lengths with nothing shared, the conversations' user
-    messages, and unit-rate Poisson gaps."""
+    messages and their answers' lengths, and unit-rate Poisson gaps."""
     import numpy as np
 
     rng = np.random.default_rng(args.seed + 1)
@@ -95,18 +107,22 @@ def make_workload(args, vocab: int) -> dict:
     unshared = [tokens(len(p)) for p in shared]
     users = [[tokens(k) for k in rng.integers(low, high + 1, args.turns)] for _ in range(args.conversations)]
     unit_gaps = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0, n - 1))])
-    return dict(system=system, shared=shared, unshared=unshared, users=users, unit_gaps=unit_gaps)
+    r, out = args.answer_range_ratio, args.output_len
+    answers = rng.integers(max(1, round((1 - r) * out)), round((1 + r) * out) + 1, (args.conversations, args.turns))
+    return dict(system=system, shared=shared, unshared=unshared, users=users, answers=answers.tolist(),
+                unit_gaps=unit_gaps)
 
 
-def serve_conversations(engine, system, users, output_len, compiles, time_limit=None) -> dict:
+def serve_conversations(engine, system, users, answers, compiles, time_limit=None) -> dict:
     """Drive `engine` through conversations (a closed loop): every conversation's first turn at t = 0, each next turn
-    (system + every earlier message and answer + the next message) the moment the previous answer completes. Returns
-    serve()'s record, plus each request's prompt length and the time it was sent (its arrival)."""
+    (system + every earlier message and answer + the next message) the moment the previous answer completes; turn t
+    of conversation c answers in `answers[c][t]` tokens. Returns serve()'s record, plus each request's prompt and
+    answer lengths and the time it was sent (its arrival)."""
     import jax
 
     turns = len(users[0])
     history = [list(system) for _ in users]
-    times, sent, prompt_lens, answers = {}, {}, {}, {}
+    times, sent, prompt_lens, said = {}, {}, {}, {}
     peak_pages, done, cut_off = 0, 0, False
     before = compiles.snapshot()
     start = time.perf_counter()
@@ -114,8 +130,9 @@ def serve_conversations(engine, system, users, output_len, compiles, time_limit=
     def send(c: int, t: int) -> None:
         i = c * turns + t
         history[c] += users[c][t]
-        prompt_lens[i], times[i], answers[i] = len(history[c]), [], []
-        engine.add_request(history[c], request_id=str(i), max_tokens=output_len, temperature=0.0, stop_token_ids=[])
+        prompt_lens[i], times[i], said[i] = len(history[c]), [], []
+        engine.add_request(history[c], request_id=str(i), max_tokens=int(answers[c][t]), temperature=0.0,
+                           stop_token_ids=[])
         sent[i] = time.perf_counter() - start
 
     for c in range(len(users)):
@@ -131,18 +148,19 @@ def serve_conversations(engine, system, users, output_len, compiles, time_limit=
         for out in outputs:
             i = int(out.request_id)
             times[i] += [stamp] * len(out.new_token_ids)
-            answers[i] += out.new_token_ids
+            said[i] += out.new_token_ids
             if out.finished:
                 done += 1
                 c, t = divmod(i, turns)
-                history[c] += answers[i]
+                history[c] += said[i]
                 if t + 1 < turns:
                     send(c, t + 1)
     elapsed = time.perf_counter() - start
     jax.block_until_ready(jax.live_arrays())
     order = sorted(times)
     return dict(times=[times[i] for i in order], arrivals=[sent[i] for i in order],
-                prompt_lens=[prompt_lens[i] for i in order], peak_pages=peak_pages, cut_off=cut_off,
+                prompt_lens=[prompt_lens[i] for i in order],
+                output_lens=[int(answers[i // turns][i % turns]) for i in order], peak_pages=peak_pages, cut_off=cut_off,
                 elapsed_s=elapsed, stats=engine.stats(), **compiles.since(before))
 
 
@@ -175,7 +193,8 @@ def run_prefix_workloads(args, argv=None) -> int:
     gc.collect()
     work = make_workload(args, cfg.vocab_size)
     low, high = args.suffix_range
-    longest_turns = args.prefix_len + args.turns * (high + args.output_len)
+    longest_answer = max(max(a) for a in work["answers"])
+    longest_turns = args.prefix_len + args.turns * (high + longest_answer)
     max_model_len = -(-max(longest_turns, args.prefix_len + high + args.output_len) // args.page_size) * args.page_size
     platform = jax.default_backend()
     sequences = min(args.max_num_seqs, max(args.num_requests, args.conversations))
@@ -186,7 +205,8 @@ def run_prefix_workloads(args, argv=None) -> int:
     title = (f"{args.preset} shared-prefix: L={cfg.num_hidden_layers} l={cfg.num_key_value_layers} "
              f"{cfg.param_dtype}; system prompt {args.prefix_len} tokens + {low}-{high} own, outputs "
              f"{args.output_len}; {args.num_requests} requests at rate inf, {args.sweep_requests} at "
-             f"{args.ttft_load:g}x caching off's rate; {args.conversations} conversations x {args.turns} turns; page "
+             f"{args.ttft_load:g}x caching off's rate; {args.conversations} conversations x {args.turns} turns, answers "
+             f"{min(map(min, work['answers']))}-{longest_answer}; page "
              f"{args.page_size}, budget {args.max_num_batched_tokens}, on {device.device_kind}")
     print(title, flush=True)
     compiles = CompileCounter()
@@ -251,19 +271,22 @@ def run_prefix_workloads(args, argv=None) -> int:
             for caching in (False, True):
                 if not too_late():
                     single(wiring, caching, work["shared"], rate, args.sweep_requests)
-    for wiring in WIRINGS:  # multi-turn, closed loop
-        for caching in (False, True):
-            if too_late():
-                continue
-            engine = engine_for(wiring, caching, work["system"])
-            before = engine.stats()
-            served = serve_conversations(engine, work["system"], work["users"], args.output_len, compiles,
-                                         time_limit=min(args.run_timeout, left()))
-            del engine
-            gc.collect()
-            n = len(served["times"])
-            finish(summarise(math.nan, served["arrivals"], served["prompt_lens"], [args.output_len] * n, served),
-                   "multi-turn", wiring, caching, served, before)
+    lockstep = [[args.output_len] * args.turns for _ in work["users"]]
+    multi_turn = [("multi-turn", work["answers"])] + ([("multi-turn-lockstep", lockstep)]
+                                                      if args.answer_range_ratio else [])
+    for workload, answers in multi_turn:  # closed loops
+        for wiring in WIRINGS:
+            for caching in (False, True):
+                if too_late():
+                    continue
+                engine = engine_for(wiring, caching, work["system"])
+                before = engine.stats()
+                served = serve_conversations(engine, work["system"], work["users"], answers, compiles,
+                                             time_limit=min(args.run_timeout, left()))
+                del engine
+                gc.collect()
+                finish(summarise(math.nan, served["arrivals"], served["prompt_lens"], served["output_lens"], served),
+                       workload, wiring, caching, served, before)
     for caching in (False, True, False, True):  # no sharing: what caching costs where it finds nothing
         if not too_late():
             single("swiftkv-tokens", caching, work["unshared"], INF, args.num_requests, workload="no-sharing")
@@ -275,7 +298,7 @@ def run_prefix_workloads(args, argv=None) -> int:
     print(targets_text(rows))
     if args.preset == "quick":
         print("(quick: a tiny model, overheads dominate: the ratios are not meaningful here)")
-    record({"complete": all(ok(r) for r in runs) and len(runs) == 4 * len(WIRINGS) + 2 * len(WIRINGS) + 4,
+    record({"complete": all(ok(r) for r in runs) and len(runs) == (4 + 2 * len(multi_turn)) * len(WIRINGS) + 4,
             "wall_s": time.perf_counter() - t_start})
     return 0
 
@@ -301,12 +324,15 @@ def targets(runs: list) -> list:
         return mine / theirs if mine and theirs else None
 
     for wiring in WIRINGS:
-        for workload, finite in (("single-turn", True), ("multi-turn", None)):
+        for workload, finite in (("single-turn", True), ("multi-turn", None), ("multi-turn-lockstep", None)):
             on, off = (next(iter(_pick(runs, workload, wiring, c, finite)), None) for c in (True, False))
+            if workload == "multi-turn-lockstep" and not (on or off):
+                continue
             hits = on and on["hit_rate"]
-            applies = hits is not None and hits >= TARGETS["hit_rate"]
-            note = "" if hits is None else f"hit rate {hits:.0%}" + ("" if applies else
-                                                                     ": below 80%, the target does not apply")
+            applies = hits is not None and hits >= TARGETS["hit_rate"] and workload != "multi-turn-lockstep"
+            note = "" if hits is None else f"hit rate {hits:.0%}" + (
+                "" if applies else ": lockstep, reported, not judged" if workload == "multi-turn-lockstep" else
+                ": below 80%, the target does not apply")
             row(f"{workload} {wiring}: TTFT p50 caching on / off", ratio(on, off, lambda r: r["ttft_s"]["p50"]), "<=",
                 TARGETS["ttft_p50"], note, applies)
             if workload == "single-turn":

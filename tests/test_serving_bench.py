@@ -293,7 +293,7 @@ def test_the_shared_prefix_workload_hits_what_it_shares(tmp_path):
     out = tmp_path / "prefix.json"
     assert S.main(["--workload", "shared-prefix", "--quick", "--page-size", "16", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["complete"] and len(data["runs"]) == 16 and "| workload |" in data["table"]
+    assert data["complete"] and len(data["runs"]) == 20 and "| workload |" in data["table"]
     for run in data["runs"]:
         queries, hits = run["prefix_cache_queries"], run["prefix_cache_hits"]
         if not run["caching"] or run["workload"] == "no-sharing":
@@ -303,6 +303,11 @@ def test_the_shared_prefix_workload_hits_what_it_shares(tmp_path):
         else:  # multi-turn: later turns also find their own earlier turns
             assert hits > 64 * run["num_requests"]
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {"single-turn teacher", "multi-turn swiftkv-tokens"}
+    # multi-turn's answers (3-5 tokens, the same draw on and off) against the lockstep's 4 each, judged only there
+    varied, lockstep = ([r for r in data["runs"] if r["workload"] == w] for w in ("multi-turn", "multi-turn-lockstep"))
+    assert len({r["generated_tokens"] for r in varied}) == 1 and all(r["all_generated"] for r in varied + lockstep)
+    assert {r["generated_tokens"] for r in lockstep} == {4 * r["num_requests"] for r in lockstep}
+    assert [t["passed"] for t in data["targets"] if t["target"].startswith("multi-turn-lockstep")] == [None] * 4
     with pytest.raises(SystemExit):
         S.parse_args(["--workload", "shared-prefix", "--suffix-lens", "30,10"])
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from swiftkv_jax import sharding
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm
+from swiftkv_jax.model.layers import CacheWrite, DecoderLayer, RMSNorm, kv_projection
 from swiftkv_jax.model.rope import apply_rope, rope_angles
 from swiftkv_jax.model.transformer import Embedder, Transformer
 
@@ -40,7 +40,8 @@ def _split(tree, n: int, consume: bool) -> tuple:
 
 def unstack_layers(params: dict, config: ModelConfig, consume: bool = False) -> dict:
     """The parameters in serving layout (idempotent): `layers` a tuple of l per-layer dicts, `swiftkv_groups/layers`
-    a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv stay stacked [G, ...] (one projection for all).
+    a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv tuples of G (a product over the stacked [G, D, K, H]
+    kernel would transpose it to [D, G, K, H], a copy of those weights at every step).
     Inside jit this costs one copy of the layer weights per program, not one per step. Outside jit, `consume`
     deletes each stacked array once it is sliced (the caller's params are unusable afterwards): the layer weights
     then exist once, at a peak of one stacked array more, instead of twice."""
@@ -50,8 +51,10 @@ def unstack_layers(params: dict, config: ModelConfig, consume: bool = False) -> 
     if "swiftkv_groups" in params:
         groups = params["swiftkv_groups"]
         by_group = _split(groups["layers"], config.num_kv_groups, consume)
-        out["swiftkv_groups"] = dict(groups, layers=tuple(_split(g, config.key_value_group_size, consume)
-                                                          for g in by_group))
+        owners = {name: _split(groups[name], config.num_kv_groups, consume)
+                  for name in ("k_proj_swiftkv", "v_proj_swiftkv")}
+        out["swiftkv_groups"] = dict(groups, **owners, layers=tuple(_split(g, config.key_value_group_size, consume)
+                                                                    for g in by_group))
     return out
 
 
@@ -74,22 +77,17 @@ def cached_lower(params, config: ModelConfig, tokens, positions, cache_write: Ca
 
 
 def swiftkv_cache_kv(params, config: ModelConfig, h, positions, cache_write: CacheWrite, cache: tuple):
-    """The K/V of every AcrossKV group for tokens with residual h_l [B, T, D], written into the group caches:
-    one projection over all owners at once (SWIFTKV.md §2). Returns the updated cache."""
+    """The K/V of every AcrossKV group for tokens with residual h_l [B, T, D], written into the group caches
+    (SWIFTKV.md §2): each owner's projections of norm_swiftkv(h_l), its kernels read in place. Returns the updated
+    cache."""
     if not config.num_kv_groups:  # l == L: no later layer
         return cache
     x = RMSNorm(config).apply({"params": params["norm_swiftkv"]}, h)
     owners = params["swiftkv_groups"]
-
-    def project(name):  # [B, T, G, K, H]: one product [B*T, D] x [D, G*K*H] for all owners
-        p = owners[name]
-        y = jnp.einsum("BTD,GDKH->BTGKH", x, p["kernel"].astype(x.dtype))
-        return y + p["bias"].astype(x.dtype) if "bias" in p else y
-
-    # rotated as [B, T, G, K, H]: merging G and K would split the KV heads that tensor parallelism shards
-    k = apply_rope(project("k_proj_swiftkv"), *rope_angles(config.rope, config.head_dim, positions))
-    v = project("v_proj_swiftkv")
-    return tuple(cache_write.write(pair, k[:, :, i], v[:, :, i]) for i, pair in enumerate(cache))
+    rope = rope_angles(config.rope, config.head_dim, positions)
+    project = lambda p: kv_projection(config).apply({"params": p}, x)
+    return tuple(cache_write.write(pair, apply_rope(project(k), *rope), project(v))
+                 for pair, k, v in zip(cache, owners["k_proj_swiftkv"], owners["v_proj_swiftkv"]))
 
 
 def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWrite, cache: tuple, swiftkv: bool):

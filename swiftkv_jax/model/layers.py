@@ -42,7 +42,8 @@ class Einsum(nn.Module):
         dtype = as_dtype(self.config.dtype)
         init = nn.initializers.normal(self.config.initializer_range)
         kernel = logical_param(self, "kernel", init, self.kernel_shape, self.kernel_axes)
-        y = jnp.einsum(self.equation, x.astype(dtype), kernel.astype(dtype))
+        equation, x, kernel = _flat_contraction(self.equation, x, kernel)
+        y = jnp.einsum(equation, x.astype(dtype), kernel.astype(dtype))
         if self.bias_axes is not None:
             bias_shape = y.shape[y.ndim - len(self.bias_axes):]
             y = y + logical_param(self, "bias", nn.initializers.zeros, bias_shape, self.bias_axes).astype(dtype)
@@ -54,6 +55,20 @@ class Einsum(nn.Module):
         axis_of = {"B": "batch", "T": "length"}
         axis_of.update({c: ("act_embed" if a == "embed" else a) for c, a in zip(kernel_letters, self.kernel_axes)})
         return tuple(axis_of[c] for c in out_letters)
+
+
+def _flat_contraction(equation: str, x, kernel):
+    """`equation` over x and kernel with several contracted axes (o_proj's BTNH,NHD->BTD) as one flat axis
+    (BTF,FD->BTD) when they lead the kernel and end x in the same order: XLA otherwise lays out the attention output
+    head-dim-major and transposes the [N, H, D] kernel to match, a copy of the weight at every step (seen in the CPU
+    engine's steps); over one flat axis it copies the small activation instead."""
+    x_letters, rest = equation.split(",")
+    kernel_letters, out_letters = rest.split("->")
+    n = sum(c not in out_letters for c in kernel_letters)
+    if n < 2 or kernel_letters[:n] != x_letters[-n:]:
+        return equation, x, kernel
+    flat = x.reshape(x.shape[:-n] + (-1,)), kernel.reshape((-1,) + kernel.shape[n:])
+    return f"{x_letters[:-n]}Z,Z{kernel_letters[n:]}->{out_letters}", *flat
 
 
 def q_projection(cfg: ModelConfig, **kwargs) -> Einsum:

@@ -49,11 +49,12 @@ XLA_LOOPS = ("dynamic", "static")
 STATIC_SCORES = 1 << 26  # fp32 scores alive per block of the static XLA path (256 MiB)
 # Prompt tokens per block of the XLA path's ragged layout. Each block gathers its sequence's pages, so that traffic
 # falls as blocks grow; every block row is computed, so the partial block of each run wastes more as they grow.
-# 16 (16 pages, 256 keys, a loop step; blocks grouped by length) was about the fastest of 8-64 tokens x 4-32 pages
-# on the CPU, for 512-token steps of chunks continuing 1-2K-token prompts (benchmarks/serving.py --workload
-# shared-prefix's multi-turn steps): 0.3-0.8x the time of 8-token blocks of 4 pages, ungrouped.
-XLA_BLOCK_TOKENS = 16
-PREFILL_PAGES_PER_BLOCK = 16  # pages a loop step of the dynamic XLA path reads per block of prompt tokens
+# 32 (32 pages, 512 keys, a loop step; blocks grouped by length) was the fastest of 16-64 tokens x 16-32 pages on
+# the CPU, for 512-token steps of chunks continuing 0.2-2K-token prompts (the shared-prefix benchmark's single- and
+# multi-turn steps, chunked prompts without caching): 0.6-0.9x the time of 16-token blocks of 16 pages, 1.0x for
+# short contexts; those were 0.3-0.8x of 8-token blocks of 4 pages, ungrouped.
+XLA_BLOCK_TOKENS = 32
+PREFILL_PAGES_PER_BLOCK = 32  # pages a loop step of the dynamic XLA path reads per block of prompt tokens
 # The dynamic path runs the prompt blocks sorted by length in groups of at least this many, each group a loop that
 # stops at its own longest block: a block costs about its own keys, and one that reads no page (a fresh prompt's
 # tokens, padding) nothing; at most MAX_LENGTH_GROUPS loops, so that the program stays small.

@@ -1,9 +1,9 @@
 """Prefill and decode over the KV cache, as pure functions of (params, cache, tokens).
 
 SwiftKV prefill (SWIFTKV.md §2): layers < l run on every prompt token and write their own K/V; the K/V
-of every later layer come from `norm_swiftkv(h_l)` in one projection over all group owners, written for
+of every later layer come from `norm_swiftkv(h_l)` by each group owner's projections, written for
 every prompt token; layers >= l run for the last prompt token of each sequence only. Chunked prefill
-bounds activation memory: chunks run layers < l and the owners' projection; only the last token of each
+bounds activation memory: chunks run layers < l and the owners' projections; only the last token of each
 sequence goes through the later layers, once, at the end. Teacher wiring (a plain Llama, or a SwiftKV
 model run as its teacher) sends every prompt token through every layer. Decode runs every layer for one
 new token per sequence; `extend` runs every layer for several new tokens (scoring continuations).
