@@ -48,9 +48,11 @@ SCRIPT = "benchmarks/serving.py"
 WIRINGS = ("teacher", "swiftkv-tokens")
 # serving.py's preset values that this workload sets otherwise (None: serving.py's)
 PRESETS = {
-    # ~94M parameters, fp32, 2 CPU cores: the teacher prefills ~400 tokens/s there, so ~12 minutes in all
+    # ~94M parameters, fp32, 2 CPU cores: ~10 minutes in all. Steps bucketed as the engine's defaults do for a
+    # 512-token budget and 32 sequences (what a user gets; serving.py's cpu preset compiles fewer, coarser ones)
     "cpu": dict(prefix_len=1000, suffix_lens="100,300", output_len=16, range_ratio=0.0, num_requests=24,
-                sweep_requests=12, conversations=4, turns=4, max_num_seqs=32, run_timeout=300.0),
+                sweep_requests=12, conversations=4, turns=4, max_num_seqs=32, run_timeout=300.0,
+                single_buckets="8,16", mixed_single_buckets="8", prompt_buckets="32,64,128,256"),
     "8b": dict(prefix_len=1000, suffix_lens="100,300", output_len=128, range_ratio=0.0, num_requests=512,
                sweep_requests=256, conversations=64, turns=4, run_timeout=120.0),
     "quick": dict(prefix_len=64, suffix_lens="8,24", output_len=4, range_ratio=0.0, num_requests=8, sweep_requests=8,
