@@ -162,7 +162,8 @@ def serve_conversations(engine, system, users, answers, compiles, time_limit=Non
     order = sorted(times)
     return dict(times=[times[i] for i in order], arrivals=[sent[i] for i in order],
                 prompt_lens=[prompt_lens[i] for i in order],
-                output_lens=[int(answers[i // turns][i % turns]) for i in order], peak_pages=peak_pages, cut_off=cut_off,
+                output_lens=[int(answers[i // turns][i % turns]) for i in order], peak_pages=peak_pages,
+                cut_off=cut_off,
                 elapsed_s=elapsed, stats=engine.stats(), **compiles.since(before))
 
 
@@ -207,8 +208,8 @@ def run_prefix_workloads(args, argv=None) -> int:
     title = (f"{args.preset} shared-prefix: L={cfg.num_hidden_layers} l={cfg.num_key_value_layers} "
              f"{cfg.param_dtype}; system prompt {args.prefix_len} tokens + {low}-{high} own, outputs "
              f"{args.output_len}; {args.num_requests} requests at rate inf, {args.sweep_requests} at "
-             f"{args.ttft_load:g}x caching off's rate; {args.conversations} conversations x {args.turns} turns, answers "
-             f"{min(map(min, work['answers']))}-{longest_answer}; page "
+             f"{args.ttft_load:g}x caching off's rate; {args.conversations} conversations x {args.turns} turns, "
+             f"answers {min(map(min, work['answers']))}-{longest_answer}; page "
              f"{args.page_size}, budget {args.max_num_batched_tokens}, on {device.device_kind}")
     print(title, flush=True)
     compiles = CompileCounter()

@@ -40,8 +40,8 @@ def _split(tree, n: int, consume: bool) -> tuple:
 
 def unstack_layers(params: dict, config: ModelConfig, consume: bool = False) -> dict:
     """The parameters in serving layout (idempotent): `layers` a tuple of l per-layer dicts, `swiftkv_groups/layers`
-    a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv tuples of G (a product over the stacked [G, D, K, H]
-    kernel would transpose it to [D, G, K, H], a copy of those weights at every step).
+    a tuple over groups of tuples of g; the owners' k/v_proj_swiftkv tuples of G (a product over the stacked
+    [G, D, K, H] kernel would transpose it to [D, G, K, H], a copy of those weights at every step).
     Inside jit this costs one copy of the layer weights per program, not one per step. Outside jit, `consume`
     deletes each stacked array once it is sliced (the caller's params are unusable afterwards): the layer weights
     then exist once, at a peak of one stacked array more, instead of twice."""

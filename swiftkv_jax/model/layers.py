@@ -59,7 +59,7 @@ class Einsum(nn.Module):
 
 def _flat_contraction(equation: str, x, kernel):
     """`equation` over x and kernel with several contracted axes (o_proj's BTNH,NHD->BTD) as one flat axis
-    (BTF,FD->BTD) when they lead the kernel and end x in the same order: XLA otherwise lays out the attention output
+    (BTZ,ZD->BTD) when they lead the kernel and end x in the same order: XLA otherwise lays out the attention output
     head-dim-major and transposes the [N, H, D] kernel to match, a copy of the weight at every step (seen in the CPU
     engine's steps); over one flat axis it copies the small activation instead."""
     x_letters, rest = equation.split(",")
