@@ -9,7 +9,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   memory bandwidth achieved (bytes of K and V read / time), beside the device's copy bandwidth (a jitted
   `x + 1` over --copy-gib GiB: bytes read + written / time). Rivals: XLA (`attend_cache("xla")`, the engine's
   default) and jax's bundled Pallas decode kernel (`pallas.ops.gpu.decode_attention.gqa`; its API takes
-  K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time).
+  K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time), and ours on
+  Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense cache read in place by TMA, wgmma, FA3's P V form;
+  `mosaic_smem`: the form jax's interpreter runs, compiled).
 - Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from swiftkv_jax.kernels.decode_attention import decode_attention
+    from swiftkv_jax.kernels.decode_attention_mgpu import decode_attention_mgpu
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
@@ -180,7 +183,14 @@ def main(argv=None) -> int:
         "pallas": lambda q, k, v, n, p: attend_cache("pallas", q, k, v, p, n),
         "pallas_bskh": lambda q, k, v, n, p: decode_attention(q, k, v, n, p),
         "xla": lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n),
+        # our Mosaic GPU kernel, reading the cache in place in the model's layout (FA3's P V form), and the form
+        # jax's interpreter runs (P through SMEM) compiled
+        "mosaic": lambda q, k, v, n, p: decode_attention_mgpu(q, k, v, n, p),
+        "mosaic_smem": lambda q, k, v, n, p: decode_attention_mgpu(q, k, v, n, p, interpreter_safe=True),
     }
+    # interpreted, the Mosaic kernels take minutes at these shapes (tests/ interpret them at tiny ones)
+    mosaic_gpu_only = {name: "Mosaic GPU kernel: timed on a GPU only" for name in ("mosaic", "mosaic_smem")
+                       } if interpret else {}
     layouts = {"pallas_bskh": bskh}
     try:
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa as jax_gqa
@@ -204,8 +214,9 @@ def main(argv=None) -> int:
 
     def decode_table(table, impls, reference, make_inputs, errors_extra):
         small = make_inputs(2, 512)
-        errors = {name: check(lambda *x, f=fn, n=name: f(*laid_out(n, x)), quantized_reference.get(name, reference),
-                              *small) for name, fn in impls.items()}
+        errors = {name: errors_extra.get(name) or check(lambda *x, f=fn, n=name: f(*laid_out(n, x)),
+                                                         quantized_reference.get(name, reference), *small)
+                  for name, fn in impls.items()}
         errors.update(errors_extra)
         for b, s in decode_points:
             inputs = make_inputs(b, s)
@@ -219,7 +230,7 @@ def main(argv=None) -> int:
 
     if "decode" in parts:
         decode_table("decode", decode_impls, decode_reference, decode_inputs,
-                     {"jax_pallas": jax_gqa_error} if jax_gqa_error else {})
+                     {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})})
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, 16, H] through shuffled block tables
     # (sequences' pages scattered over the pool), by each decode_attention_impl's paged form.

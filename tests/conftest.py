@@ -23,6 +23,7 @@ if jax.default_backend() == "cpu":
                       os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true", "yes", "on", "y", "t"))
 
 import gc  # noqa: E402
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -35,3 +36,36 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+try:  # jax's Mosaic GPU interpret mode (private, JAX >= 0.10): the Mosaic kernels' interpreted tests need it
+    from jax._src.pallas.mosaic.interpret import thread_map as GPU_INTERPRET
+    from jax._src.pallas.mosaic_gpu.interpret import params as _gpu_interpret_params  # noqa: F401
+except ImportError:  # this JAX has none: those tests skip
+    GPU_INTERPRET = None
+
+
+@pytest.fixture(scope="module")
+def mgpu_interpreter_compiles_once():
+    """jax's GPU interpreter (thread_map._run_jaxpr) lowers and compiles the simulated kernel body afresh for every
+    CTA and warpgroup, though the body (a jaxpr whose thread and CTA ids are arguments) is one object per kernel:
+    ~2 s each. For a module that uses this fixture, each body is compiled once and reused (the same executable,
+    the same result)."""
+    original = getattr(GPU_INTERPRET, "_run_jaxpr", None)
+    if original is None:
+        yield
+        return
+    compiled, lock = {}, threading.Lock()
+
+    def run(jaxpr, consts, *args):
+        with lock:
+            if id(jaxpr) not in compiled:  # the jaxpr is kept alive with its executable, so its id is not reused
+                body = lambda jaxpr, consts, *a: jax.core.eval_jaxpr(jaxpr, consts, *a)  # noqa: E731
+                compiled[id(jaxpr)] = (jaxpr, jax.jit(body, static_argnums=0).trace(jaxpr, consts, *args)
+                                       .lower().compile())
+            executable = compiled[id(jaxpr)][1]
+        executable(consts, *args)
+
+    GPU_INTERPRET._run_jaxpr = run
+    yield
+    GPU_INTERPRET._run_jaxpr = original

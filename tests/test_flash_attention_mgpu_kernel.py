@@ -2,14 +2,13 @@
 
 The same tests run in jax's GPU interpret mode on the CPU (simulated warpgroups, barriers, TMA and wgmma) and
 compiled on an sm_90 GPU (`-m gpu`, both forms of the P V product). Interpreted, a kernel costs seconds even at
-these tiny shapes (jax compiles the simulated kernel; `_compile_interpreted_kernels_once` makes that once per kernel
+these tiny shapes (jax compiles the simulated kernel; conftest's `mgpu_interpreter_compiles_once` makes that once per kernel
 instead of once per CTA and warpgroup), so the default suite runs one case and the rest are `slow`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,36 +19,9 @@ from swiftkv_jax.kernels.flash_attention_mgpu import (MosaicFlashBlockSizes, _bl
                                                       flash_attention_mgpu, flash_attention_mgpu_reference)
 from test_flash_attention_kernel import BF16_TOL, Case, assert_close, make_inputs, numpy_float64_attention
 
-try:
-    from jax._src.pallas.mosaic.interpret import thread_map as _thread_map
-    from jax._src.pallas.mosaic_gpu.interpret import params as _gpu_interpret  # noqa: F401
-except ImportError:  # this JAX has no GPU interpret mode: the interpreted tests cannot run
-    _thread_map = None
+from conftest import GPU_INTERPRET as _thread_map
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _compile_interpreted_kernels_once():
-    """jax's interpreter (thread_map._run_jaxpr) lowers and compiles the simulated kernel body afresh for every
-    CTA and warpgroup, though the body (a jaxpr whose thread and CTA ids are arguments) is one object per kernel:
-    ~2 s each. For this module, each body is compiled once and reused (the same executable, the same result)."""
-    original = getattr(_thread_map, "_run_jaxpr", None)
-    if original is None:
-        yield
-        return
-    compiled, lock = {}, threading.Lock()
-
-    def run(jaxpr, consts, *args):
-        with lock:
-            if id(jaxpr) not in compiled:  # the jaxpr is kept alive with its executable, so its id is not reused
-                body = lambda jaxpr, consts, *a: jax.core.eval_jaxpr(jaxpr, consts, *a)  # noqa: E731
-                compiled[id(jaxpr)] = (jaxpr, jax.jit(body, static_argnums=0).trace(jaxpr, consts, *args)
-                                       .lower().compile())
-            executable = compiled[id(jaxpr)][1]
-        executable(consts, *args)
-
-    _thread_map._run_jaxpr = run
-    yield
-    _thread_map._run_jaxpr = original
+pytestmark = pytest.mark.usefixtures("mgpu_interpreter_compiles_once")
 
 
 # Tiny shapes for the interpreter: block_q 64 (a CTA holds 128 queries), block_kv 64, head dim 64.

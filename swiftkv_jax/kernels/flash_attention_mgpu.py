@@ -40,10 +40,9 @@ Mosaic GPU on this project's JAX versions:
     (`wgmma_accumulator_store`) that could replace it.
   * A wgmma operand in registers (attention_mgpu feeds P from registers): the interpreter reads every operand as
     an SMEM allocation.
-  * `plgpu.transpose_ref` on a wgmma operand (attention_mgpu's K^T): "AttributeError: 'TransposeTransform' object
-    has no attribute 'indices'". So K goes to the kernel transposed, kt [B, K, H, S] (one XLA transpose per call,
-    which XLA can fuse into the K projection), and Q K^T reads its (H, block_kv) tiles as a plain operand, the
-    same form as V in P V. Both forms (interpreted and compiled) use it.
+  * `plgpu.transpose_ref` on a wgmma operand (attention_mgpu's K^T, and this kernel's): jax 0.10.2's wgmma rule
+    fails on it ("'TransposeTransform' object has no attribute 'indices'"); mosaic_launch.py gives the interpreter
+    a rule that reads the tile and transposes it, so K is read in place in both modes.
   * `plgpu.layout_cast`: no CPU lowering ("MLIR translation rule for primitive 'layout_cast' not found for
     platform cpu"). Register layouts mean nothing to the interpreter: it is the identity there.
   So P V has two forms, a static flag `interpreter_safe`: True (interpret mode; runs compiled too): P is stored to
@@ -51,7 +50,7 @@ Mosaic GPU on this project's JAX versions:
   FA3's): P stays in registers and P V accumulates in place (`run_state`). Everything else (TMA, barriers, block
   ranges, masks, softmax) is one code. The `gpu`-marked tests run both forms compiled.
   The interpreter is slow: jax recompiles the simulated kernel for every CTA and warpgroup (~2 s each on 2 CPU
-  cores); tests/test_flash_attention_mgpu_kernel.py compiles it once per kernel instead.
+  cores); the tests compile it once per kernel instead (conftest's `mgpu_interpreter_compiles_once`).
 - Not yet run on a GPU: lowering on sm_90, speed against cuDNN and attention_mgpu (benchmarks/kernels.py,
   impl "mosaic") and the default blocks are for the next GPU session.
 
@@ -71,6 +70,7 @@ from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.flash_attention import (_blockwise, _check_shapes, _kv_block_bounds, _pad_axis,
                                                  flash_attention_reference)
+from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
 from swiftkv_jax.kernels.split_k import MASK_VALUE
 
 __all__ = ["MosaicFlashBlockSizes", "flash_attention_mgpu", "flash_attention_mgpu_reference"]
@@ -79,7 +79,6 @@ _LOG2_E = math.log2(math.e)
 _COMPUTE_WGS = 2  # compute warpgroups per CTA; the third warpgroup issues the TMA loads
 _WGMMA_M = 64  # rows of one warpgroup's wgmma
 _HEAD_ALIGN = 64  # head dim: a multiple of wgmma's K for 16-bit types and of the 128-byte swizzle's 64 elements
-_SMEM_BYTES = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
 _DTYPES = (jnp.bfloat16, jnp.float16)
 
 flash_attention_mgpu_reference = flash_attention_reference  # the same contract; upcast 16-bit inputs to compare
@@ -158,26 +157,7 @@ def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_l
     return lo, full_lo.astype(jnp.int32), full_hi.astype(jnp.int32), hi
 
 
-def _interpret_params():
-    """An `InterpretGPUParams` (jax's GPU interpret mode, private API); loud if this JAX has none."""
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:
-        raise NotImplementedError(
-            f"flash_attention_mgpu(interpret=True) needs jax's Mosaic GPU interpret mode "
-            f"(jax._src.pallas.mosaic_gpu.interpret, JAX >= 0.10), which jax {jax.__version__} does not have; "
-            f"run it compiled on an sm_90 GPU, or use flash_attention (Triton) or attention_impl='xla'") from e
-    return InterpretGPUParams()
-
-
-def _reset_interpreter():
-    """After an exception inside the GPU interpreter its global state must be reset before it runs again."""
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-
-    reset_gpu_interpret_mode_state()
-
-
-def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, kt_ref, v_ref, out_ref, scoped, *,
+def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
             block_q: int, block_kv: int, stages: int, group: int, qk_scale: float, interpreter_safe: bool,
             interpret: bool):
     """One CTA: query head `heads`, queries [2 * block_q * q_tile, + 2 * block_q) of sequence `batch`."""
@@ -186,7 +166,7 @@ def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, kt_ref, v_ref
     # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
     layout_cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
 
-    (qo_smem2, kt_smem, v_smem, q_meta_smem2, kv_meta_smem, p_smem2), loaded, consumed, schedule = scoped
+    (qo_smem2, k_smem, v_smem, q_meta_smem2, kv_meta_smem, p_smem2), loaded, consumed, schedule = scoped
     q_barriers, q_meta_barriers, k_barriers, v_barriers, kv_meta_barriers = loaded
     k_consumed, v_consumed = consumed
     batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
@@ -223,7 +203,7 @@ def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, kt_ref, v_ref
             plgpu.barrier_wait(k_barriers.at[slot])
 
             def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, kt_smem.at[slot])
+                plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                 schedule_barrier()
                 return acc_ref[...]
 
@@ -249,21 +229,7 @@ def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, kt_ref, v_ref
             plgpu.barrier_arrive(schedule)  # softmax done
             plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_wait(schedule)  # the tensor cores are ours
-            if interpreter_safe:  # P through SMEM, P V into a fresh accumulator
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((block_q, head_dim), jnp.float32))
-            else:  # FA3: P from registers, accumulated in place
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            acc = accumulate_pv(acc, p16, v_smem.at[slot], p_smem2.at[wg] if interpreter_safe else None)
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_next, l_next
 
@@ -305,7 +271,7 @@ def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, kt_ref, v_ref
             keys = pl.ds(kv_step * block_kv, block_kv)
             if wait:
                 plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.copy_gmem_to_smem(kt_ref.at[batch, kv_head, :, keys], kt_smem.at[slot], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot], k_barriers.at[slot])
             if wait:
                 plgpu.barrier_wait(v_consumed.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem.at[slot], v_barriers.at[slot])
@@ -353,9 +319,9 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     tile_q = _COMPUTE_WGS * block_q
     t_pad, s_pad, h_pad = (pl.cdiv(x, m) * m for x, m in ((t, tile_q), (s, block_kv), (h, _HEAD_ALIGN)))
     smem = block_sizes.smem_bytes(h_pad, q.dtype.itemsize)
-    if smem > _SMEM_BYTES:
+    if smem > SMEM_BYTES:
         raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h_pad}, more than "
-                         f"the {_SMEM_BYTES} an H100/H200 block has: use smaller blocks or fewer steps")
+                         f"the {SMEM_BYTES} an H100/H200 block has: use smaller blocks or fewer steps")
     # Pads are copies: only where the shapes need them
     if h_pad != h:
         q, k, v = (_pad_axis(x, 3, h_pad) for x in (q, k, v))
@@ -384,7 +350,7 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     def entry(*refs):
         tiled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
         smem = (plgpu.SMEM((_COMPUTE_WGS, block_q, h_pad), dtype, **tiled),
-                plgpu.SMEM((stages, h_pad, block_kv), dtype, **tiled),
+                plgpu.SMEM((stages, block_kv, h_pad), dtype, **tiled),
                 plgpu.SMEM((stages, block_kv, h_pad), dtype, **tiled),
                 plgpu.SMEM((_COMPUTE_WGS, 2, block_q), jnp.int32),
                 plgpu.SMEM((stages, 2, block_kv), jnp.int32),
@@ -404,8 +370,8 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else False,
-    )(ranges, tiles, q_meta, kv_meta, q, jnp.einsum("BSKH->BKHS", k), v)
+        interpret=interpret_params("flash_attention_mgpu") if interpret else False,
+    )(ranges, tiles, q_meta, kv_meta, q, k, v)
     return out[:, :t, :, :h]
 
 
@@ -423,27 +389,8 @@ def flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     if q.dtype not in _DTYPES:
         raise ValueError(f"flash_attention_mgpu takes bfloat16 or float16 q, k, v (wgmma's operand types), got "
                          f"{q.dtype}: cast them, or use flash_attention")
-    if interpret is None:
-        backend = jax.default_backend()
-        if backend not in ("cpu", "gpu"):
-            raise NotImplementedError(f"flash_attention_mgpu is a Mosaic GPU (Hopper) kernel; backend {backend!r} "
-                                      "is not supported (pass interpret=True to emulate it)")
-        interpret = backend == "cpu"
-    if interpreter_safe is None:
-        interpreter_safe = bool(interpret)
-    elif interpret and not interpreter_safe:
-        raise ValueError("interpreter_safe=False (P V from registers, pl.run_state) cannot run in jax's GPU "
-                         "interpret mode: it has no rule for run_state")
-    if block_sizes is None:
-        block_sizes = MosaicFlashBlockSizes()
-    elif not isinstance(block_sizes, MosaicFlashBlockSizes):
-        raise TypeError(f"block_sizes must be a MosaicFlashBlockSizes, got {type(block_sizes).__name__}")
+    interpret, interpreter_safe, block_sizes = settings("flash_attention_mgpu", interpret, interpreter_safe,
+                                                        block_sizes, MosaicFlashBlockSizes)
     args = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
-    kwargs = dict(block_sizes=block_sizes, interpret=bool(interpret), interpreter_safe=bool(interpreter_safe))
-    if not interpret:
-        return _flash_attention_mgpu(*args, **kwargs)
-    try:
-        return jax.block_until_ready(_flash_attention_mgpu(*args, **kwargs))
-    except Exception:
-        _reset_interpreter()
-        raise
+    return launch(functools.partial(_flash_attention_mgpu, *args, block_sizes=block_sizes, interpret=interpret,
+                                    interpreter_safe=interpreter_safe), interpret)

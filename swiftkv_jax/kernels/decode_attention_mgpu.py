@@ -1,0 +1,321 @@
+"""Few-query (decode) attention over a dense KV cache on Mosaic GPU (Pallas `plgpu`, Hopper): kernel and launch.
+
+Contract: `decode_attention`'s (decode_attention.py; positions decide: query t of sequence b sees key s iff
+s < lengths[b] and s <= q_positions[b, t]; -1 sees nothing and gets zeros; scale 1/sqrt(H) inside;
+`return_residuals` gives the fp32 residuals that `merge_partials` combines), but the cache is in the model's own
+layout, k_cache / v_cache [B, K, S, H] (the static engine's cache; `decode_attention` takes [B, S, K, H], so the
+engine transposes the whole cache for it at every step), so a K or V tile of one KV head is one contiguous TMA
+copy and nothing is copied per call. bfloat16 / float16 caches (wgmma's operand types); q is cast to the cache's
+dtype. Quantised caches stay on the Triton kernel.
+
+Structure: one CTA (one warpgroup) per (sequence b, KV head k and block of 64 query rows, split j of the keys).
+The rows of a KV head are r = t * G + g (as in split_k.py), padded to 64 (wgmma's M): every K/V tile is read once
+for all G heads and T tokens. The warpgroup streams its split's K and V tiles (block_kv keys) by TMA through
+`max_concurrent_steps` SMEM slots, issuing the load of step i + slots as soon as step i's products are done, so
+the copies run ahead of the arithmetic; S = Q K^T by wgmma from SMEM (K^T as `plgpu.transpose_ref` of the tile,
+as jax's attention_mgpu), an online softmax in registers (fp32, base 2), P V by wgmma (P from registers and
+accumulated in place, FA3's form; `interpreter_safe`: P through SMEM into a fresh accumulator, the form jax
+0.10.2's interpreter can run). Each split writes its unnormalised output, max and sum; `merge_partials` combines
+the splits in XLA.
+
+Cost follows the context: a CTA reads keys only up to its rows' largest limit (min(position + 1, length)); keys
+below their smallest limit need no mask, so a decode step masks its last block only. A split past the context
+reads nothing. The last block of a cache whose S is not a multiple of block_kv is read at S - block_kv (inside
+the array) and its keys before the block's own start are masked. num_splits 0 (the default) picks enough splits
+for about two CTAs per SM.
+
+Interpreted on the CPU (jax's GPU interpret mode, with mosaic_launch.py's transposed-operand rule) the kernel
+code is the same except register layouts (jax 0.10.2's interpreter has no rule for `layout_cast`) and the P V
+form. Not yet run on a GPU: lowering on sm_90, speed against the Triton kernel, XLA and the copy bandwidth
+(benchmarks/kernels.py, impl "mosaic") are for the next GPU session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
+from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, merge_partials, no_keys,
+                                         normalize)
+
+__all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu"]
+
+_LOG2_E = math.log2(math.e)
+_ROWS = 64  # query rows per CTA: wgmma's M for one warpgroup
+_HEAD_ALIGN = 64  # head dim: the 128-byte swizzle's 64 elements of a 16-bit type
+_DTYPES = (jnp.bfloat16, jnp.float16)
+_DEFAULT_SMS = 132  # H100 SXM; the device's own count is used when it has one
+
+
+def _is_int(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeBlockSizes:
+    """Tile sizes of the Mosaic GPU decode kernel, validated on construction (hashable: a static jit argument).
+
+    block_kv: keys per pipeline step, a multiple of 64 in [64, 256].
+    max_concurrent_steps: SMEM slots of K and V tiles in flight (>= 2).
+    num_splits: programs per sequence and KV head along the keys; 0 picks enough for ~2 CTAs per SM.
+    SMEM per CTA is about 2 * (64 + 2 * slots * block_kv) * H + 4 * 64 * H bytes (16-bit cache); a config that
+    does not fit raises before launching.
+    """
+
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+    num_splits: int = 0
+
+    def __post_init__(self):
+        if not _is_int(self.block_kv) or self.block_kv % 64 or not 64 <= self.block_kv <= 256:
+            raise ValueError(f"MosaicDecodeBlockSizes.block_kv must be a multiple of 64 in [64, 256], "
+                             f"got {self.block_kv!r}")
+        if not _is_int(self.max_concurrent_steps) or self.max_concurrent_steps < 2:
+            raise ValueError(f"MosaicDecodeBlockSizes.max_concurrent_steps must be an int >= 2, "
+                             f"got {self.max_concurrent_steps!r}")
+        if not _is_int(self.num_splits) or self.num_splits < 0:
+            raise ValueError(f"MosaicDecodeBlockSizes.num_splits must be an int >= 0 (0: automatic), "
+                             f"got {self.num_splits!r}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory of one CTA: the Q tile, K and V slots, P's tile, the fp32 output tile and row vectors."""
+        tiles = _ROWS * head_dim + 2 * self.max_concurrent_steps * self.block_kv * head_dim + _ROWS * self.block_kv
+        return itemsize * tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)
+
+    def splits(self, num_keys: int, ctas: int, num_sms: int = _DEFAULT_SMS) -> int:
+        """How many splits a launch of `ctas` CTAs per split uses over `num_keys` keys (each split >= one block)."""
+        blocks = pl.cdiv(num_keys, self.block_kv)
+        wanted = self.num_splits or pl.cdiv(2 * num_sms, ctas)
+        return max(1, min(wanted, blocks))
+
+
+def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped, *, block_kv: int,
+            stages: int, row_blocks: int, split_len: int, num_keys: int, qk_scale: float, interpreter_safe: bool,
+            interpret: bool):
+    """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
+    layout_cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
+    (q_smem, k_smem, v_smem, limit_smem, p_smem, o_smem, m_smem, l_smem), (q_barrier, limit_barrier), k_barriers, \
+        v_barriers = scoped
+    batch, rows_id, split = lax.axis_index("batch"), lax.axis_index("rows"), lax.axis_index("split")
+    kv_head = lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype))
+    row_block = lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype))
+    dtype, head_dim = q_ref.dtype, q_ref.shape[3]
+    row_slice = pl.ds(row_block * _ROWS, _ROWS)
+
+    # Keys [start, end) of this split that some row sees; blocks [0, num_full) of them every row sees
+    hi, low = ranges_ref[batch, row_block, 0], ranges_ref[batch, row_block, 1]
+    start = split * split_len
+    end = jnp.minimum(start + split_len, hi)
+    num_blocks = jnp.maximum(end - start + block_kv - 1, 0) // block_kv
+    num_full = jnp.clip(lax.div(jnp.maximum(low - start, 0), jnp.array(block_kv, low.dtype)), 0, num_blocks)
+
+    def block_start(i):  # the block's first key, and where it is read (inside the cache: the last block may shift)
+        nominal = start + i * block_kv
+        return nominal, jnp.minimum(nominal, num_keys - block_kv)
+
+    def load(i, slot):
+        keys = pl.ds(block_start(i)[1], block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, keys], v_smem.at[slot], v_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, kv_head, row_slice], q_smem, q_barrier)
+    plgpu.copy_gmem_to_smem(limits_ref.at[batch, row_slice], limit_smem, limit_barrier)
+    for i in range(stages):
+        pl.when(i < num_blocks)(functools.partial(load, i, i))
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    plgpu.barrier_wait(limit_barrier)
+    limit = layout_cast(limit_smem[...], rows)
+    plgpu.barrier_wait(q_barrier)
+    shape = (_ROWS, block_kv)
+
+    def step(i, carry, *, masked: bool):
+        acc, m_prev, l_prev = carry
+        slot = lax.rem(i, jnp.array(stages, i.dtype))
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def compute_qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(compute_qk, plgpu.ACC(shape, jnp.float32)) * qk_scale  # base-2 logits
+        if masked:
+            nominal, read_at = block_start(i)
+            iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
+                    functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+            key = iota(shape, 1) + read_at
+            mask = (key >= nominal) & (key < lax.broadcast_in_dim(limit, shape, [0]))
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_next, shape, [0]))
+        if masked:  # a row that has seen no visible key yet keeps zero weight
+            p = jnp.where(mask, p, 0.0)
+        l_next = l_prev * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(dtype)
+        plgpu.barrier_wait(v_barriers.at[slot])
+        acc = accumulate_pv(acc, p16, v_smem.at[slot], p_smem if interpreter_safe else None)
+        # Both products of step i are complete: its slot takes step i + stages
+        pl.when(i + stages < num_blocks)(lambda: load(i + stages, slot))
+        return acc, m_next, l_next
+
+    carry = (layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+             layout_cast(jnp.full((_ROWS,), MASK_VALUE, jnp.float32), rows),
+             layout_cast(jnp.zeros((_ROWS,), jnp.float32), rows))
+    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
+    acc, m, total = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+
+    o_smem[...] = acc
+    m_smem[...] = m
+    l_smem[...] = total
+    plgpu.commit_smem()
+    out_at = (split, batch, kv_head, row_slice)
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[out_at])
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[out_at])
+    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[out_at])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _row_ranges(limits, row_blocks: int, rows: int):
+    """[B, row_blocks, 2] int32 per block of 64 rows: (largest limit: keys to read, smallest limit of its real
+    rows: keys every row sees). limits [B, R_pad]; rows past `rows` are padding."""
+    b = limits.shape[0]
+    real = (jnp.arange(row_blocks * _ROWS) < rows)[None, :]
+    by_block = lambda x: x.reshape(b, row_blocks, _ROWS)  # noqa: E731
+    hi = jnp.max(by_block(jnp.where(real, limits, 0)), axis=2)
+    low = jnp.min(by_block(jnp.where(real, limits, jnp.iinfo(jnp.int32).max)), axis=2)
+    return jnp.stack([hi, jnp.minimum(low, hi)], axis=2).astype(jnp.int32)
+
+
+def _num_sms() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_SMS)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "interpreter_safe", "num_sms"))
+def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: MosaicDecodeBlockSizes,
+                           interpret: bool, interpreter_safe: bool, num_sms: int) -> AttentionResiduals:
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, t, n, h = q.shape
+    kv_heads, num_keys = k_cache.shape[1], k_cache.shape[2]
+    g = n // kv_heads
+    dtype = k_cache.dtype
+    block_kv, stages = block_sizes.block_kv, block_sizes.max_concurrent_steps
+    if num_keys < block_kv:  # a cache shorter than one block: padded (a copy, of a cache this small only)
+        pad = ((0, 0), (0, 0), (0, block_kv - num_keys), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    rows = t * g
+    row_blocks = pl.cdiv(rows, _ROWS)
+    padded_rows = row_blocks * _ROWS
+    num_splits = block_sizes.splits(num_keys, b * kv_heads * row_blocks, num_sms)
+    split_len = pl.cdiv(pl.cdiv(num_keys, num_splits), block_kv) * block_kv
+    num_splits = pl.cdiv(num_keys, split_len)
+
+    # Rows of one KV head: r = t * G + g (a copy of q only); a row's limit: keys < it are visible to it
+    q_rows = jnp.einsum("BTKGH->BKTGH", q.astype(dtype).reshape(b, t, kv_heads, g, h)).reshape(b, kv_heads, rows, h)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, lengths.astype(jnp.int32)[:, None])
+    limit = jnp.repeat(jnp.clip(limit, 0, num_keys), g, axis=1)
+    limit = jnp.pad(limit, ((0, 0), (0, padded_rows - rows)))
+    ranges = _row_ranges(limit, row_blocks, rows)
+
+    kernel = functools.partial(_kernel, block_kv=block_kv, stages=stages, row_blocks=row_blocks,
+                               split_len=split_len, num_keys=max(num_keys, block_kv),
+                               qk_scale=_LOG2_E / math.sqrt(h), interpreter_safe=interpreter_safe,
+                               interpret=interpret)
+
+    def entry(*refs):
+        def tiled(itemsize):
+            return dict(transforms=(plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
+
+        smem = (plgpu.SMEM((_ROWS, h), dtype, **tiled(2)),
+                plgpu.SMEM((stages, block_kv, h), dtype, **tiled(2)),
+                plgpu.SMEM((stages, block_kv, h), dtype, **tiled(2)),
+                plgpu.SMEM((_ROWS,), jnp.int32),
+                plgpu.SMEM((_ROWS, block_kv), dtype, **tiled(2)) if interpreter_safe else None,
+                plgpu.SMEM((_ROWS, h), jnp.float32, **tiled(4)),
+                plgpu.SMEM((_ROWS,), jnp.float32),
+                plgpu.SMEM((_ROWS,), jnp.float32))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, (plgpu.Barrier(), plgpu.Barrier()),
+                      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
+
+    stats = jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows), jnp.float32)
+    outs, maxes, sums = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows, h), jnp.float32), stats, stats),
+        grid=(b, kv_heads * row_blocks, num_splits),
+        grid_names=("batch", "rows", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params("decode_attention_mgpu") if interpret else False,
+    )(ranges, limit, q_rows, k_cache, v_cache)
+
+    # base-2 maxes back to natural units; a row that saw no key keeps the contract's MASK_VALUE
+    maxes = jnp.where(sums > 0, maxes / _LOG2_E, MASK_VALUE)
+    out, m, total = merge_partials(outs, maxes, sums)
+
+    def to_heads(x):  # [B, K, R_pad, ...] -> [B, T, N, ...]
+        x = x[:, :, :rows].reshape(b, kv_heads, t, g, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 1).reshape(b, t, n, *x.shape[4:])
+
+    return AttentionResiduals(to_heads(out), to_heads(m), to_heads(total))
+
+
+def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
+                          block_sizes: MosaicDecodeBlockSizes | None = None, interpret: bool | None = None,
+                          interpreter_safe: bool | None = None, return_residuals: bool = False):
+    """Attention of a few (or many) query tokens over a dense KV cache, by the Mosaic GPU kernel.
+
+    Args:
+      q: ``[B, T, N, H]`` queries (not pre-scaled), cast to the cache's dtype.
+      k_cache, v_cache: ``[B, K, S, H]`` bfloat16 or float16 (the model's cache layout), N % K == 0, H a multiple
+        of 64.
+      lengths: ``[B]`` int; keys with index < lengths[b] are valid.
+      q_positions: ``[B, T]`` int; query t sees keys with index <= q_positions[b, t] (none if negative).
+      block_sizes: ``MosaicDecodeBlockSizes``; default ``MosaicDecodeBlockSizes()``.
+      interpret: None = jax's GPU interpreter on a CPU, compiled on a GPU; another backend raises (no fallback).
+      interpreter_safe: None = the form the interpreter runs (P through SMEM) when interpreting, FA3's (P in
+        registers) compiled; True compiled runs the interpreted form on the GPU (the `gpu` tests compare them).
+      return_residuals: ``AttentionResiduals`` (fp32, unnormalised; ``merge_partials``, ``normalize``).
+
+    Returns:
+      ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
+    """
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_cache [B, K, S, H], got {q.shape} and {k_cache.shape}")
+    b, _, _, h = q.shape
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != h:
+        raise ValueError(f"k_cache and v_cache must both be [B={b}, K, S, H={h}] (the model's cache layout), got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if q.shape[2] % k_cache.shape[1]:
+        raise ValueError(f"query heads N={q.shape[2]} must be a multiple of KV heads K={k_cache.shape[1]} (k_cache "
+                         f"is [B, K, S, H], the model's cache layout; decode_attention takes [B, S, K, H])")
+    check_queries(q, k_cache.shape[1], lengths, q_positions)
+    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"decode_attention_mgpu takes a bfloat16 or float16 cache (wgmma's operand types), got "
+                         f"{k_cache.dtype} / {v_cache.dtype}: a quantised cache runs on decode_attention (Triton)")
+    if h % _HEAD_ALIGN:
+        raise ValueError(f"decode_attention_mgpu needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
+    interpret, interpreter_safe, block_sizes = settings("decode_attention_mgpu", interpret, interpreter_safe,
+                                                        block_sizes, MosaicDecodeBlockSizes)
+    smem = block_sizes.smem_bytes(h, k_cache.dtype.itemsize)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h}, more than the "
+                         f"{SMEM_BYTES} an H100/H200 block has: use a smaller block_kv or fewer steps")
+    if k_cache.shape[2] == 0:
+        residuals = no_keys(q)
+    else:
+        residuals = launch(functools.partial(
+            _decode_attention_mgpu, q, k_cache, v_cache, lengths, q_positions, block_sizes=block_sizes,
+            interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
+            interpret)
+    return residuals if return_residuals else normalize(residuals, q.dtype)

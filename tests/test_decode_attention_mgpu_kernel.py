@@ -1,0 +1,213 @@
+"""Mosaic GPU (Hopper) decode-attention kernel against the Triton kernel's reference and a float64 numpy loop.
+
+The same checks run in jax's GPU interpret mode on the CPU (one warpgroup simulated per CTA: TMA, barriers, wgmma
+with the K tile transposed) and compiled on an sm_90 GPU (`-m gpu`, both forms of the P V product, then at the
+engine's shapes). The cache is in the model's layout [B, K, S, H]; the references take [B, S, K, H].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from swiftkv_jax.kernels import MASK_VALUE, AttentionResiduals, decode_attention_reference
+from swiftkv_jax.kernels.decode_attention_mgpu import MosaicDecodeBlockSizes, _row_ranges, decode_attention_mgpu
+from test_decode_attention_kernel import chunk_positions, numpy_attention
+
+from conftest import GPU_INTERPRET
+
+pytestmark = pytest.mark.usefixtures("mgpu_interpreter_compiles_once")
+TOLERANCE = 2e-2  # bf16 / fp16 inputs and P
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple[int, ...]  # one per sequence
+    seq_len: int              # S
+    num_queries: int          # T
+    heads: int                # N
+    kv_heads: int             # K
+    head_dim: int             # H
+    blocks: MosaicDecodeBlockSizes
+    positions: str = "last"   # "last": the T newest tokens; "random": anywhere in [0, S); "chunk": see new_tokens
+    new_tokens: tuple[int, ...] = ()
+    dtype: type = jnp.bfloat16
+
+    def __str__(self):
+        return self.name
+
+
+CASES = [
+    # decode, GQA 4, S not a multiple of the block (the last block is read shifted), an empty and a length-1
+    # sequence; automatic splits (5 of 64 keys: splits past a short sequence's context read nothing)
+    Case("decode_gqa4_auto_splits", (300, 1, 157, 0), 300, 1, 8, 2, 64, MosaicDecodeBlockSizes(64, 2)),
+    # three queries anywhere (some past the length), GQA 8, head dim 128, 128-key blocks in 2 splits
+    Case("random_positions_h128", (257, 65), 257, 3, 8, 1, 128, MosaicDecodeBlockSizes(128, 2, 2), "random"),
+    # a prompt chunk: 24 tokens x GQA 4 = 96 rows in two row blocks (the second half padding), a shorter chunk
+    # padded with -1 rows, and a sequence of -1 rows only; three slots in flight
+    Case("chunk_two_row_blocks", (100, 30, 0), 100, 24, 8, 2, 64, MosaicDecodeBlockSizes(64, 3, 1), "chunk",
+         (24, 10, 0)),
+    # one split of 10 blocks through 2 slots (each slot refilled 4 times), a context ending mid-block
+    Case("long_split_two_slots", (600, 333), 600, 2, 4, 2, 64, MosaicDecodeBlockSizes(64, 2, 1)),
+    # a cache shorter than one block (padded), float16
+    Case("short_cache_fp16", (50, 17), 50, 1, 4, 2, 64, MosaicDecodeBlockSizes(64, 2), dtype=jnp.float16),
+]
+BY_NAME = {case.name: case for case in CASES}
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """q [B, T, N, H], k, v [B, K, S, H] (the kernel's layout), lengths, positions."""
+    rng = np.random.default_rng(seed)
+    b, s, t = len(case.lengths), case.seq_len, case.num_queries
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), case.dtype)  # noqa: E731
+    q, k, v = normal(b, t, case.heads, case.head_dim), *(normal(b, case.kv_heads, s, case.head_dim) for _ in "kv")
+    lengths = np.asarray(case.lengths, np.int32)
+    if case.positions == "last":
+        positions = np.maximum(lengths[:, None] - t + np.arange(t), 0)
+    elif case.positions == "chunk":
+        positions = chunk_positions(lengths, case.new_tokens, t)
+    else:
+        positions = rng.integers(0, s, size=(b, t))
+    return q, k, v, jnp.asarray(lengths), jnp.asarray(positions, jnp.int32)
+
+
+def bskh(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+class MosaicDecodeChecks:
+    """The checks; subclasses choose interpreted (CPU) or compiled (GPU) and the form of P V."""
+
+    interpret: bool
+    interpreter_safe: bool
+
+    def run(self, q, k, v, lengths, positions, blocks, **kwargs):
+        return decode_attention_mgpu(q, k, v, lengths, positions, block_sizes=blocks, interpret=self.interpret,
+                                     interpreter_safe=self.interpreter_safe, **kwargs)
+
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_reference_and_float64(self, case):
+        q, k, v, lengths, positions = make_inputs(case)
+        out = self.run(q, k, v, lengths, positions, case.blocks)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all()
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        reference = decode_attention_reference(f32(q), bskh(f32(k)), bskh(f32(v)), lengths, positions)
+        np.testing.assert_allclose(out, np.asarray(reference), atol=TOLERANCE, rtol=TOLERANCE)
+        expected = numpy_attention(q, bskh(k), bskh(v), np.asarray(lengths), np.asarray(positions))
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        assert not out[np.asarray(positions) < 0].any(), "a query at position -1 must give zeros"
+        assert not out[np.asarray(lengths) == 0].any(), "an empty cache must give zeros"
+
+    def test_residuals_merge_like_the_reference(self):
+        """The split residuals, merged: the same (out, max, sum) as the reference's, MASK_VALUE / 0 for rows that
+        see nothing (what SwiftKV's two-segment merge relies on)."""
+        case = BY_NAME["decode_gqa4_auto_splits"]
+        q, k, v, lengths, positions = make_inputs(case, seed=1)
+        got = self.run(q, k, v, lengths, positions, case.blocks, return_residuals=True)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        want = decode_attention_reference(f32(q), bskh(f32(k)), bskh(f32(v)), lengths, positions,
+                                          return_residuals=True)
+        assert isinstance(got, AttentionResiduals)
+        # out and sum scale with exp(max): compare them normalised, and the maxes themselves
+        np.testing.assert_allclose(got.max, want.max, rtol=1e-2, atol=2e-2)
+        for name, a, b in (("out/sum", got.out / np.maximum(got.sum, 1e-30)[..., None],
+                            want.out / np.maximum(want.sum, 1e-30)[..., None]),
+                           ("sum*exp(max)", got.sum * np.exp(got.max), want.sum * np.exp(want.max))):
+            np.testing.assert_allclose(a, b, rtol=3e-2, atol=TOLERANCE, err_msg=name)
+        empty = np.asarray(lengths) == 0
+        np.testing.assert_array_equal(np.asarray(got.max)[empty], np.float32(MASK_VALUE))
+        np.testing.assert_array_equal(np.asarray(got.sum)[empty], 0.0)
+
+    def test_rows_that_see_nothing_read_nothing(self):
+        """Every row at position -1: no K/V tile is loaded (the cache is NaN, so any load would show)."""
+        case = BY_NAME["chunk_two_row_blocks"]
+        q, k, v, lengths, _ = make_inputs(case)
+        positions = jnp.full((len(case.lengths), case.num_queries), -1, jnp.int32)
+        out = self.run(q, jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan), lengths, positions, case.blocks)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+@pytest.mark.skipif(GPU_INTERPRET is None, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode")
+class TestMosaicDecodeInterpret(MosaicDecodeChecks):
+    interpret = True
+    interpreter_safe = True
+
+
+@pytest.mark.gpu
+class TestMosaicDecodeCompiled(MosaicDecodeChecks):
+    """FA3's form (P from registers, accumulated in place), then at the engine's shapes."""
+
+    interpret = False
+    interpreter_safe = False
+
+    @pytest.mark.parametrize("shape", [(32, 4096, 1), (8, 2048, 4), (2, 32768, 1)], ids=str)
+    @pytest.mark.parametrize("blocks", [MosaicDecodeBlockSizes(), MosaicDecodeBlockSizes(64, 4),
+                                        MosaicDecodeBlockSizes(128, 2, 4)], ids=str)
+    def test_engine_shapes(self, shape, blocks):
+        b, s, t = shape
+        rng = np.random.default_rng(7)
+        lengths = rng.integers(1, s + 1, size=b).astype(np.int32)
+        case = Case("engine", tuple(int(x) for x in lengths), s, t, 32, 8, 128, blocks)
+        q, k, v, lengths, positions = make_inputs(case, seed=7)
+        out = self.run(q, k, v, lengths, positions, blocks)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        reference = decode_attention_reference(f32(q), bskh(f32(k)), bskh(f32(v)), lengths, positions)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+
+
+@pytest.mark.gpu
+class TestMosaicDecodeCompiledInterpreterForm(TestMosaicDecodeCompiled):
+    """The form the interpreter runs (P through SMEM), compiled: the interpret tests' code on the GPU."""
+
+    interpreter_safe = True
+
+
+def test_row_ranges_read_to_the_largest_limit_and_skip_the_mask_below_the_smallest():
+    limits = jnp.asarray([[5, 9, 7] + [6] * 61 + [3] + [0] * 63], jnp.int32)  # 2 row blocks; real rows: 65
+    np.testing.assert_array_equal(_row_ranges(limits, 2, 65), [[[9, 5], [3, 3]]])
+    # a real row at -1 (limit 0): every block is masked, none is skipped
+    np.testing.assert_array_equal(_row_ranges(jnp.asarray([[4, 0] + [0] * 62], jnp.int32), 1, 2), [[[4, 0]]])
+
+
+def test_automatic_splits_fill_the_gpu_and_never_outnumber_the_blocks():
+    auto = MosaicDecodeBlockSizes(128, 2)
+    assert auto.splits(32768, ctas=8, num_sms=132) == 33       # 1 sequence x 8 KV heads: 33 splits of 8 blocks
+    assert auto.splits(4096, ctas=256, num_sms=132) == 2       # batch 32 x 8 KV heads
+    assert auto.splits(4096, ctas=2048, num_sms=132) == 1      # batch 256: one split
+    assert auto.splits(300, ctas=1, num_sms=132) == 3          # never more than the blocks
+    assert MosaicDecodeBlockSizes(128, 2, 4).splits(32768, ctas=8) == 4  # an explicit count is kept
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_kv=96), "multiple of 64"), (dict(block_kv=512), "multiple of 64"),
+    (dict(max_concurrent_steps=1), ">= 2"), (dict(num_splits=-1), ">= 0"), (dict(num_splits=True), ">= 0"),
+])
+def test_block_sizes_reject_invalid_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MosaicDecodeBlockSizes(**kwargs)
+
+
+def test_rejects_what_it_cannot_run():
+    q, k, v, lengths, positions = make_inputs(BY_NAME["decode_gqa4_auto_splits"])
+    with pytest.raises(ValueError, match="bfloat16 or float16 cache"):
+        decode_attention_mgpu(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="model's cache layout"):
+        decode_attention_mgpu(q, bskh(k), bskh(v), lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="cannot run in jax's GPU interpret mode"):
+        decode_attention_mgpu(q, k, v, lengths, positions, interpret=True, interpreter_safe=False)
+    with pytest.raises(ValueError, match="shared memory"):  # 2 x 4 slots x 256 keys x 256 x 2 bytes: 1 MiB
+        decode_attention_mgpu(jnp.zeros((1, 1, 2, 256), jnp.bfloat16), jnp.zeros((1, 1, 512, 256), jnp.bfloat16),
+                              jnp.zeros((1, 1, 512, 256), jnp.bfloat16), lengths[:1], positions[:1],
+                              block_sizes=MosaicDecodeBlockSizes(256, 4), interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_attention_mgpu(q[..., :32], k[..., :32], v[..., :32], lengths, positions, interpret=True)
+    with pytest.raises(TypeError, match="MosaicDecodeBlockSizes"):
+        decode_attention_mgpu(q, k, v, lengths, positions, block_sizes=(64, 2), interpret=True)
