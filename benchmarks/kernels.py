@@ -11,7 +11,7 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   default) and jax's bundled Pallas decode kernel (`pallas.ops.gpu.decode_attention.gqa`; its API takes
   K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time), and ours on
   Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense cache read in place by TMA, wgmma, FA3's P V form;
-  `mosaic_smem`: the form jax's interpreter runs, compiled).
+  `mosaic_smem`: the form jax's interpreter runs, compiled; paged: paged_attention_mgpu, one TMA copy per page).
 - Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                 jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
 
     paged_impls = {name: (lambda q, k, v, t, n, p, name=name: paged_attend(name, q, k, v, t, n, p))
-                   for name in ("pallas", "xla")}
+                   for name in ("pallas", "xla", "mosaic")}
     # The same pools quantised per token and head (kv_quant, as sk.Engine stores them; done before timing): the
     # kernel reads 1-byte pages and their scales and dequantises in registers; the XLA path dequantises blocks.
     # Their check is against the XLA path over the same quantised pools (the fp32 reference would see the rounding).
@@ -262,7 +262,8 @@ def main(argv=None) -> int:
             quantized_reference[name] = lambda *x, lay=layouts[name]: paged_attend("xla", *lay(*x))
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     if "paged" in parts:
-        decode_table("paged", paged_impls, paged_reference, paged_inputs, {})
+        decode_table("paged", paged_impls, paged_reference, paged_inputs,
+                     {name: error for name, error in mosaic_gpu_only.items() if name in paged_impls})
 
     # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H]; "packed": documents of DOCUMENT tokens side
     # by side (segment ids, positions restarting), what the engines' packed prompts are, for the impls that take

@@ -27,8 +27,9 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
                                                        "per-layer (a static scale of 1.0)")
     p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "mosaic", "cudnn"), default=None,
                    help="prefill attention (default: the checkpoint's, xla_flash)")
-    p.add_argument("--decode-attention-impl", choices=("xla", "pallas"), default=None,
-                   help="few-query attention over the cache (decode; SwiftKV's later layers in prefill)")
+    p.add_argument("--decode-attention-impl", choices=("xla", "pallas", "mosaic"), default=None,
+                   help="few-query attention over the cache (decode; SwiftKV's later layers in prefill); mosaic: "
+                        "the Mosaic GPU (Hopper) kernel, bf16/fp16 caches")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP columns, vocabulary; the KV cache by KV heads); "
                         "the weights load straight onto them")

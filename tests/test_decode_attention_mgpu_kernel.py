@@ -1,8 +1,11 @@
-"""Mosaic GPU (Hopper) decode-attention kernel against the Triton kernel's reference and a float64 numpy loop.
+"""Mosaic GPU (Hopper) decode-attention kernels, dense and paged, against the Triton kernels' references and float64
+numpy loops.
 
 The same checks run in jax's GPU interpret mode on the CPU (one warpgroup simulated per CTA: TMA, barriers, wgmma
 with the K tile transposed) and compiled on an sm_90 GPU (`-m gpu`, both forms of the P V product, then at the
-engine's shapes). The cache is in the model's layout [B, K, S, H]; the references take [B, S, K, H].
+engine's shapes). The dense cache is in the model's layout [B, K, S, H] (the references take [B, S, K, H]); the paged
+pools are the Triton paged tests' own: shuffled tables with garbage past each sequence's pages, NaN in every key
+no sequence has.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from swiftkv_jax.kernels import MASK_VALUE, AttentionResiduals, decode_attention_reference
-from swiftkv_jax.kernels.decode_attention_mgpu import MosaicDecodeBlockSizes, _row_ranges, decode_attention_mgpu
+import test_paged_attention_kernel as paged_tests
+from swiftkv_jax.kernels import MASK_VALUE, AttentionResiduals, decode_attention_reference, paged_attention_reference
+from swiftkv_jax.kernels.decode_attention_mgpu import (MosaicDecodeBlockSizes, _row_ranges, decode_attention_mgpu,
+                                                       paged_attention_mgpu)
 from test_decode_attention_kernel import chunk_positions, numpy_attention
 
 from conftest import GPU_INTERPRET
@@ -58,6 +63,19 @@ CASES = [
     Case("short_cache_fp16", (50, 17), 50, 1, 4, 2, 64, MosaicDecodeBlockSizes(64, 2), dtype=jnp.float16),
 ]
 BY_NAME = {case.name: case for case in CASES}
+
+
+# Paged cases (bf16 pools, NaN outside the sequences' keys, garbage past their pages): pages of 16 with 4 copies a
+# 64-key block (3 slots, 2 splits), a shared prefix page and queries anywhere; pages of 128 holding two 64-key
+# blocks each; a prompt chunk of 20 tokens x GQA 4 (two row blocks) over pages of 8
+PAGED_CASES = [
+    (paged_tests.Case((0, 1, 16, 17, 150), 16, 1, 8, 2, 64, jnp.bfloat16, 16, 1), MosaicDecodeBlockSizes(64, 3, 2)),
+    (paged_tests.Case((33, 64, 200), 16, 3, 8, 2, 128, jnp.bfloat16, 16, 1, "random", shared_first_page=True),
+     MosaicDecodeBlockSizes(64, 2)),
+    (paged_tests.Case((300, 129), 128, 1, 4, 1, 64, jnp.bfloat16, 16, 1), MosaicDecodeBlockSizes(64, 2, 1)),
+    (paged_tests.Case((45, 20), 8, 20, 8, 2, 64, jnp.bfloat16, 16, 1, "chunk", new_tokens=(20, 7)),
+     MosaicDecodeBlockSizes(64, 2, 1)),
+]
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -125,6 +143,16 @@ class MosaicDecodeChecks:
         np.testing.assert_array_equal(np.asarray(got.max)[empty], np.float32(MASK_VALUE))
         np.testing.assert_array_equal(np.asarray(got.sum)[empty], 0.0)
 
+    def test_nan_past_the_context_does_not_reach_the_result(self):
+        """Keys past every sequence's length hold NaN (stale values of a freed slot may): masked, and their V rows
+        zeroed before P V, so the result is that of a clean cache."""
+        case = BY_NAME["long_split_two_slots"]
+        q, k, v, lengths, positions = make_inputs(case, seed=2)
+        past = (jnp.arange(case.seq_len)[None, :] >= lengths[:, None])[:, None, :, None]
+        out = self.run(q, jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), lengths, positions, case.blocks)
+        clean = self.run(q, k, v, lengths, positions, case.blocks)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean, np.float32))
+
     def test_rows_that_see_nothing_read_nothing(self):
         """Every row at position -1: no K/V tile is loaded (the cache is NaN, so any load would show)."""
         case = BY_NAME["chunk_two_row_blocks"]
@@ -132,6 +160,21 @@ class MosaicDecodeChecks:
         positions = jnp.full((len(case.lengths), case.num_queries), -1, jnp.int32)
         out = self.run(q, jnp.full_like(k, jnp.nan), jnp.full_like(v, jnp.nan), lengths, positions, case.blocks)
         np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+    @pytest.mark.parametrize("case, blocks", PAGED_CASES, ids=str)
+    def test_paged_matches_reference_and_float64(self, case, blocks):
+        q, k_pages, v_pages, tables, lengths, positions = paged_tests.make_inputs(case)
+        out = paged_attention_mgpu(q, k_pages, v_pages, tables, lengths, positions, block_sizes=blocks,
+                                   interpret=self.interpret, interpreter_safe=self.interpreter_safe)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all(), "a key no sequence has (NaN) reached the result"
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        reference = paged_attention_reference(f32(q), f32(k_pages), f32(v_pages), tables, lengths, positions)
+        np.testing.assert_allclose(out, np.asarray(reference), atol=TOLERANCE, rtol=TOLERANCE)
+        expected = paged_tests.numpy_paged_attention(q, k_pages, v_pages, tables, lengths, positions)
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 @pytest.mark.skipif(GPU_INTERPRET is None, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode")
@@ -211,3 +254,35 @@ def test_rejects_what_it_cannot_run():
         decode_attention_mgpu(q[..., :32], k[..., :32], v[..., :32], lengths, positions, interpret=True)
     with pytest.raises(TypeError, match="MosaicDecodeBlockSizes"):
         decode_attention_mgpu(q, k, v, lengths, positions, block_sizes=(64, 2), interpret=True)
+    pool = jnp.zeros((2, 8, 12, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="page_size a multiple of 8"):
+        paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.int32), lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.float32), lengths, positions, interpret=True)
+
+
+@pytest.mark.skipif(GPU_INTERPRET is None, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode")
+def test_model_picks_them_by_name():
+    """decode_attention_impl="mosaic": the static cache [B, K, S, H] and the engine's pools run these kernels and
+    agree with the XLA paths; a quantised cache is refused with the fix."""
+    from swiftkv_jax.model.attention import DECODE_ATTENTION_IMPLS, attend_cache
+    from swiftkv_jax.model.paged import paged_attend
+
+    assert "mosaic" in DECODE_ATTENTION_IMPLS
+    case = BY_NAME["decode_gqa4_auto_splits"]
+    q, k, v, lengths, positions = make_inputs(case, seed=5)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(attend_cache("mosaic", q, k, v, positions, lengths), np.float32),
+                               np.asarray(attend_cache("xla", f32(q), f32(k), f32(v), positions, lengths)),
+                               atol=TOLERANCE, rtol=TOLERANCE)
+    paged_case, _ = PAGED_CASES[0]
+    q, k_pages, v_pages, tables, lengths, positions = paged_tests.make_inputs(paged_case, seed=5)
+    got = paged_attend("mosaic", q, k_pages, v_pages, tables, lengths, positions)
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(paged_attention_reference(f32(q), f32(k_pages), f32(v_pages), tables,
+                                                                    lengths, positions)),
+                               atol=TOLERANCE, rtol=TOLERANCE)
+    scale = jnp.ones((), jnp.float32)
+    with pytest.raises(ValueError, match="decode_attention_impl='pallas'"):
+        paged_attend("mosaic", q, k_pages.astype(jnp.int8), v_pages.astype(jnp.int8), tables, lengths, positions,
+                     scale, scale)

@@ -2,7 +2,8 @@
 with a plain-jnp reference. They stand alone (nothing here imports the model); the model picks them by name."""
 
 from swiftkv_jax.kernels.decode_attention import decode_attention, decode_attention_reference
-from swiftkv_jax.kernels.decode_attention_mgpu import MosaicDecodeBlockSizes, decode_attention_mgpu
+from swiftkv_jax.kernels.decode_attention_mgpu import (MosaicDecodeBlockSizes, decode_attention_mgpu,
+                                                       paged_attention_mgpu)
 from swiftkv_jax.kernels.flash_attention import FlashBlockSizes, flash_attention, flash_attention_reference
 from swiftkv_jax.kernels.flash_attention_mgpu import (MosaicFlashBlockSizes, flash_attention_mgpu,
                                                       flash_attention_mgpu_reference)
@@ -14,6 +15,6 @@ __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "FlashBlockSizes", "MosaicDecodeBlockSizes",
     "MosaicFlashBlockSizes", "decode_attention", "decode_attention_mgpu", "decode_attention_reference",
     "flash_attention", "flash_attention_mgpu", "flash_attention_mgpu_reference", "flash_attention_reference",
-    "merge_partials", "normalize",
-    "paged_attention", "paged_attention_reference", "ragged_paged_attention", "ragged_paged_attention_reference",
+    "merge_partials", "normalize", "paged_attention", "paged_attention_mgpu", "paged_attention_reference",
+    "ragged_paged_attention", "ragged_paged_attention_reference",
 ]

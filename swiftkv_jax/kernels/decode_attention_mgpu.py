@@ -1,12 +1,13 @@
-"""Few-query (decode) attention over a dense KV cache on Mosaic GPU (Pallas `plgpu`, Hopper): kernel and launch.
+"""Few-query (decode) attention over a dense or paged KV cache on Mosaic GPU (Pallas `plgpu`, Hopper).
 
 Contract: `decode_attention`'s (decode_attention.py; positions decide: query t of sequence b sees key s iff
 s < lengths[b] and s <= q_positions[b, t]; -1 sees nothing and gets zeros; scale 1/sqrt(H) inside;
-`return_residuals` gives the fp32 residuals that `merge_partials` combines), but the cache is in the model's own
+`return_residuals` gives the fp32 residuals that `merge_partials` combines), with the dense cache in the model's own
 layout, k_cache / v_cache [B, K, S, H] (the static engine's cache; `decode_attention` takes [B, S, K, H], so the
 engine transposes the whole cache for it at every step), so a K or V tile of one KV head is one contiguous TMA
-copy and nothing is copied per call. bfloat16 / float16 caches (wgmma's operand types); q is cast to the cache's
-dtype. Quantised caches stay on the Triton kernel.
+copy and nothing is copied per call; and `paged_attention`'s contract for the pool [K, P, page_size, H] with block
+tables (`paged_attention_mgpu`: a tile arrives by one TMA copy per page). bfloat16 / float16 caches (wgmma's operand
+types); q is cast to the cache's dtype. Quantised caches stay on the Triton kernels.
 
 Structure: one CTA (one warpgroup) per (sequence b, KV head k and block of 64 query rows, split j of the keys).
 The rows of a KV head are r = t * G + g (as in split_k.py), padded to 64 (wgmma's M): every K/V tile is read once
@@ -20,14 +21,16 @@ the splits in XLA.
 
 Cost follows the context: a CTA reads keys only up to its rows' largest limit (min(position + 1, length)); keys
 below their smallest limit need no mask, so a decode step masks its last block only. A split past the context
-reads nothing. The last block of a cache whose S is not a multiple of block_kv is read at S - block_kv (inside
-the array) and its keys before the block's own start are masked. num_splits 0 (the default) picks enough splits
-for about two CTAs per SM.
+reads nothing. The last block of a dense cache whose S is not a multiple of block_kv is read at S - block_kv
+(inside the array) and its keys before the block's own start are masked. In a masked block the V rows past the
+keys anyone sees are zeroed in SMEM before P V: they may hold anything (a freed page's or slot's stale values,
+NaN included), and 0 * NaN would reach the output. num_splits 0 (the default) picks enough splits for about two
+CTAs per SM.
 
 Interpreted on the CPU (jax's GPU interpret mode, with mosaic_launch.py's transposed-operand rule) the kernel
-code is the same except register layouts (jax 0.10.2's interpreter has no rule for `layout_cast`) and the P V
-form. Not yet run on a GPU: lowering on sm_90, speed against the Triton kernel, XLA and the copy bandwidth
-(benchmarks/kernels.py, impl "mosaic") are for the next GPU session.
+code is the same except register layouts (jax 0.10.2's interpreter has no rule for `layout_cast` or `plgpu.load`)
+and the P V form. Not yet run on a GPU: lowering on sm_90, speed against the Triton kernels, XLA and the copy
+bandwidth (benchmarks/kernels.py, impl "mosaic") are for the next GPU session.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpr
 from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, merge_partials, no_keys,
                                          normalize)
 
-__all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu"]
+__all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu"]
 
 _LOG2_E = math.log2(math.e)
 _ROWS = 64  # query rows per CTA: wgmma's M for one warpgroup
@@ -96,11 +99,14 @@ class MosaicDecodeBlockSizes:
         return max(1, min(wanted, blocks))
 
 
-def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped, *, block_kv: int,
-            stages: int, row_blocks: int, split_len: int, num_keys: int, qk_scale: float, interpreter_safe: bool,
+def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, stages: int, row_blocks: int,
+            split_len: int, num_keys: int, page_size: int | None, qk_scale: float, interpreter_safe: bool,
             interpret: bool):
-    """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`."""
+    """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`.
+    refs: (block tables if paged), o_ref, m_ref, l_ref, then the scoped SMEM and barriers."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    *tables, o_ref, m_ref, l_ref, scoped = refs
 
     # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
     layout_cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
@@ -119,20 +125,35 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, sc
     num_blocks = jnp.maximum(end - start + block_kv - 1, 0) // block_kv
     num_full = jnp.clip(lax.div(jnp.maximum(low - start, 0), jnp.array(block_kv, low.dtype)), 0, num_blocks)
 
-    def block_start(i):  # the block's first key, and where it is read (inside the cache: the last block may shift)
+    def block_start(i):  # the block's first key, and where it is read (dense: inside the cache, the last may shift)
         nominal = start + i * block_kv
-        return nominal, jnp.minimum(nominal, num_keys - block_kv)
+        return nominal, (nominal if page_size else jnp.minimum(nominal, num_keys - block_kv))
 
     def load(i, slot):
-        keys = pl.ds(block_start(i)[1], block_kv)
-        plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_barriers.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, keys], v_smem.at[slot], v_barriers.at[slot])
+        if not page_size:
+            keys = pl.ds(block_start(i)[1], block_kv)
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, keys], v_smem.at[slot], v_barriers.at[slot])
+            return
+        # Paged: one copy per page (or part of a page) of the block, each arriving on the slot's barrier. Copies
+        # past the split's last needed key re-read the copy that holds it (L2, not HBM): their keys are masked
+        rows = min(page_size, block_kv)
+        last = lax.div(end - 1, jnp.array(rows, end.dtype)) * rows
+        for c in range(block_kv // rows):
+            key = jnp.minimum(block_start(i)[0] + c * rows, last)
+            page = jnp.clip(tables[0][batch, lax.div(key, jnp.array(page_size, key.dtype))], 0, k_ref.shape[1] - 1)
+            src = (kv_head, page, pl.ds(lax.rem(key, jnp.array(page_size, key.dtype)), rows))
+            dst = (slot, pl.ds(c * rows, rows))
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_barriers.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[batch, kv_head, row_slice], q_smem, q_barrier)
     plgpu.copy_gmem_to_smem(limits_ref.at[batch, row_slice], limit_smem, limit_barrier)
     for i in range(stages):
         pl.when(i < num_blocks)(functools.partial(load, i, i))
     rows = plgpu.Layout.WGMMA.reduce(1)
+    iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
+            functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
     plgpu.barrier_wait(limit_barrier)
     limit = layout_cast(limit_smem[...], rows)
     plgpu.barrier_wait(q_barrier)
@@ -150,8 +171,6 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, sc
         s = pl.run_scoped(compute_qk, plgpu.ACC(shape, jnp.float32)) * qk_scale  # base-2 logits
         if masked:
             nominal, read_at = block_start(i)
-            iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
-                    functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
             key = iota(shape, 1) + read_at
             mask = (key >= nominal) & (key < lax.broadcast_in_dim(limit, shape, [0]))
             s = jnp.where(mask, s, MASK_VALUE)
@@ -164,6 +183,11 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, sc
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         p16 = p.astype(dtype)
         plgpu.barrier_wait(v_barriers.at[slot])
+        if masked:  # V rows past the keys anyone sees may hold anything (a freed page's NaN): zeroed, as 0 * NaN
+            v_tile = v_smem.at[slot]
+            v = v_tile[...] if interpret else plgpu.load(v_tile, (), layout=plgpu.Layout.WGMMA)
+            v_tile[...] = jnp.where(iota(v.shape, 0) + read_at < end, v, jnp.zeros_like(v))
+            plgpu.commit_smem()
         acc = accumulate_pv(acc, p16, v_smem.at[slot], p_smem if interpreter_safe else None)
         # Both products of step i are complete: its slot takes step i + stages
         pl.when(i + stages < num_blocks)(lambda: load(i + stages, slot))
@@ -204,16 +228,36 @@ def _num_sms() -> int:
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "interpreter_safe", "num_sms"))
 def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: MosaicDecodeBlockSizes,
                            interpret: bool, interpreter_safe: bool, num_sms: int) -> AttentionResiduals:
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    b, t, n, h = q.shape
-    kv_heads, num_keys = k_cache.shape[1], k_cache.shape[2]
-    g = n // kv_heads
-    dtype = k_cache.dtype
-    block_kv, stages = block_sizes.block_kv, block_sizes.max_concurrent_steps
+    num_keys, block_kv = k_cache.shape[2], block_sizes.block_kv
     if num_keys < block_kv:  # a cache shorter than one block: padded (a copy, of a cache this small only)
         pad = ((0, 0), (0, 0), (0, block_kv - num_keys), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+    return _split_k(q, lengths, q_positions, (k_cache, v_cache), kv_heads=k_cache.shape[1], num_keys=num_keys,
+                    page_size=None, block_sizes=block_sizes, interpret=interpret, interpreter_safe=interpreter_safe,
+                    num_sms=num_sms)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "interpreter_safe", "num_sms"))
+def _paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
+                          block_sizes: MosaicDecodeBlockSizes, interpret: bool, interpreter_safe: bool,
+                          num_sms: int) -> AttentionResiduals:
+    page_size = k_pages.shape[2]
+    return _split_k(q, lengths, q_positions, (k_pages, v_pages, block_tables.astype(jnp.int32)),
+                    kv_heads=k_pages.shape[0], num_keys=block_tables.shape[1] * page_size, page_size=page_size,
+                    block_sizes=block_sizes, interpret=interpret, interpreter_safe=interpreter_safe, num_sms=num_sms)
+
+
+def _split_k(q, lengths, q_positions, kv_inputs, *, kv_heads: int, num_keys: int, page_size: int | None,
+             block_sizes: MosaicDecodeBlockSizes, interpret: bool, interpreter_safe: bool,
+             num_sms: int) -> AttentionResiduals:
+    """The launch shared by the dense cache (kv_inputs: k, v [B, K, S', H] with S' >= block_kv) and the paged pool
+    (k, v [K, P, page_size, H] and the block tables [B, M]): query rows, row limits, grid, merge of the splits."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    b, t, n, h = q.shape
+    g = n // kv_heads
+    dtype = kv_inputs[0].dtype
+    block_kv, stages = block_sizes.block_kv, block_sizes.max_concurrent_steps
     rows = t * g
     row_blocks = pl.cdiv(rows, _ROWS)
     padded_rows = row_blocks * _ROWS
@@ -230,7 +274,7 @@ def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_s
     ranges = _row_ranges(limit, row_blocks, rows)
 
     kernel = functools.partial(_kernel, block_kv=block_kv, stages=stages, row_blocks=row_blocks,
-                               split_len=split_len, num_keys=max(num_keys, block_kv),
+                               split_len=split_len, num_keys=max(num_keys, block_kv), page_size=page_size,
                                qk_scale=_LOG2_E / math.sqrt(h), interpreter_safe=interpreter_safe,
                                interpret=interpret)
 
@@ -246,8 +290,10 @@ def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_s
                 plgpu.SMEM((_ROWS, h), jnp.float32, **tiled(4)),
                 plgpu.SMEM((_ROWS,), jnp.float32),
                 plgpu.SMEM((_ROWS,), jnp.float32))
+        copies = block_kv // min(page_size, block_kv) if page_size else 1  # TMA copies a K (V) tile arrives by
+        tile_barriers = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, (plgpu.Barrier(), plgpu.Barrier()),
-                      plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages))
+                      tile_barriers, tile_barriers)
 
     stats = jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows), jnp.float32)
     outs, maxes, sums = plgpu.kernel(
@@ -257,7 +303,7 @@ def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_s
         grid_names=("batch", "rows", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params("decode_attention_mgpu") if interpret else False,
-    )(ranges, limit, q_rows, k_cache, v_cache)
+    )(ranges, limit, q_rows, *kv_inputs)
 
     # base-2 maxes back to natural units; a row that saw no key keeps the contract's MASK_VALUE
     maxes = jnp.where(sums > 0, maxes / _LOG2_E, MASK_VALUE)
@@ -299,18 +345,9 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
     if q.shape[2] % k_cache.shape[1]:
         raise ValueError(f"query heads N={q.shape[2]} must be a multiple of KV heads K={k_cache.shape[1]} (k_cache "
                          f"is [B, K, S, H], the model's cache layout; decode_attention takes [B, S, K, H])")
-    check_queries(q, k_cache.shape[1], lengths, q_positions)
-    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"decode_attention_mgpu takes a bfloat16 or float16 cache (wgmma's operand types), got "
-                         f"{k_cache.dtype} / {v_cache.dtype}: a quantised cache runs on decode_attention (Triton)")
-    if h % _HEAD_ALIGN:
-        raise ValueError(f"decode_attention_mgpu needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
-    interpret, interpreter_safe, block_sizes = settings("decode_attention_mgpu", interpret, interpreter_safe,
-                                                        block_sizes, MosaicDecodeBlockSizes)
-    smem = block_sizes.smem_bytes(h, k_cache.dtype.itemsize)
-    if smem > SMEM_BYTES:
-        raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h}, more than the "
-                         f"{SMEM_BYTES} an H100/H200 block has: use a smaller block_kv or fewer steps")
+    block_sizes, interpret, interpreter_safe = _settings("decode_attention_mgpu", q, k_cache, v_cache, lengths,
+                                                         q_positions, k_cache.shape[1], block_sizes, interpret,
+                                                         interpreter_safe, "decode_attention")
     if k_cache.shape[2] == 0:
         residuals = no_keys(q)
     else:
@@ -319,3 +356,61 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
             interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
             interpret)
     return residuals if return_residuals else normalize(residuals, q.dtype)
+
+
+def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
+                         block_sizes: MosaicDecodeBlockSizes | None = None, interpret: bool | None = None,
+                         interpreter_safe: bool | None = None, return_residuals: bool = False):
+    """Attention of a few (or many) query tokens over a paged KV cache, by the Mosaic GPU kernel.
+
+    The contract of `paged_attention` (paged_attention.py): k_pages, v_pages ``[K, P, page_size, H]`` (one layer's
+    pool, bfloat16 or float16), block_tables ``[B, M]`` (key s of sequence b in page ``block_tables[b, s //
+    page_size]`` at offset ``s % page_size``), lengths, q_positions and the rest as `decode_attention_mgpu`. Each
+    K / V tile of block_kv keys arrives by one TMA copy per page (page_size a multiple of 8 below block_kv, a
+    multiple of block_kv above it). Table entries past a sequence's last needed page are not followed: the copies
+    there re-read the last needed page (clamped to the pool), whose keys are masked.
+    """
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, page_size, H], got {q.shape} and "
+                         f"{k_pages.shape}")
+    b, _, _, h = q.shape
+    if v_pages.shape != k_pages.shape or k_pages.shape[3] != h:
+        raise ValueError(f"k_pages and v_pages must both be [K, P, page_size, H={h}], got {k_pages.shape} and "
+                         f"{v_pages.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be [B={b}, M] integers, got {block_tables.shape} {block_tables.dtype}")
+    block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", q, k_pages, v_pages, lengths,
+                                                         q_positions, k_pages.shape[0], block_sizes, interpret,
+                                                         interpreter_safe, "paged_attention")
+    page_size = k_pages.shape[2]
+    if (page_size % 8 if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
+        raise ValueError(f"paged_attention_mgpu needs page_size a multiple of 8 below block_kv and a multiple of "
+                         f"block_kv above it (TMA copies of whole 8-row tiles), got page_size {page_size} with "
+                         f"block_kv {block_sizes.block_kv}")
+    if block_tables.shape[1] == 0:
+        residuals = no_keys(q)
+    else:
+        residuals = launch(functools.partial(
+            _paged_attention_mgpu, q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes=block_sizes,
+            interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
+            interpret)
+    return residuals if return_residuals else normalize(residuals, q.dtype)
+
+
+def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe,
+              triton: str):
+    """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe)."""
+    check_queries(q, kv_heads, lengths, q_positions)
+    if k.dtype not in _DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"{what} takes a bfloat16 or float16 cache (wgmma's operand types), got {k.dtype} / "
+                         f"{v.dtype}: a quantised cache runs on {triton} (Triton)")
+    h = q.shape[3]
+    if h % _HEAD_ALIGN:
+        raise ValueError(f"{what} needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
+    interpret, interpreter_safe, block_sizes = settings(what, interpret, interpreter_safe, block_sizes,
+                                                        MosaicDecodeBlockSizes)
+    smem = block_sizes.smem_bytes(h, k.dtype.itemsize)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h}, more than the "
+                         f"{SMEM_BYTES} an H100/H200 block has: use a smaller block_kv or fewer steps")
+    return block_sizes, interpret, interpreter_safe

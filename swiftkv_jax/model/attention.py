@@ -247,7 +247,19 @@ def _pallas_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_sc
                           heads=(2, 1, 1, None, None) + tuple(1 if s.ndim else None for s in scales), out_heads=2)
 
 
-_DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention}
+def _mosaic_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_scale=None):
+    from swiftkv_jax.kernels.decode_attention_mgpu import decode_attention_mgpu  # Pallas imports only when chosen
+
+    if k_scale is not None:
+        raise ValueError("decode_attention_impl='mosaic' reads bfloat16 / float16 caches; a quantised cache "
+                         f"({k.dtype}) runs on decode_attention_impl='pallas' (or 'xla')")
+    # the kernel reads the model's cache [B, K, S, H] in place (no transpose); q is cast to the cache's dtype
+    return map_over_heads(lambda q, k, v, q_positions, kv_lengths: decode_attention_mgpu(
+        q, k, v, kv_lengths, q_positions).astype(q.dtype), q, k, v, q_positions, kv_lengths,
+        heads=(2, 1, 1, None, None), out_heads=2)
+
+
+_DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention, "mosaic": _mosaic_cache_attention}
 DECODE_ATTENTION_IMPLS = tuple(_DECODE_IMPLS)
 FEW_QUERIES = 16  # at most this many query tokens over a cache take the few-query path
 

@@ -148,7 +148,18 @@ def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=Non
                           out_heads=2)
 
 
-_PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas}
+def _paged_mosaic(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
+    from swiftkv_jax.kernels.decode_attention_mgpu import paged_attention_mgpu  # Pallas imports only when chosen
+
+    if k_scale is not None:
+        raise ValueError("decode_attention_impl='mosaic' reads bfloat16 / float16 pools; a quantised pool "
+                         f"({k_pages.dtype}) runs on decode_attention_impl='pallas' (or 'xla')")
+    return map_over_heads(lambda q, k_pages, v_pages, tables, lengths, q_positions: paged_attention_mgpu(
+        q, k_pages, v_pages, tables, lengths, q_positions).astype(q.dtype), q, k_pages, v_pages, tables, lengths,
+        q_positions, heads=(2, 0, 0, None, None, None), out_heads=2)
+
+
+_PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas, "mosaic": _paged_mosaic}
 assert set(_PAGED_IMPLS) == set(_DECODE_IMPLS), "every decode_attention_impl needs its paged form"
 
 
