@@ -137,13 +137,13 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
             return
         # Paged: one copy per page (or part of a page) of the block, each arriving on the slot's barrier. Copies
         # past the split's last needed key re-read the copy that holds it (L2, not HBM): their keys are masked
-        rows = min(page_size, block_kv)
-        last = lax.div(end - 1, jnp.array(rows, end.dtype)) * rows
-        for c in range(block_kv // rows):
-            key = jnp.minimum(block_start(i)[0] + c * rows, last)
+        copy_rows = min(page_size, block_kv)
+        last = lax.div(end - 1, jnp.array(copy_rows, end.dtype)) * copy_rows
+        for c in range(block_kv // copy_rows):
+            key = jnp.minimum(block_start(i)[0] + c * copy_rows, last)
             page = jnp.clip(tables[0][batch, lax.div(key, jnp.array(page_size, key.dtype))], 0, k_ref.shape[1] - 1)
-            src = (kv_head, page, pl.ds(lax.rem(key, jnp.array(page_size, key.dtype)), rows))
-            dst = (slot, pl.ds(c * rows, rows))
+            src = (kv_head, page, pl.ds(lax.rem(key, jnp.array(page_size, key.dtype)), copy_rows))
+            dst = (slot, pl.ds(c * copy_rows, copy_rows))
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_barriers.at[slot])
 

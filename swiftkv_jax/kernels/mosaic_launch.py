@@ -24,7 +24,7 @@ __all__ = ["SMEM_BYTES", "accumulate_pv", "interpret_params", "launch", "reset_i
 
 SMEM_BYTES = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
 
-_installed = threading.Lock()
+_install_lock = threading.Lock()
 
 
 def interpret_params(what: str):
@@ -117,7 +117,7 @@ def _split_transpose(transforms):
 
 
 def _install_transposed_wgmma():
-    with _installed:
+    with _install_lock:
         try:
             from jax._src.pallas.mosaic.interpret import utils as interpret_utils
             from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as callbacks
