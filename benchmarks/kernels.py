@@ -28,6 +28,7 @@ runs, each waited for with block_until_ready.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--copy-gib", type=float, help="size of the copy-bandwidth probe (default 2, smoke 1/64)")
     parser.add_argument("--parts", default="decode,paged,prefill",
                         help="which tables to measure, comma-separated (default decode,paged,prefill)")
+    parser.add_argument("--page-size", type=int, default=16,
+                        help="tokens a page in the paged rows (default 16, sk.Engine's; the Mosaic kernel's "
+                             "per-token scales need a multiple of 32)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
     keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
     normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
 
-    page_size = 16  # the paged rows' pages
+    page_size = args.page_size  # the paged rows' pages
     document = 32 if args.smoke else DOCUMENT  # the packed prefill rows' documents
     started = time.perf_counter()
     tables = {"decode": [], "paged": [], "prefill": []}
@@ -203,14 +207,35 @@ def main(argv=None) -> int:
         jax_gqa_error = None
     decode_reference = lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n)
 
+    # The same caches quantised per token and head (kv_quant, as the engines store them; done before timing): the
+    # kernels read 1-byte K/V and their fp32 scales (Triton dequantises in registers, Mosaic converts each tile in
+    # SMEM), XLA dequantises whole. Each is checked against the XLA path over the same quantised cache (the fp32
+    # reference would see the rounding). `call(impl, *inputs, k_scale, v_scale)` runs one impl.
+    quantized_reference = {}  # name -> its check's reference
+
+    def add_quantized(impls, impl_names, call):
+        for fmt in ("int8", "float8_e4m3fn"):
+            def lay(*inputs, fmt=fmt):  # inputs: (q, k, v, ...) -> (q, k8, v8, ..., k_scale, v_scale)
+                (kq, ks), (vq, vs) = quantize(inputs[1], fmt), quantize(inputs[2], fmt)
+                return (inputs[0], kq, vq, *inputs[3:], ks, vs)
+
+            for impl in impl_names:
+                name = f"{impl}_{fmt}"
+                impls[name] = functools.partial(call, impl)
+                layouts[name] = lay
+                quantized_reference[name] = lambda *x, lay=lay: call("xla", *lay(*x))
+
+    add_quantized(decode_impls, ("pallas", "xla", "mosaic"),
+                  lambda impl, q, k, v, n, p, ks, vs: attend_cache(impl, q, k, v, p, n, ks, vs))
+    if interpret:
+        mosaic_gpu_only.update({f"mosaic_{fmt}": mosaic_gpu_only["mosaic"] for fmt in ("int8", "float8_e4m3fn")})
+
     def decode_inputs(b, s):
         return (normal(b, 1, heads, head_dim), normal(b, kv_heads, s, head_dim), normal(b, kv_heads, s, head_dim),
                 jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
 
     def laid_out(name, inputs):
         return layouts[name](*inputs) if name in layouts else inputs
-
-    quantized_reference = {}  # name -> its check's reference (the paged quantised rows, below)
 
     def decode_table(table, impls, reference, make_inputs, errors_extra):
         small = make_inputs(2, 512)
@@ -245,21 +270,8 @@ def main(argv=None) -> int:
 
     paged_impls = {name: (lambda q, k, v, t, n, p, name=name: paged_attend(name, q, k, v, t, n, p))
                    for name in ("pallas", "xla", "mosaic")}
-    # The same pools quantised per token and head (kv_quant, as sk.Engine stores them; done before timing): the
-    # kernel reads 1-byte pages and their scales and dequantises in registers; the XLA path dequantises blocks.
-    # Their check is against the XLA path over the same quantised pools (the fp32 reference would see the rounding).
-    def quantized_layout(fmt):
-        def lay(q, k, v, t, n, p):
-            (kq, ks), (vq, vs) = quantize(k, fmt), quantize(v, fmt)
-            return q, kq, vq, t, n, p, ks, vs
-        return lay
-
-    for fmt in ("int8", "float8_e4m3fn"):
-        for impl in ("pallas", "xla"):
-            name = f"{impl}_{fmt}"
-            paged_impls[name] = lambda q, k, v, t, n, p, ks, vs, impl=impl: paged_attend(impl, q, k, v, t, n, p, ks, vs)
-            layouts[name] = quantized_layout(fmt)
-            quantized_reference[name] = lambda *x, lay=layouts[name]: paged_attend("xla", *lay(*x))
+    # The same pools quantised per token and head, as sk.Engine stores them (above)
+    add_quantized(paged_impls, ("pallas", "xla", "mosaic"), paged_attend)
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     if "paged" in parts:
         decode_table("paged", paged_impls, paged_reference, paged_inputs,

@@ -11,6 +11,7 @@ no sequence has.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import test_paged_attention_kernel as paged_tests
 from swiftkv_jax.kernels import MASK_VALUE, AttentionResiduals, decode_attention_reference, paged_attention_reference
 from swiftkv_jax.kernels.decode_attention_mgpu import (MosaicDecodeBlockSizes, _row_ranges, decode_attention_mgpu,
                                                        paged_attention_mgpu)
-from test_decode_attention_kernel import chunk_positions, numpy_attention
+from test_decode_attention_kernel import QUANTIZED, chunk_positions, numpy_attention, quantize, quantized_id
 
 from conftest import GPU_INTERPRET
 
@@ -50,12 +51,12 @@ class Case:
 CASES = [
     # decode, GQA 4, S not a multiple of the block (the last block is read shifted), an empty and a length-1
     # sequence; automatic splits (5 of 64 keys: splits past a short sequence's context read nothing)
-    Case("decode_gqa4_auto_splits", (300, 1, 157, 0), 300, 1, 8, 2, 64, MosaicDecodeBlockSizes(64, 2)),
+    Case("decode_gqa4_auto_splits", (304, 1, 157, 0), 304, 1, 8, 2, 64, MosaicDecodeBlockSizes(64, 2)),
     # three queries anywhere (some past the length), GQA 8, head dim 128, 128-key blocks in 2 splits
-    Case("random_positions_h128", (257, 65), 257, 3, 8, 1, 128, MosaicDecodeBlockSizes(128, 2, 2), "random"),
+    Case("random_positions_h128", (264, 65), 264, 3, 8, 1, 128, MosaicDecodeBlockSizes(128, 2, 2), "random"),
     # a prompt chunk: 24 tokens x GQA 4 = 96 rows in two row blocks (the second half padding), a shorter chunk
     # padded with -1 rows, and a sequence of -1 rows only; three slots in flight
-    Case("chunk_two_row_blocks", (100, 30, 0), 100, 24, 8, 2, 64, MosaicDecodeBlockSizes(64, 3, 1), "chunk",
+    Case("chunk_two_row_blocks", (104, 30, 0), 104, 24, 8, 2, 64, MosaicDecodeBlockSizes(64, 3, 1), "chunk",
          (24, 10, 0)),
     # one split of 10 blocks through 2 slots (each slot refilled 4 times), a context ending mid-block
     Case("long_split_two_slots", (600, 333), 600, 2, 4, 2, 64, MosaicDecodeBlockSizes(64, 2, 1)),
@@ -76,6 +77,9 @@ PAGED_CASES = [
     (paged_tests.Case((45, 20), 8, 20, 8, 2, 64, jnp.bfloat16, 16, 1, "chunk", new_tokens=(20, 7)),
      MosaicDecodeBlockSizes(64, 2, 1)),
 ]
+# Per-token scales are copied a page at a time in 128-byte TMA copies: pages of 32 keys, two a 64-key block
+PAGED_SCALE_CASE = (paged_tests.Case((45, 100, 1), 32, 2, 8, 2, 128, jnp.bfloat16, 16, 1, "random"),
+                    MosaicDecodeBlockSizes(64, 2))
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -162,6 +166,43 @@ class MosaicDecodeChecks:
         np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
+    @pytest.mark.parametrize("dtype, per_token", QUANTIZED, ids=[quantized_id(*x) for x in QUANTIZED])
+    def test_quantized_cache_matches_numpy(self, dtype, per_token):
+        """An int8 / FP8 cache with per-layer or per-token-head [B, K, S] scales, read in place and converted in
+        SMEM (the scales on the scores and on P), against the float64 loop over the numpy-dequantised cache. Keys
+        past every length are NaN before quantising (NaN scales per token, NaN FP8 values): none reaches the
+        result."""
+        case = BY_NAME["long_split_two_slots"]
+        q, k, v, lengths, positions = make_inputs(case, seed=3)
+        past = (jnp.arange(case.seq_len)[None, :] >= lengths[:, None])[:, None, :, None]
+        poisoned = lambda x: jnp.where(past, jnp.nan, x.astype(jnp.float32))  # noqa: E731
+        (k, k_scale, k64), (v, v_scale, v64) = (quantize(poisoned(x), dtype, per_token) for x in (k, v))
+        assert k.dtype == dtype and k_scale.ndim == 3 * per_token
+        out = self.run(q, k, v, lengths, positions, case.blocks, k_scale=k_scale, v_scale=v_scale)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all(), "a key past the lengths (NaN) reached the result"
+        expected = numpy_attention(q, bskh(np.nan_to_num(k64)), bskh(np.nan_to_num(v64)), np.asarray(lengths),
+                                   np.asarray(positions))
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+    @pytest.mark.parametrize("case, blocks, dtype, per_token", [
+        (*PAGED_CASES[0], jnp.int8, False), (*PAGED_CASES[2], jnp.float8_e4m3fn, True),
+        (*PAGED_CASES[3], jnp.float8_e4m3fn, False), (*PAGED_SCALE_CASE, jnp.int8, True)],
+        ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else None)
+    def test_quantized_pool_matches_numpy(self, case, blocks, dtype, per_token):
+        """An int8 / FP8 pool with per-layer or per-token-head [K, P, page_size] scales (copied a page at a time
+        beside the tiles), poisoned outside the sequences, against the float64 walk of the dequantised pool."""
+        q, k, v, tables, lengths, positions = paged_tests.make_inputs(case, seed=3)
+        (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
+        out = paged_attention_mgpu(q, k, v, tables, lengths, positions, block_sizes=blocks, interpret=self.interpret,
+                                   interpreter_safe=self.interpreter_safe, k_scale=k_scale, v_scale=v_scale)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        out = np.asarray(out, np.float32)
+        assert np.isfinite(out).all(), "a key no sequence has (NaN) reached the result"
+        expected = paged_tests.numpy_paged_attention(q, k64, v64, tables, lengths, positions)
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
     @pytest.mark.parametrize("case, blocks", PAGED_CASES, ids=str)
     def test_paged_matches_reference_and_float64(self, case, blocks):
         q, k_pages, v_pages, tables, lengths, positions = paged_tests.make_inputs(case)
@@ -240,8 +281,12 @@ def test_block_sizes_reject_invalid_values(kwargs, message):
 
 def test_rejects_what_it_cannot_run():
     q, k, v, lengths, positions = make_inputs(BY_NAME["decode_gqa4_auto_splits"])
-    with pytest.raises(ValueError, match="bfloat16 or float16 cache"):
+    with pytest.raises(ValueError, match="float8_e4m3fn cache"):
+        decode_attention_mgpu(q, k.astype(jnp.float32), v.astype(jnp.float32), lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
         decode_attention_mgpu(q, k.astype(jnp.int8), v.astype(jnp.int8), lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 8"):  # TMA tiles: S = 300 > block_kv
+        decode_attention_mgpu(q, k[:, :, :300], v[:, :, :300], lengths, positions, interpret=True)
     with pytest.raises(ValueError, match="model's cache layout"):
         decode_attention_mgpu(q, bskh(k), bskh(v), lengths, positions, interpret=True)
     with pytest.raises(ValueError, match="cannot run in jax's GPU interpret mode"):
@@ -259,12 +304,16 @@ def test_rejects_what_it_cannot_run():
         paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.int32), lengths, positions, interpret=True)
     with pytest.raises(ValueError, match="block_tables must be"):
         paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.float32), lengths, positions, interpret=True)
+    pool, scales = jnp.zeros((2, 8, 16, 64), jnp.int8), jnp.ones((2, 8, 16), jnp.float32)
+    with pytest.raises(ValueError, match="page_size a multiple of 32"):  # per-token scales of 64 bytes a page
+        paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.int32), lengths, positions, interpret=True,
+                             k_scale=scales, v_scale=scales)
 
 
 @pytest.mark.skipif(GPU_INTERPRET is None, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode")
 def test_model_picks_them_by_name():
-    """decode_attention_impl="mosaic": the static cache [B, K, S, H] and the engine's pools run these kernels and
-    agree with the XLA paths; a quantised cache is refused with the fix."""
+    """decode_attention_impl="mosaic": the static cache [B, K, S, H] and the engine's pools (bf16 and int8 with its
+    scales) run these kernels and agree with the XLA paths."""
     from swiftkv_jax.model.attention import DECODE_ATTENTION_IMPLS, attend_cache
     from swiftkv_jax.model.paged import paged_attend
 
@@ -282,7 +331,69 @@ def test_model_picks_them_by_name():
                                np.asarray(paged_attention_reference(f32(q), f32(k_pages), f32(v_pages), tables,
                                                                     lengths, positions)),
                                atol=TOLERANCE, rtol=TOLERANCE)
-    scale = jnp.ones((), jnp.float32)
-    with pytest.raises(ValueError, match="decode_attention_impl='pallas'"):
-        paged_attend("mosaic", q, k_pages.astype(jnp.int8), v_pages.astype(jnp.int8), tables, lengths, positions,
-                     scale, scale)
+    (k8, k_scale, _), (v8, v_scale, _) = (quantize(x, jnp.int8, False) for x in (k_pages, v_pages))
+    np.testing.assert_allclose(
+        np.asarray(paged_attend("mosaic", q, k8, v8, tables, lengths, positions, k_scale, v_scale), np.float32),
+        np.asarray(paged_attention_reference(f32(q), k8, v8, tables, lengths, positions, k_scale=k_scale,
+                                             v_scale=v_scale)), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("interpreter_safe", [False, True], ids=["fa3_form", "interpreter_form"])
+@pytest.mark.parametrize("cache", ["bfloat16", "int8-token", "int8-layer", "float8_e4m3fn-token",
+                                   "float8_e4m3fn-layer"])
+def test_compiled_kernels_lower_for_cuda(cache, interpreter_safe):
+    """Without a GPU: jax's Mosaic GPU lowering accepts both kernels compiled at the engine's shapes (Llama-3.1-8B
+    heads; 32 sequences over 4K keys, a chunk of 4 tokens, pools of 16- and 256-key pages). It checks what the
+    interpreter does not: register layouts, SMEM tiling and swizzles, TMA copy sizes, wgmma operand shapes and
+    dtype conversions. Compiling the module to machine code, and running it, needs the GPU (the gpu tests)."""
+    name, _, granularity = cache.partition("-")
+    dtype, S = jnp.dtype(name), jax.ShapeDtypeStruct
+    b, n, k, h, keys, pages = 32, 32, 8, 128, 4096, 4096
+    i32, f32 = jnp.int32, jnp.float32
+
+    def lower(fn, *args):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+    def scales(token_shape):  # k_scale and v_scale, if any
+        return (S(token_shape if granularity == "token" else (), f32),) * 2 if granularity else ()
+
+    run = dict(interpret=False, interpreter_safe=interpreter_safe)
+    for t in (1, 4):
+        lower(lambda q, kc, vc, lengths, positions, *sc: decode_attention_mgpu(
+            q, kc, vc, lengths, positions, **run, **dict(zip(("k_scale", "v_scale"), sc))),
+            S((b, t, n, h), jnp.bfloat16), S((b, k, keys, h), dtype), S((b, k, keys, h), dtype), S((b,), i32),
+            S((b, t), i32), *scales((b, k, keys)))
+    for page_size in (16, 256):
+        if granularity == "token" and page_size < 32:
+            continue  # refused with the fix (test_rejects_what_it_cannot_run)
+        lower(lambda q, kp, vp, tables, lengths, positions, *sc: paged_attention_mgpu(
+            q, kp, vp, tables, lengths, positions, **run, **dict(zip(("k_scale", "v_scale"), sc))),
+            S((b, 1, n, h), jnp.bfloat16), S((k, pages, page_size, h), dtype), S((k, pages, page_size, h), dtype),
+            S((b, keys // page_size), i32), S((b,), i32), S((b, 1), i32), *scales((k, pages, page_size)))
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_static_engine_lowers_for_cuda_with_the_mosaic_kernels(cache_dtype, monkeypatch):
+    """Without a GPU: the static engine's prefill (the Mosaic flash kernel; SwiftKV's later layers over the cache)
+    and decode step (the Mosaic decode kernel over the cache in place, scales per token and head) lower for CUDA
+    in bf16, through the model's wiring (head sharding, dtypes, the cache's length rounded to 8 by init_cache).
+    The kernels pick compiled or interpreted by the default backend: it reads "gpu" here, as on a GPU machine."""
+    import swiftkv_jax as sk
+    from swiftkv_jax.serving import decode_step, init_cache, prefill
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+    config = sk.ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, dtype="bfloat16",
+                            attention_impl="mosaic", decode_attention_impl="mosaic")
+    model = sk.to_swiftkv(sk.init(config, 0), 2, 2)
+    cache = init_cache(model.config, 2, 300, True, cache_dtype)  # 304 entries
+    assert cache.lower[0][0].shape[2] == 304
+    tokens, lengths = jnp.zeros((2, 256), jnp.int32), jnp.asarray([256, 100], jnp.int32)
+    for fn, args in ((functools.partial(prefill, config=model.config, swiftkv=True, chunk_size=128),
+                      (model.params, cache, tokens, lengths)),
+                     (functools.partial(decode_step, config=model.config, swiftkv=True),
+                      (model.params, cache, tokens[:, 0]))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "triton" not in text

@@ -233,3 +233,22 @@ def test_model_picks_it_by_name():
                                       "kv_segment_ids")]
     assert_close(attend("mosaic", *args), attend("xla", *[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
                                                            for a in args]), BF16_TOL)
+
+
+@pytest.mark.parametrize("interpreter_safe", [False, True], ids=["fa3_form", "interpreter_form"])
+@pytest.mark.parametrize("blocks", [MosaicFlashBlockSizes(), MosaicFlashBlockSizes(64, 64, 3)], ids=str)
+@pytest.mark.parametrize("case", [
+    Case("causal_8k_d128", b=1, t=8192, s=8192, n=32, kv_heads=8, h=128),
+    Case("chunk_over_context", b=1, t=512, s=4100, n=8, kv_heads=2, h=128, kv_lengths=(4000,)),
+    Case("packed", b=1, t=4096, s=4096, n=4, kv_heads=1, h=128, segments=(1000, 2048, 1048)),
+    Case("odd_lengths_head_dim_64", b=2, t=1001, s=1001, n=4, kv_heads=2, h=64),
+], ids=str)
+def test_compiled_kernel_lowers_for_cuda(case, blocks, interpreter_safe):
+    """Without a GPU: jax's Mosaic GPU lowering accepts the compiled kernel at realistic shapes (register layouts,
+    SMEM tiling and swizzles, TMA copy sizes, wgmma operand shapes: what the interpreter does not check). Compiling
+    the module to machine code, and running it, needs the GPU (the gpu tests)."""
+    inputs = {key: x if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+              for key, x in make_inputs(case, jnp.bfloat16).items()}
+    lowered = jax.jit(lambda **kw: flash_attention_mgpu(**kw, block_sizes=blocks, interpret=False,
+                                                        interpreter_safe=interpreter_safe)).trace(**inputs)
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()

@@ -16,6 +16,7 @@ import pytest
 
 import swiftkv_jax as sk
 from swiftkv_jax.serving import bench as B
+from swiftkv_jax.serving.cache import LENGTH_ALIGN
 
 PROMPT_LEN, GEN_LEN, BATCH = 16, 6, 2  # 16: generate pads prompts to >= 16, so both run the same shapes
 
@@ -51,7 +52,8 @@ def test_rows_have_the_fields_and_finite_positive_timings(rows, tiny):
 def test_kv_bytes_follow_the_formula_exactly(rows, tiny):
     cfg = tiny.config
     L, l, g = cfg.num_hidden_layers, cfg.num_key_value_layers, cfg.key_value_group_size
-    per_layer = 2 * BATCH * (PROMPT_LEN + GEN_LEN) * cfg.num_key_value_heads * cfg.head_dim * 4
+    length = math.ceil((PROMPT_LEN + GEN_LEN) / LENGTH_ALIGN) * LENGTH_ALIGN  # as init_cache allocates it
+    per_layer = 2 * BATCH * length * cfg.num_key_value_heads * cfg.head_dim * 4
     fast, slow = rows
     assert (fast["cache_layers"], slow["cache_layers"]) == (l + (L - l) // g, L) == (3, 4)
     assert fast["kv_cache_bytes"] == fast["cache_layers"] * per_layer

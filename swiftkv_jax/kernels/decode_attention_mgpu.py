@@ -5,9 +5,16 @@ s < lengths[b] and s <= q_positions[b, t]; -1 sees nothing and gets zeros; scale
 `return_residuals` gives the fp32 residuals that `merge_partials` combines), with the dense cache in the model's own
 layout, k_cache / v_cache [B, K, S, H] (the static engine's cache; `decode_attention` takes [B, S, K, H], so the
 engine transposes the whole cache for it at every step), so a K or V tile of one KV head is one contiguous TMA
-copy and nothing is copied per call; and `paged_attention`'s contract for the pool [K, P, page_size, H] with block
-tables (`paged_attention_mgpu`: a tile arrives by one TMA copy per page). bfloat16 / float16 caches (wgmma's operand
-types); q is cast to the cache's dtype. Quantised caches stay on the Triton kernels.
+copy and nothing is copied per call (S a multiple of 8: TMA copies whole 8-row tiles; `init_cache` allocates
+so); and `paged_attention`'s contract for the pool [K, P, page_size, H] with block tables (`paged_attention_mgpu`:
+a tile arrives by one TMA copy per page). bfloat16 / float16 caches are wgmma's operands as they are (q cast to
+their dtype); int8 / float8_e4m3fn caches (per-layer or per-token-head scales, kv_quant's formats) are read in
+place, 1 byte an element, and each tile is converted in SMEM to q's 16-bit dtype (exact: int8 and e4m3 values are
+bf16 values; e4m3 goes through fp32, Hopper converts it to fp16 only). The scales stay out of the tiles: a key's K
+scale multiplies its column of the scores, its V scale its column of P (per-layer: K's on the scores' scale, V's
+on the output), so the conversion is a cast and the products stay on the tensor cores. Per-token scales arrive
+by TMA beside their tiles; jax's lowering moves multiples of 128 bytes a copy, so paged per-token scales need
+pages of at least 32 keys (a multiple of 32; refused otherwise, with the fix).
 
 Structure: one CTA (one warpgroup) per (sequence b, KV head k and block of 64 query rows, split j of the keys).
 The rows of a KV head are r = t * G + g (as in split_k.py), padded to 64 (wgmma's M): every K/V tile is read once
@@ -29,8 +36,10 @@ CTAs per SM.
 
 Interpreted on the CPU (jax's GPU interpret mode, with mosaic_launch.py's transposed-operand rule) the kernel
 code is the same except register layouts (jax 0.10.2's interpreter has no rule for `layout_cast` or `plgpu.load`)
-and the P V form. Not yet run on a GPU: lowering on sm_90, speed against the Triton kernels, XLA and the copy
-bandwidth (benchmarks/kernels.py, impl "mosaic") are for the next GPU session.
+and the P V form. What the interpreter ignores (layouts, SMEM tiling, TMA copy sizes, wgmma shapes, conversions)
+jax's Mosaic GPU lowering checks, and it runs on a CPU too (`jit(...).trace(...).lower(lowering_platforms=
+("cuda",))`, tested). Not yet run on a GPU: compiling to machine code, and speed against the Triton kernels, XLA
+and the copy bandwidth (benchmarks/kernels.py, impls "mosaic*") are for the next GPU session.
 """
 
 from __future__ import annotations
@@ -45,8 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
-from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, merge_partials, no_keys,
-                                         normalize)
+from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, check_scales, merge_partials,
+                                         no_keys, normalize)
 
 __all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu"]
 
@@ -54,6 +63,9 @@ _LOG2_E = math.log2(math.e)
 _ROWS = 64  # query rows per CTA: wgmma's M for one warpgroup
 _HEAD_ALIGN = 64  # head dim: the 128-byte swizzle's 64 elements of a 16-bit type
 _DTYPES = (jnp.bfloat16, jnp.float16)
+_QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # read in place by TMA, converted to q's 16-bit dtype in SMEM
+_TILE_ROWS = 8  # a TMA copy into a tiled SMEM tile covers whole 8-row tiles of its GMEM array
+_SCALE_COPY_KEYS = 32  # fp32 scales in one TMA copy: jax's Mosaic GPU lowering moves multiples of 128 bytes
 _DEFAULT_SMS = 132  # H100 SXM; the device's own count is used when it has one
 
 
@@ -68,8 +80,9 @@ class MosaicDecodeBlockSizes:
     block_kv: keys per pipeline step, a multiple of 64 in [64, 256].
     max_concurrent_steps: SMEM slots of K and V tiles in flight (>= 2).
     num_splits: programs per sequence and KV head along the keys; 0 picks enough for ~2 CTAs per SM.
-    SMEM per CTA is about 2 * (64 + 2 * slots * block_kv) * H + 4 * 64 * H bytes (16-bit cache); a config that
-    does not fit raises before launching.
+    SMEM per CTA is about 2 * (64 + 2 * slots * block_kv) * H + 4 * 64 * H bytes (16-bit cache; an 8-bit one
+    takes 1 byte a slot element, plus the two converted 16-bit tiles and the keys' scales); a config that does not
+    fit raises before launching.
     """
 
     block_kv: int = 128
@@ -88,9 +101,14 @@ class MosaicDecodeBlockSizes:
                              f"got {self.num_splits!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of one CTA: the Q tile, K and V slots, P's tile, the fp32 output tile and row vectors."""
-        tiles = _ROWS * head_dim + 2 * self.max_concurrent_steps * self.block_kv * head_dim + _ROWS * self.block_kv
-        return itemsize * tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)
+        """Shared memory of one CTA over a cache of `itemsize` bytes an element: the Q tile, K and V slots, P's
+        tile, the fp32 output tile and row vectors; for an 8-bit cache also the converted K and V tiles and the
+        slots' per-token scales."""
+        slots = 2 * self.max_concurrent_steps * self.block_kv
+        tiles = 2 * (_ROWS * head_dim + _ROWS * self.block_kv) + itemsize * slots * head_dim
+        if itemsize == 1:
+            tiles += 2 * 2 * self.block_kv * head_dim + 4 * slots
+        return tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)
 
     def splits(self, num_keys: int, ctas: int, num_sms: int = _DEFAULT_SMS) -> int:
         """How many splits a launch of `ctas` CTAs per split uses over `num_keys` keys (each split >= one block)."""
@@ -100,18 +118,26 @@ class MosaicDecodeBlockSizes:
 
 
 def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, stages: int, row_blocks: int,
-            split_len: int, num_keys: int, page_size: int | None, qk_scale: float, interpreter_safe: bool,
-            interpret: bool):
+            split_len: int, num_keys: int, page_size: int | None, qk_scale: float, scales: str | None,
+            interpreter_safe: bool, interpret: bool):
     """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`.
-    refs: (block tables if paged), o_ref, m_ref, l_ref, then the scoped SMEM and barriers."""
+    refs: the scales (`scales` "token": k_scale, v_scale laid out as the cache minus H; "layer": one [2] array of
+    the per-layer K and V scales, V's applied outside), the block tables if paged, o_ref, m_ref, l_ref, then the
+    scoped SMEM and barriers."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    *tables, o_ref, m_ref, l_ref, scoped = refs
+    num_scale_refs = {None: 0, "layer": 1, "token": 2}[scales]
+    scale_refs, (*tables, o_ref, m_ref, l_ref, scoped) = refs[:num_scale_refs], refs[num_scale_refs:]
 
     # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
+    # or plgpu.load, so interpreted code reads refs plainly
     layout_cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
-    (q_smem, k_smem, v_smem, limit_smem, p_smem, o_smem, m_smem, l_smem), (q_barrier, limit_barrier), k_barriers, \
-        v_barriers = scoped
+    load = (lambda ref, layout: ref[...]) if interpret else (  # noqa: E731
+        lambda ref, layout: plgpu.load(ref, (), layout=layout))
+    (q_smem, k_smem, v_smem, limit_smem, p_smem, o_smem, m_smem, l_smem, kd_smem, vd_smem, ks_smem, vs_smem), \
+        (q_barrier, limit_barrier), k_barriers, v_barriers = scoped
+    if scales == "layer":  # K's per-layer scale multiplies the scores (V's multiplies the output, outside)
+        qk_scale = qk_scale * scale_refs[0][0]
     batch, rows_id, split = lax.axis_index("batch"), lax.axis_index("rows"), lax.axis_index("split")
     kv_head = lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype))
     row_block = lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype))
@@ -129,11 +155,14 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
         nominal = start + i * block_kv
         return nominal, (nominal if page_size else jnp.minimum(nominal, num_keys - block_kv))
 
-    def load(i, slot):
+    def copy_tiles(i, slot):
         if not page_size:
             keys = pl.ds(block_start(i)[1], block_kv)
             plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[batch, kv_head, keys], v_smem.at[slot], v_barriers.at[slot])
+            if scales == "token":  # each key's scale beside its tile, on the tile's barrier
+                plgpu.copy_gmem_to_smem(scale_refs[0].at[batch, kv_head, keys], ks_smem.at[slot], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(scale_refs[1].at[batch, kv_head, keys], vs_smem.at[slot], v_barriers.at[slot])
             return
         # Paged: one copy per page (or part of a page) of the block, each arriving on the slot's barrier. Copies
         # past the split's last needed key re-read the copy that holds it (L2, not HBM): their keys are masked
@@ -146,31 +175,59 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
             dst = (slot, pl.ds(c * copy_rows, copy_rows))
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_barriers.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_barriers.at[slot])
+            if scales == "token":
+                plgpu.copy_gmem_to_smem(scale_refs[0].at[src], ks_smem.at[dst], k_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(scale_refs[1].at[src], vs_smem.at[dst], v_barriers.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[batch, kv_head, row_slice], q_smem, q_barrier)
     plgpu.copy_gmem_to_smem(limits_ref.at[batch, row_slice], limit_smem, limit_barrier)
     for i in range(stages):
-        pl.when(i < num_blocks)(functools.partial(load, i, i))
+        pl.when(i < num_blocks)(functools.partial(copy_tiles, i, i))
     rows = plgpu.Layout.WGMMA.reduce(1)
-    iota = (functools.partial(lax.broadcasted_iota, jnp.int32) if interpret else
-            functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA))
+    iota = (lambda shape, dim, layout=plgpu.Layout.WGMMA: lax.broadcasted_iota(jnp.int32, shape, dim)  # noqa: E731
+            if interpret else plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=layout))
+    columns = plgpu.Layout.WGMMA.reduce(0)
     plgpu.barrier_wait(limit_barrier)
     limit = layout_cast(limit_smem[...], rows)
     plgpu.barrier_wait(q_barrier)
     shape = (_ROWS, block_kv)
 
+    def operand(tile, dequantized, read_at=None):
+        """The tile wgmma reads: the slot itself (a 16-bit cache), or its values converted to q's dtype in the
+        dequantised tile (exact: int8 and e4m3 values are bf16 / fp16 values; their scales multiply the scores and
+        P). read_at given (a masked block): rows past the keys anyone sees are zeroed, as they may hold anything
+        (a freed page's NaN) and 0 * NaN would reach the output."""
+        if dequantized is None and read_at is None:
+            return tile
+        layout = plgpu.Layout.WGMMA if dequantized is None else plgpu.Layout.WGMMA_UPCAST_2X
+        x = load(tile, layout)
+        if dequantized is not None:  # e4m3 converts to bf16 through fp32 (Hopper converts it to fp16 only)
+            x = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x).astype(dtype)
+        if read_at is not None:
+            x = jnp.where(iota(x.shape, 0, layout) + read_at < end, x, jnp.zeros_like(x))
+        target = tile if dequantized is None else dequantized
+        target[...] = x
+        plgpu.commit_smem()
+        return target
+
+    def token_scales(scales_smem, slot):  # [block_kv] per-key scales, broadcast over the rows
+        return lax.broadcast_in_dim(load(scales_smem.at[slot], columns), shape, [1])
+
     def step(i, carry, *, masked: bool):
         acc, m_prev, l_prev = carry
         slot = lax.rem(i, jnp.array(stages, i.dtype))
+        nominal, read_at = block_start(i)
         plgpu.barrier_wait(k_barriers.at[slot])
+        k_tile = operand(k_smem.at[slot], kd_smem)
 
         def compute_qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(compute_qk, plgpu.ACC(shape, jnp.float32)) * qk_scale  # base-2 logits
+        if scales == "token":
+            s = s * token_scales(ks_smem, slot)
         if masked:
-            nominal, read_at = block_start(i)
             key = iota(shape, 1) + read_at
             mask = (key >= nominal) & (key < lax.broadcast_in_dim(limit, shape, [0]))
             s = jnp.where(mask, s, MASK_VALUE)
@@ -181,16 +238,15 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
             p = jnp.where(mask, p, 0.0)
         l_next = l_prev * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dtype)
         plgpu.barrier_wait(v_barriers.at[slot])
-        if masked:  # V rows past the keys anyone sees may hold anything (a freed page's NaN): zeroed, as 0 * NaN
-            v_tile = v_smem.at[slot]
-            v = v_tile[...] if interpret else plgpu.load(v_tile, (), layout=plgpu.Layout.WGMMA)
-            v_tile[...] = jnp.where(iota(v.shape, 0) + read_at < end, v, jnp.zeros_like(v))
-            plgpu.commit_smem()
-        acc = accumulate_pv(acc, p16, v_smem.at[slot], p_smem if interpreter_safe else None)
+        if scales == "token":  # P V with each key's V scale on its column of P (a masked key's may be NaN)
+            p = p * token_scales(vs_smem, slot)
+            if masked:
+                p = jnp.where(mask, p, 0.0)
+        v_tile = operand(v_smem.at[slot], vd_smem, read_at if masked else None)
+        acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem if interpreter_safe else None)
         # Both products of step i are complete: its slot takes step i + stages
-        pl.when(i + stages < num_blocks)(lambda: load(i + stages, slot))
+        pl.when(i + stages < num_blocks)(lambda: copy_tiles(i + stages, slot))
         return acc, m_next, l_next
 
     carry = (layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
@@ -225,38 +281,67 @@ def _num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_SMS)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "interpreter_safe", "num_sms"))
-def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: MosaicDecodeBlockSizes,
-                           interpret: bool, interpreter_safe: bool, num_sms: int) -> AttentionResiduals:
+_STATIC = ("block_sizes", "interpret", "interpreter_safe", "num_sms")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, k_scale=None, v_scale=None, *,
+                           block_sizes: MosaicDecodeBlockSizes, interpret: bool, interpreter_safe: bool,
+                           num_sms: int) -> AttentionResiduals:
     num_keys, block_kv = k_cache.shape[2], block_sizes.block_kv
+    token_scales = k_scale is not None and k_scale.ndim > 0
     if num_keys < block_kv:  # a cache shorter than one block: padded (a copy, of a cache this small only)
         pad = ((0, 0), (0, 0), (0, block_kv - num_keys), (0, 0))
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
-    return _split_k(q, lengths, q_positions, (k_cache, v_cache), kv_heads=k_cache.shape[1], num_keys=num_keys,
-                    page_size=None, block_sizes=block_sizes, interpret=interpret, interpreter_safe=interpreter_safe,
-                    num_sms=num_sms)
+        if token_scales:
+            k_scale, v_scale = (jnp.pad(x, pad[:3]) for x in (k_scale, v_scale))
+    return _split_k(q, lengths, q_positions, (k_cache, v_cache), (k_scale, v_scale), (), kv_heads=k_cache.shape[1],
+                    num_keys=num_keys, page_size=None, block_sizes=block_sizes, interpret=interpret,
+                    interpreter_safe=interpreter_safe, num_sms=num_sms)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "interpreter_safe", "num_sms"))
-def _paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, k_scale=None, v_scale=None, *,
                           block_sizes: MosaicDecodeBlockSizes, interpret: bool, interpreter_safe: bool,
                           num_sms: int) -> AttentionResiduals:
     page_size = k_pages.shape[2]
-    return _split_k(q, lengths, q_positions, (k_pages, v_pages, block_tables.astype(jnp.int32)),
-                    kv_heads=k_pages.shape[0], num_keys=block_tables.shape[1] * page_size, page_size=page_size,
-                    block_sizes=block_sizes, interpret=interpret, interpreter_safe=interpreter_safe, num_sms=num_sms)
+    return _split_k(q, lengths, q_positions, (k_pages, v_pages), (k_scale, v_scale),
+                    (block_tables.astype(jnp.int32),), kv_heads=k_pages.shape[0],
+                    num_keys=block_tables.shape[1] * page_size, page_size=page_size, block_sizes=block_sizes,
+                    interpret=interpret, interpreter_safe=interpreter_safe, num_sms=num_sms)
 
 
-def _split_k(q, lengths, q_positions, kv_inputs, *, kv_heads: int, num_keys: int, page_size: int | None,
+def _compute_dtype(q_dtype, cache_dtype):
+    """The dtype of wgmma's operands: a 16-bit cache's own; over a quantised cache, q's if 16-bit, else bf16."""
+    if cache_dtype in _DTYPES:
+        return jnp.dtype(cache_dtype)
+    return jnp.dtype(q_dtype) if q_dtype in _DTYPES else jnp.dtype(jnp.bfloat16)
+
+
+def _tiled(itemsize: int, row_bytes: int = 128):
+    """SMEM transforms of a tile whose rows are row_bytes long (any 16- or 32-bit tile here: H and block_kv are
+    multiples of 64): 8-row tiles, the widest swizzle the rows allow (an 8-bit cache's rows of H = 64: 64 bytes)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    swizzle = next(x for x in (128, 64, 32) if row_bytes % x == 0)
+    return dict(transforms=(plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_keys: int, page_size: int | None,
              block_sizes: MosaicDecodeBlockSizes, interpret: bool, interpreter_safe: bool,
              num_sms: int) -> AttentionResiduals:
-    """The launch shared by the dense cache (kv_inputs: k, v [B, K, S', H] with S' >= block_kv) and the paged pool
-    (k, v [K, P, page_size, H] and the block tables [B, M]): query rows, row limits, grid, merge of the splits."""
+    """The launch shared by the dense cache (kv: k, v [B, K, S', H] with S' >= block_kv; scales [B, K, S'']) and
+    the paged pool (k, v [K, P, page_size, H], scales [K, P, page_size]; tables: the block tables [B, M]): query
+    rows, row limits, grid, merge of the splits. scales: (None, None), both () per layer, or both per token."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     b, t, n, h = q.shape
     g = n // kv_heads
-    dtype = kv_inputs[0].dtype
+    storage = kv[0].dtype
+    dtype = _compute_dtype(q.dtype, storage)
+    quantized = storage != dtype
+    mode = None if scales[0] is None else ("token" if scales[0].ndim else "layer")
+    scale_inputs = (jnp.stack(scales),) if mode == "layer" else scales if mode == "token" else ()
     block_kv, stages = block_sizes.block_kv, block_sizes.max_concurrent_steps
     rows = t * g
     row_blocks = pl.cdiv(rows, _ROWS)
@@ -275,23 +360,24 @@ def _split_k(q, lengths, q_positions, kv_inputs, *, kv_heads: int, num_keys: int
 
     kernel = functools.partial(_kernel, block_kv=block_kv, stages=stages, row_blocks=row_blocks,
                                split_len=split_len, num_keys=max(num_keys, block_kv), page_size=page_size,
-                               qk_scale=_LOG2_E / math.sqrt(h), interpreter_safe=interpreter_safe,
+                               qk_scale=_LOG2_E / math.sqrt(h), scales=mode, interpreter_safe=interpreter_safe,
                                interpret=interpret)
 
     def entry(*refs):
-        def tiled(itemsize):
-            return dict(transforms=(plgpu.TilingTransform((8, 128 // itemsize)), plgpu.SwizzleTransform(128)))
-
-        smem = (plgpu.SMEM((_ROWS, h), dtype, **tiled(2)),
-                plgpu.SMEM((stages, block_kv, h), dtype, **tiled(2)),
-                plgpu.SMEM((stages, block_kv, h), dtype, **tiled(2)),
+        slots = plgpu.SMEM((stages, block_kv, h), storage, **_tiled(storage.itemsize, h * storage.itemsize))
+        smem = (plgpu.SMEM((_ROWS, h), dtype, **_tiled(2)),
+                slots,
+                slots,
                 plgpu.SMEM((_ROWS,), jnp.int32),
-                plgpu.SMEM((_ROWS, block_kv), dtype, **tiled(2)) if interpreter_safe else None,
-                plgpu.SMEM((_ROWS, h), jnp.float32, **tiled(4)),
+                plgpu.SMEM((_ROWS, block_kv), dtype, **_tiled(2)) if interpreter_safe else None,
+                plgpu.SMEM((_ROWS, h), jnp.float32, **_tiled(4)),
                 plgpu.SMEM((_ROWS,), jnp.float32),
-                plgpu.SMEM((_ROWS,), jnp.float32))
+                plgpu.SMEM((_ROWS,), jnp.float32),
+                # a quantised cache: the tiles wgmma reads (converted), and each key's scales beside its tile
+                *(plgpu.SMEM((block_kv, h), dtype, **_tiled(2)) if quantized else None for _ in "kv"),
+                *(plgpu.SMEM((stages, block_kv), jnp.float32) if mode == "token" else None for _ in "kv"))
         copies = block_kv // min(page_size, block_kv) if page_size else 1  # TMA copies a K (V) tile arrives by
-        tile_barriers = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
+        tile_barriers = plgpu.Barrier(num_arrivals=copies * (2 if mode == "token" else 1), num_barriers=stages)
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, (plgpu.Barrier(), plgpu.Barrier()),
                       tile_barriers, tile_barriers)
 
@@ -303,11 +389,13 @@ def _split_k(q, lengths, q_positions, kv_inputs, *, kv_heads: int, num_keys: int
         grid_names=("batch", "rows", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params("decode_attention_mgpu") if interpret else False,
-    )(ranges, limit, q_rows, *kv_inputs)
+    )(ranges, limit, q_rows, *kv, *scale_inputs, *tables)
 
     # base-2 maxes back to natural units; a row that saw no key keeps the contract's MASK_VALUE
     maxes = jnp.where(sums > 0, maxes / _LOG2_E, MASK_VALUE)
     out, m, total = merge_partials(outs, maxes, sums)
+    if mode == "layer":  # attention is linear in V: its per-layer scale multiplies the output
+        out = out * scales[1]
 
     def to_heads(x):  # [B, K, R_pad, ...] -> [B, T, N, ...]
         x = x[:, :, :rows].reshape(b, kv_heads, t, g, *x.shape[3:])
@@ -318,13 +406,15 @@ def _split_k(q, lengths, q_positions, kv_inputs, *, kv_heads: int, num_keys: int
 
 def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
                           block_sizes: MosaicDecodeBlockSizes | None = None, interpret: bool | None = None,
-                          interpreter_safe: bool | None = None, return_residuals: bool = False):
+                          interpreter_safe: bool | None = None, return_residuals: bool = False, k_scale=None,
+                          v_scale=None):
     """Attention of a few (or many) query tokens over a dense KV cache, by the Mosaic GPU kernel.
 
     Args:
-      q: ``[B, T, N, H]`` queries (not pre-scaled), cast to the cache's dtype.
-      k_cache, v_cache: ``[B, K, S, H]`` bfloat16 or float16 (the model's cache layout), N % K == 0, H a multiple
-        of 64.
+      q: ``[B, T, N, H]`` queries (not pre-scaled), cast to the cache's dtype (over a quantised cache: kept if
+        bfloat16 / float16, else cast to bfloat16).
+      k_cache, v_cache: ``[B, K, S, H]`` bfloat16, float16, int8 or float8_e4m3fn (the model's cache layout),
+        N % K == 0, H a multiple of 64.
       lengths: ``[B]`` int; keys with index < lengths[b] are valid.
       q_positions: ``[B, T]`` int; query t sees keys with index <= q_positions[b, t] (none if negative).
       block_sizes: ``MosaicDecodeBlockSizes``; default ``MosaicDecodeBlockSizes()``.
@@ -332,6 +422,8 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
       interpreter_safe: None = the form the interpreter runs (P through SMEM) when interpreting, FA3's (P in
         registers) compiled; True compiled runs the interpreted form on the GPU (the `gpu` tests compare them).
       return_residuals: ``AttentionResiduals`` (fp32, unnormalised; ``merge_partials``, ``normalize``).
+      k_scale, v_scale: None (a 16-bit cache) or a quantised cache's fp32 scales, both a ``()`` per-layer scale or
+        both ``[B, K, S]`` per token and KV head: key s reads ``k_cache[b, k, s].astype(f32) * k_scale[b, k, s]``.
 
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
@@ -345,14 +437,20 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
     if q.shape[2] % k_cache.shape[1]:
         raise ValueError(f"query heads N={q.shape[2]} must be a multiple of KV heads K={k_cache.shape[1]} (k_cache "
                          f"is [B, K, S, H], the model's cache layout; decode_attention takes [B, S, K, H])")
+    check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, K, S]")
     block_sizes, interpret, interpreter_safe = _settings("decode_attention_mgpu", q, k_cache, v_cache, lengths,
                                                          q_positions, k_cache.shape[1], block_sizes, interpret,
-                                                         interpreter_safe, "decode_attention")
+                                                         interpreter_safe)
+    if k_cache.shape[2] > block_sizes.block_kv and k_cache.shape[2] % _TILE_ROWS:
+        raise ValueError(f"decode_attention_mgpu reads the cache by TMA in tiles of {_TILE_ROWS} keys, so its length "
+                         f"S must be a multiple of {_TILE_ROWS} (or at most block_kv), got S={k_cache.shape[2]}: "
+                         f"allocate it so (swiftkv_jax.serving.init_cache does)")
     if k_cache.shape[2] == 0:
         residuals = no_keys(q)
     else:
         residuals = launch(functools.partial(
-            _decode_attention_mgpu, q, k_cache, v_cache, lengths, q_positions, block_sizes=block_sizes,
+            _decode_attention_mgpu, q, k_cache, v_cache, lengths, q_positions, *_fp32(k_scale, v_scale),
+            block_sizes=block_sizes,
             interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
             interpret)
     return residuals if return_residuals else normalize(residuals, q.dtype)
@@ -360,14 +458,16 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
 
 def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
                          block_sizes: MosaicDecodeBlockSizes | None = None, interpret: bool | None = None,
-                         interpreter_safe: bool | None = None, return_residuals: bool = False):
+                         interpreter_safe: bool | None = None, return_residuals: bool = False, k_scale=None,
+                         v_scale=None):
     """Attention of a few (or many) query tokens over a paged KV cache, by the Mosaic GPU kernel.
 
     The contract of `paged_attention` (paged_attention.py): k_pages, v_pages ``[K, P, page_size, H]`` (one layer's
-    pool, bfloat16 or float16), block_tables ``[B, M]`` (key s of sequence b in page ``block_tables[b, s //
-    page_size]`` at offset ``s % page_size``), lengths, q_positions and the rest as `decode_attention_mgpu`. Each
-    K / V tile of block_kv keys arrives by one TMA copy per page (page_size a multiple of 8 below block_kv, a
-    multiple of block_kv above it). Table entries past a sequence's last needed page are not followed: the copies
+    pool, bfloat16, float16, int8 or float8_e4m3fn), block_tables ``[B, M]`` (key s of sequence b in page
+    ``block_tables[b, s // page_size]`` at offset ``s % page_size``), k_scale / v_scale (a quantised pool's: both
+    ``()`` or both ``[K, P, page_size]``, laid out as the pool), lengths, q_positions and the rest as
+    `decode_attention_mgpu`. Each K / V tile of block_kv keys (and its scales) arrives by one TMA copy per page
+    (page_size a multiple of 8 below block_kv, a multiple of block_kv above it). Table entries past a sequence's last needed page are not followed: the copies
     there re-read the last needed page (clamped to the pool), whose keys are masked.
     """
     if q.ndim != 4 or k_pages.ndim != 4:
@@ -379,31 +479,41 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
                          f"{v_pages.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be [B={b}, M] integers, got {block_tables.shape} {block_tables.dtype}")
+    check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
     block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", q, k_pages, v_pages, lengths,
                                                          q_positions, k_pages.shape[0], block_sizes, interpret,
-                                                         interpreter_safe, "paged_attention")
+                                                         interpreter_safe)
     page_size = k_pages.shape[2]
-    if (page_size % 8 if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
-        raise ValueError(f"paged_attention_mgpu needs page_size a multiple of 8 below block_kv and a multiple of "
-                         f"block_kv above it (TMA copies of whole 8-row tiles), got page_size {page_size} with "
-                         f"block_kv {block_sizes.block_kv}")
+    if (page_size % _TILE_ROWS if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
+        raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} below block_kv and a "
+                         f"multiple of block_kv above it (TMA copies of whole {_TILE_ROWS}-row tiles), got page_size "
+                         f"{page_size} with block_kv {block_sizes.block_kv}")
+    if k_scale is not None and k_scale.ndim and min(page_size, block_sizes.block_kv) % _SCALE_COPY_KEYS:
+        raise ValueError(f"paged_attention_mgpu copies per-token scales a page at a time by TMA, which moves "
+                         f"multiples of 128 bytes here (jax's Mosaic GPU lowering), so per-token-head scales need "
+                         f"page_size a multiple of {_SCALE_COPY_KEYS}, got {page_size}: use page_size "
+                         f"{_SCALE_COPY_KEYS} or more, per-layer scales, or the Triton kernel (paged_attention)")
     if block_tables.shape[1] == 0:
         residuals = no_keys(q)
     else:
         residuals = launch(functools.partial(
-            _paged_attention_mgpu, q, k_pages, v_pages, block_tables, lengths, q_positions, block_sizes=block_sizes,
+            _paged_attention_mgpu, q, k_pages, v_pages, block_tables, lengths, q_positions, *_fp32(k_scale, v_scale),
+            block_sizes=block_sizes,
             interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
             interpret)
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe,
-              triton: str):
+def _fp32(*scales):
+    return tuple(None if x is None else jnp.asarray(x, jnp.float32) for x in scales)
+
+
+def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe):
     """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe)."""
     check_queries(q, kv_heads, lengths, q_positions)
-    if k.dtype not in _DTYPES or v.dtype != k.dtype:
-        raise ValueError(f"{what} takes a bfloat16 or float16 cache (wgmma's operand types), got {k.dtype} / "
-                         f"{v.dtype}: a quantised cache runs on {triton} (Triton)")
+    if k.dtype not in _DTYPES + _QUANTIZED or v.dtype != k.dtype:
+        raise ValueError(f"{what} takes a bfloat16, float16, int8 or float8_e4m3fn cache (K and V alike), got "
+                         f"{k.dtype} / {v.dtype}")
     h = q.shape[3]
     if h % _HEAD_ALIGN:
         raise ValueError(f"{what} needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")

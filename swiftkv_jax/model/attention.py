@@ -250,13 +250,15 @@ def _pallas_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_sc
 def _mosaic_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_scale=None):
     from swiftkv_jax.kernels.decode_attention_mgpu import decode_attention_mgpu  # Pallas imports only when chosen
 
-    if k_scale is not None:
-        raise ValueError("decode_attention_impl='mosaic' reads bfloat16 / float16 caches; a quantised cache "
-                         f"({k.dtype}) runs on decode_attention_impl='pallas' (or 'xla')")
-    # the kernel reads the model's cache [B, K, S, H] in place (no transpose); q is cast to the cache's dtype
-    return map_over_heads(lambda q, k, v, q_positions, kv_lengths: decode_attention_mgpu(
-        q, k, v, kv_lengths, q_positions).astype(q.dtype), q, k, v, q_positions, kv_lengths,
-        heads=(2, 1, 1, None, None), out_heads=2)
+    # the kernel reads the model's cache [B, K, S, H] (and per-token-head scales [B, K, S]) in place, no transpose;
+    # a quantised cache stays quantised (converted tile by tile in shared memory)
+    def per_shard(q, k, v, q_positions, kv_lengths, *scales):
+        scales = dict(zip(("k_scale", "v_scale"), scales))
+        return decode_attention_mgpu(q, k, v, kv_lengths, q_positions, **scales).astype(q.dtype)
+
+    scales = tuple(s for s in (k_scale, v_scale) if s is not None)
+    return map_over_heads(per_shard, q, k, v, q_positions, kv_lengths, *scales,
+                          heads=(2, 1, 1, None, None) + tuple(1 if s.ndim else None for s in scales), out_heads=2)
 
 
 _DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention, "mosaic": _mosaic_cache_attention}

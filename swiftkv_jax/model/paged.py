@@ -130,17 +130,12 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
     return jnp.einsum("KDTGH->DTKGH", out.reshape(kv_heads, d, t, g, h)).reshape(d, t, n, h).astype(q.dtype)
 
 
-def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
-    from swiftkv_jax.kernels.decode_attention import DecodeBlockSizes
-    from swiftkv_jax.kernels.paged_attention import paged_attention  # Pallas imports only when chosen
-
-    # A continued prompt (many queries) spreads over its blocks of query rows: one split of the keys, so that the
-    # partial results stay [rows, H] rather than num_splits times that.
-    block_sizes = DecodeBlockSizes(num_splits=1) if q.shape[1] > FEW_QUERIES else None
-
+def _paged_kernel(kernel, q, k_pages, v_pages, tables, lengths, q_positions, k_scale, v_scale, **options):
+    """A paged kernel of `paged_attention`'s contract on each shard of KV heads (axis 0 of the pools and of
+    per-token-head scales), a quantised pool's scales passed on."""
     def per_shard(q, k_pages, v_pages, tables, lengths, q_positions, *scales):
-        return paged_attention(q, k_pages, v_pages, tables, lengths, q_positions, block_sizes=block_sizes,
-                               **dict(zip(("k_scale", "v_scale"), scales)))
+        return kernel(q, k_pages, v_pages, tables, lengths, q_positions, **options,
+                      **dict(zip(("k_scale", "v_scale"), scales)))
 
     scales = tuple(s for s in (k_scale, v_scale) if s is not None)
     return map_over_heads(per_shard, q, k_pages, v_pages, tables, lengths, q_positions, *scales,
@@ -148,15 +143,23 @@ def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=Non
                           out_heads=2)
 
 
+def _paged_pallas(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
+    from swiftkv_jax.kernels.decode_attention import DecodeBlockSizes
+    from swiftkv_jax.kernels.paged_attention import paged_attention  # Pallas imports only when chosen
+
+    # A continued prompt (many queries) spreads over its blocks of query rows: one split of the keys, so that the
+    # partial results stay [rows, H] rather than num_splits times that.
+    block_sizes = DecodeBlockSizes(num_splits=1) if q.shape[1] > FEW_QUERIES else None
+    return _paged_kernel(paged_attention, q, k_pages, v_pages, tables, lengths, q_positions, k_scale, v_scale,
+                         block_sizes=block_sizes)
+
+
 def _paged_mosaic(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=None, v_scale=None):
     from swiftkv_jax.kernels.decode_attention_mgpu import paged_attention_mgpu  # Pallas imports only when chosen
 
-    if k_scale is not None:
-        raise ValueError("decode_attention_impl='mosaic' reads bfloat16 / float16 pools; a quantised pool "
-                         f"({k_pages.dtype}) runs on decode_attention_impl='pallas' (or 'xla')")
-    return map_over_heads(lambda q, k_pages, v_pages, tables, lengths, q_positions: paged_attention_mgpu(
-        q, k_pages, v_pages, tables, lengths, q_positions).astype(q.dtype), q, k_pages, v_pages, tables, lengths,
-        q_positions, heads=(2, 0, 0, None, None, None), out_heads=2)
+    # a quantised pool stays quantised (converted tile by tile in shared memory); q is cast to the kernel's dtype
+    return _paged_kernel(paged_attention_mgpu, q, k_pages, v_pages, tables, lengths, q_positions, k_scale,
+                         v_scale).astype(q.dtype)
 
 
 _PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas, "mosaic": _paged_mosaic}

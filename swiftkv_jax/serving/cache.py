@@ -51,15 +51,20 @@ CACHE_AXES = {4: ("batch", "kv_heads", "length", "head_dim"), 3: ("batch", "kv_h
               0: ()}
 
 
+# The Mosaic GPU decode kernel reads the cache by TMA in 8-key tiles, which must tile the whole length
+LENGTH_ALIGN = 8
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16",
                kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> KVCache:
-    """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens. `dtype`: a float
-    dtype, or float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works).
-    On a tensor-parallel `mesh`, born split by KV heads."""
+    """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens, allocated to the next
+    multiple of `LENGTH_ALIGN` (entries past a sequence's length are never read as keys). `dtype`: a float dtype, or
+    float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works). On a
+    tensor-parallel `mesh`, born split by KV heads."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     fmt = as_format(dtype, kv_scales)
-    row = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+    row = (batch_size, config.num_key_value_heads, -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN, config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(row, fmt.element_dtype), jnp.zeros(row, fmt.element_dtype))
                             + init_scales(fmt, row[:-1]) for _ in range(n))
     upper = config.num_kv_groups and (config.num_kv_groups if swiftkv else
