@@ -437,23 +437,15 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
     if q.shape[2] % k_cache.shape[1]:
         raise ValueError(f"query heads N={q.shape[2]} must be a multiple of KV heads K={k_cache.shape[1]} (k_cache "
                          f"is [B, K, S, H], the model's cache layout; decode_attention takes [B, S, K, H])")
-    check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, K, S]")
     block_sizes, interpret, interpreter_safe = _settings("decode_attention_mgpu", q, k_cache, v_cache, lengths,
                                                          q_positions, k_cache.shape[1], block_sizes, interpret,
-                                                         interpreter_safe)
+                                                         interpreter_safe, k_scale, v_scale, "[B, K, S]")
     if k_cache.shape[2] > block_sizes.block_kv and k_cache.shape[2] % _TILE_ROWS:
         raise ValueError(f"decode_attention_mgpu reads the cache by TMA in tiles of {_TILE_ROWS} keys, so its length "
                          f"S must be a multiple of {_TILE_ROWS} (or at most block_kv), got S={k_cache.shape[2]}: "
                          f"allocate it so (swiftkv_jax.serving.init_cache does)")
-    if k_cache.shape[2] == 0:
-        residuals = no_keys(q)
-    else:
-        residuals = launch(functools.partial(
-            _decode_attention_mgpu, q, k_cache, v_cache, lengths, q_positions, *_fp32(k_scale, v_scale),
-            block_sizes=block_sizes,
-            interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
-            interpret)
-    return residuals if return_residuals else normalize(residuals, q.dtype)
+    return _run(_decode_attention_mgpu, (q, k_cache, v_cache, lengths, q_positions), k_scale, v_scale,
+                k_cache.shape[2] == 0, block_sizes, interpret, interpreter_safe, return_residuals)
 
 
 def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
@@ -467,7 +459,8 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
     ``block_tables[b, s // page_size]`` at offset ``s % page_size``), k_scale / v_scale (a quantised pool's: both
     ``()`` or both ``[K, P, page_size]``, laid out as the pool), lengths, q_positions and the rest as
     `decode_attention_mgpu`. Each K / V tile of block_kv keys (and its scales) arrives by one TMA copy per page
-    (page_size a multiple of 8 below block_kv, a multiple of block_kv above it). Table entries past a sequence's last needed page are not followed: the copies
+    (page_size a multiple of 8 below block_kv, a multiple of block_kv above it).
+    Table entries past a sequence's last needed page are not followed: the copies
     there re-read the last needed page (clamped to the pool), whose keys are masked.
     """
     if q.ndim != 4 or k_pages.ndim != 4:
@@ -479,10 +472,9 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
                          f"{v_pages.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be [B={b}, M] integers, got {block_tables.shape} {block_tables.dtype}")
-    check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
     block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", q, k_pages, v_pages, lengths,
                                                          q_positions, k_pages.shape[0], block_sizes, interpret,
-                                                         interpreter_safe)
+                                                         interpreter_safe, k_scale, v_scale, "[K, P, page_size]")
     page_size = k_pages.shape[2]
     if (page_size % _TILE_ROWS if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
         raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} below block_kv and a "
@@ -493,24 +485,29 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
                          f"multiples of 128 bytes here (jax's Mosaic GPU lowering), so per-token-head scales need "
                          f"page_size a multiple of {_SCALE_COPY_KEYS}, got {page_size}: use page_size "
                          f"{_SCALE_COPY_KEYS} or more, per-layer scales, or the Triton kernel (paged_attention)")
-    if block_tables.shape[1] == 0:
+    return _run(_paged_attention_mgpu, (q, k_pages, v_pages, block_tables, lengths, q_positions), k_scale, v_scale,
+                block_tables.shape[1] == 0, block_sizes, interpret, interpreter_safe, return_residuals)
+
+
+def _run(jitted, args, k_scale, v_scale, empty: bool, block_sizes, interpret, interpreter_safe, return_residuals):
+    """Both entry points' launch: args (q first) and the scales (fp32) into `jitted`, or no keys at all."""
+    q = args[0]
+    if empty:
         residuals = no_keys(q)
     else:
+        scales = tuple(None if x is None else jnp.asarray(x, jnp.float32) for x in (k_scale, v_scale))
         residuals = launch(functools.partial(
-            _paged_attention_mgpu, q, k_pages, v_pages, block_tables, lengths, q_positions, *_fp32(k_scale, v_scale),
-            block_sizes=block_sizes,
-            interpret=interpret, interpreter_safe=interpreter_safe, num_sms=_DEFAULT_SMS if interpret else _num_sms()),
-            interpret)
+            jitted, *args, *scales, block_sizes=block_sizes, interpret=interpret, interpreter_safe=interpreter_safe,
+            num_sms=_DEFAULT_SMS if interpret else _num_sms()), interpret)
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _fp32(*scales):
-    return tuple(None if x is None else jnp.asarray(x, jnp.float32) for x in scales)
-
-
-def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe):
-    """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe)."""
+def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe,
+              k_scale, v_scale, scale_layout: str):
+    """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe). The scales, if
+    any, are laid out as the cache minus H (scale_layout names that)."""
     check_queries(q, kv_heads, lengths, q_positions)
+    check_scales(k, v, k_scale, v_scale, k.shape[:3], scale_layout)
     if k.dtype not in _DTYPES + _QUANTIZED or v.dtype != k.dtype:
         raise ValueError(f"{what} takes a bfloat16, float16, int8 or float8_e4m3fn cache (K and V alike), got "
                          f"{k.dtype} / {v.dtype}")
