@@ -250,12 +250,12 @@ def resolve_remat(preset: dict, variant: str) -> tuple[str, list]:
     return chosen, rows
 
 
-def _child(preset_name: str, variant: str) -> dict:
+def _child(preset_name: str, variant: str, attention_impl: str) -> dict:
     import jax
 
     from swiftkv_jax.distill.model_flops import distill_step_flops
 
-    preset = PRESETS[preset_name]
+    preset = dict(PRESETS[preset_name], attention_impl=attention_impl)
     remat, plan_rows = resolve_remat(preset, variant)
     fn, args, run, config, counts = _build(preset, variant, remat, abstract=False)
     compiled = fn.lower(*args).compile()
@@ -292,7 +292,7 @@ def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
     print(f"distillation step, preset {preset} on {first['device_kind']} ({first['platform']}); "
           f"{first['tokens_per_step']} tokens/step; trainable {first['trainable_params']:,} of {first['params']:,}")
     print(f"model FLOPs (the method's work, no recomputation): {FORMULA}")
-    print(f"{'variant':<8}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}"
+    print(f"{'variant':<8}{'attention':>12}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}"
           f"{'device peak GiB':>17}{'model TFLOP':>12}{'XLA TFLOP':>11}" + (f"{'MFU':>8}{'HFU':>8}" if gpu else ""))
     for r in rows:
         r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
@@ -300,12 +300,14 @@ def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
         # MFU: model FLOPs (the same work for both variants) / time; HFU: what XLA says the compiled step executes
         r["mfu"] = r["model_flops_per_step"] / r["step_s"] / peak if gpu else None
         r["hfu"] = r["flops_per_step"] / r["step_s"] / peak if gpu else None
-        print(f"{r['variant']:<8}{r['remat']:>6}{r['step_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
+        print(f"{r['variant']:<8}{r['attention_impl']:>12}{r['remat']:>6}{r['step_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
               f"{gib(r['xla_peak_bytes']):>14}{gib(r['xla_temp_bytes']):>10}{gib(r['device_peak_bytes']):>17}"
               f"{r['model_flops_per_step'] / 1e12:>12.3f}{r['flops_per_step'] / 1e12:>11.3f}"
               + (f"{r['mfu']:>8.1%}{r['hfu']:>8.1%}" if gpu else ""))
-    by = {r["variant"]: r for r in rows}
-    if set(by) != set(VARIANTS):
+    by = {}
+    for r in rows:  # the first attention's rows: naive runs only with it
+        by.setdefault(r["variant"], r)
+    if set(by) != set(VARIANTS) or by["ours"]["attention_impl"] != by["naive"]["attention_impl"]:
         return {}
     ours, naive = by["ours"], by["naive"]
     ratios = {"time_naive_over_ours": naive["step_s"] / ours["step_s"],
@@ -330,6 +332,26 @@ def targets(rows: list, ratios: dict) -> dict:
             if got[k] is not None}
 
 
+def attention_impls(preset_name: str, spec=None) -> tuple:
+    """The attention impls to measure: `spec` (comma-separated), else cuDNN's fused attention (fwd and bwd) beside
+    the preset's XLA one on a GPU for the bf16 presets (the GPU run of 2026-11-24 measured XLA's attention at ~40
+    TFLOP/s, most of the 8b step), else the preset's."""
+    import jax
+
+    from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
+
+    preset = PRESETS[preset_name]
+    default = preset.get("attention_impl", "xla")
+    if spec is None:
+        gpu = jax.default_backend() == "gpu" and preset["dtype"] == "bfloat16"
+        return ("cudnn", default) if gpu else (default,)
+    impls = tuple(a.strip() for a in spec.split(",") if a.strip())
+    if not impls or set(impls) - set(DIFFERENTIABLE_IMPLS):
+        raise SystemExit(f"--attention {spec!r}: choose from {', '.join(DIFFERENTIABLE_IMPLS)} (they have a backward "
+                         f"pass)")
+    return impls
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -338,10 +360,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--plan", action="store_true",
                         help="compile the step for each remat policy on abstract inputs (nothing allocated), print "
                              "XLA's peak memory against an 80 GB H100 and the policy chosen, then exit")
+    parser.add_argument("--attention", default=None,
+                        help="attention_impl of the steps, comma-separated: ours runs with each, naive with the first "
+                             "(default: cudnn,xla_chunked on a GPU for the bf16 presets, else the preset's)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/distill_step_<preset>_<platform>.json, "
                                       "with --plan distill_step_plan_<preset>_<platform>.json)")
-    parser.add_argument(CHILD_FLAG, nargs=2, metavar=("PRESET", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument(CHILD_FLAG, nargs=3, metavar=("PRESET", "VARIANT", "ATTENTION"), help=argparse.SUPPRESS)
     return parser
 
 
@@ -363,13 +388,15 @@ def main(argv=None) -> int:
                                                            "plan": result})
         return 0
 
+    attentions = attention_impls(args.preset, args.attention)
     rows = []
-    for variant in variants:
-        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant], capture_output=True,
-                             text=True, env=os.environ)
+    for variant, attention in [(v, a) for a in attentions for v in variants if v == "ours" or a == attentions[0]]:
+        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant, attention],
+                             capture_output=True, text=True, env=os.environ)
         if out.returncode != 0:
             sys.stderr.write(out.stderr[-5000:])
-            raise SystemExit(f"the {variant} step failed (exit {out.returncode}); its error is above")
+            raise SystemExit(f"the {variant} step ({attention} attention) failed (exit {out.returncode}); its error "
+                             f"is above")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     ratios = _print_rows(rows, args.preset, args.peak_tflops)
     payload = {"preset": args.preset, "config": PRESETS[args.preset], "results": rows, "ratios": ratios}

@@ -1,34 +1,43 @@
 """Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
 
-    python benchmarks/kernels.py [--parts decode,paged,prefill] [--deadline S] [--repeats 20] [--out PATH]
+    python benchmarks/kernels.py [--parts decode,paged,prefill] [--page-size 16,32] [--deadline S] [--repeats 20]
+                                 [--out PATH]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
 - Decode: one query token per sequence over a full cache, batch 32..256 x context 2K..32K (K/V of a layer at most
-  16 GiB), dense and paged (bf16, and int8 / FP8 pools with per-token scales). Reported as the
-  memory bandwidth achieved (bytes of K and V read / time), beside the device's copy bandwidth (a jitted
-  `x + 1` over --copy-gib GiB: bytes read + written / time). Rivals: XLA (`attend_cache("xla")`, the engine's
-  default) and jax's bundled Pallas decode kernel (`pallas.ops.gpu.decode_attention.gqa`; its API takes
-  K/V as [B, K, S, H], so it transposes the cache on every call, and that copy is part of its time), and ours on
-  Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense cache read in place by TMA, wgmma, FA3's P V form;
-  `mosaic_smem`: the form jax's interpreter runs, compiled; paged: paged_attention_mgpu, one TMA copy per page).
+  16 GiB), dense and paged (bf16, and int8 / FP8 pools with per-token scales; pages of each --page-size). Reported
+  as the memory bandwidth achieved (bytes of K and V read / time), beside the device's measured bandwidth: the
+  larger of two probes over a [n / 8192, 8192] array of --copy-gib GiB, a copy (jitted `x + 1`, bytes read +
+  written / time) and a read (a sum over the last axis into fp32, bytes read / time). Rivals: XLA
+  (`attend_cache("xla")`, the engine's default) and jax's bundled Pallas decode kernel
+  (`pallas.ops.gpu.decode_attention.gqa`; its API takes K/V as [B, K, S, H], so it transposes the cache on every
+  call, and that copy is part of its time), and ours on Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense
+  cache read in place by TMA, wgmma, FA3's P V form; `mosaic_smem`: the form jax's interpreter runs, compiled;
+  paged: paged_attention_mgpu, one TMA copy per page).
 - Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
   (attention_impl="cudnn": our position mask as a bias), jax's Mosaic GPU kernel (`attention_mgpu`, causal, no
-  segments: what Pallas on Hopper reaches), ours on Mosaic GPU (`mosaic`: flash_attention_mgpu in FA3's form;
+  segments: what Pallas on Hopper reaches; `jax_mosaic_fp16`: it supports float16 only, so it runs on float16
+  copies of the inputs, made before timing), ours on Mosaic GPU (`mosaic`: flash_attention_mgpu in FA3's form;
   `mosaic_smem`: the form jax's interpreter runs, compiled) and XLA (`xla_attention`, fp32 logits [B, N, T, T]:
   it runs out of memory at the largest shapes, reported so).
 Rows are written to the JSON as they are measured (`--deadline S`: no point is started after S seconds, the rest
-recorded as not measured; `complete` says whether the run finished). Each implementation is first checked against
-an fp32 reference at one small shape; one that disagrees or fails gets an error in its rows instead of timings. Timings: compiled first, then the median of --repeats
-runs, each waited for with block_until_ready.
+recorded as not measured; `complete` says whether the run finished). The points the targets need come first
+(decode at batch 32 and 128 x context 4K, 8K, 32K; prefill 8K x 1, 8K x 4, 32K x 1), the rest after. Each
+implementation is first checked at one small shape (a quantised row against the XLA path over the same quantised
+cache, any other against an fp32 reference); one that disagrees, fails or refuses the shape gets one row with its
+error and is not timed. Timings: compiled first, then the median of --repeats samples, each `inner` calls
+enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
+dispatch latency hides behind the calls queued before it), divided by inner.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import time
@@ -44,43 +53,67 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
-def timed(fn, *inputs, repeats: int) -> tuple[float, float]:
-    """(median seconds, compile seconds) of jit(fn)(*inputs): compiled first, run once, then timed `repeats` times,
-    each waited for with block_until_ready."""
+def timed(fn, *inputs, repeats: int, sample_s: float = 2e-3, max_inner: int = 200) -> tuple[float, float]:
+    """(seconds a call, compile seconds) of jit(fn)(*inputs): compiled first (timed), run once to warm up and once
+    more to set `inner` (enough calls for a sample of at least sample_s, at most max_inner), then `repeats` samples
+    of `inner` calls enqueued back to back and waited for together: the median sample / inner. One call waited for
+    alone would add the launch and dispatch latency to a kernel of a fraction of a millisecond."""
     import jax
 
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*inputs).compile()
     compile_s = time.perf_counter() - start
     jax.block_until_ready(compiled(*inputs))
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*inputs))
+    inner = max(1, min(max_inner, math.ceil(sample_s / max(time.perf_counter() - start, 1e-9))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
+        jax.block_until_ready([compiled(*inputs) for _ in range(inner)])  # every output: backends may overlap calls
         times.append(time.perf_counter() - start)
-    return statistics.median(times), compile_s
+    return statistics.median(times) / inner, compile_s
 
 
-def copy_bandwidth(gib: float, dtype="bfloat16", repeats: int = 20) -> dict:
-    """The device's copy bandwidth: a jitted `x + 1` over `gib` GiB, bytes read + written / time (the median of
-    `repeats`). {"bytes", "time_s", "bandwidth"} (bytes of the array, seconds, bytes/s)."""
+def memory_bandwidth(gib: float, dtype="bfloat16", repeats: int = 20) -> dict:
+    """The device's memory bandwidth, the larger of two probes over an array of `gib` GiB shaped [n / 8192, 8192]:
+    a copy (jitted `x + 1`, bytes read + written / time) and a read (a sum over the last axis into fp32, bytes read
+    / time; its output is 1/8192 of the input). The copy alone underestimates: on an H200 decode kernels reading
+    K/V outran it by half. {"bytes", "copy": {"bytes", "shape", "time_s", "bandwidth"}, "read": {...}, "bandwidth"}
+    (bytes of the array, seconds, bytes/s)."""
     import jax.numpy as jnp
 
-    x = jnp.ones((int(gib * 2**30) // jnp.dtype(dtype).itemsize,), dtype)
-    seconds, _ = timed(lambda a: a + 1, x, repeats=repeats)
-    return {"bytes": x.nbytes, "time_s": seconds, "bandwidth": 2 * x.nbytes / seconds}
+    x = jnp.ones((max(1, int(gib * 2**30) // jnp.dtype(dtype).itemsize // 8192), 8192), dtype)
+    probes = {}
+    for name, fn, passes in (("copy", lambda a: a + 1, 2), ("read", lambda a: a.sum(-1, dtype=jnp.float32), 1)):
+        seconds, _ = timed(fn, x, repeats=repeats)
+        probes[name] = {"bytes": x.nbytes, "shape": list(x.shape), "time_s": seconds,
+                        "bandwidth": passes * x.nbytes / seconds}
+    return {"bytes": x.nbytes, **probes, "bandwidth": max(p["bandwidth"] for p in probes.values())}
+
+
+def leading(points, first) -> list:
+    """points, those of `first` among them ahead of the rest (in first's order): a --deadline cuts the rest short."""
+    return [p for p in first if p in points] + [p for p in points if p not in first]
+
+
+def _page_sizes(text: str) -> tuple:
+    sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    if not sizes or min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU: checks the script")
-    parser.add_argument("--repeats", type=int, help="timed runs per point (default 20, smoke 2)")
-    parser.add_argument("--copy-gib", type=float, help="size of the copy-bandwidth probe (default 2, smoke 1/64)")
+    parser.add_argument("--repeats", type=int, help="timed samples per point (default 20, smoke 2)")
+    parser.add_argument("--copy-gib", type=float, help="size of the bandwidth probes' array (default 2, smoke 1/64)")
     parser.add_argument("--parts", default="decode,paged,prefill",
                         help="which tables to measure, comma-separated (default decode,paged,prefill)")
-    parser.add_argument("--page-size", type=int, default=16,
-                        help="tokens a page in the paged rows (default 16, sk.Engine's; the Mosaic kernel's "
-                             "per-token scales need a multiple of 32)")
+    parser.add_argument("--page-size", type=_page_sizes, default=(16, 32), metavar="SIZES",
+                        help="tokens a page in the paged rows, comma-separated, each point timed at each (default "
+                             "16,32: sk.Engine's 16, and 32, the least the Mosaic kernel's per-token scales take)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -117,16 +150,18 @@ def main(argv=None) -> int:
         decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
     else:
         heads, kv_heads, head_dim = 32, 8, 128
-        # K and V of one layer at most MAX_KV_GIB: 256 x 32K would be 34 GB of bf16
-        decode_points = [(b, s) for b in (32, 64, 128, 256) for s in (2048, 4096, 8192, 16384, 32768)
-                         if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30]
-        prefill_points = [(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)]
+        # K and V of one layer at most MAX_KV_GIB: 256 x 32K would be 34 GB of bf16. The targets' points first:
+        # decode at batch >= 32 and context >= 4K, prefill 8K causal against cuDNN.
+        decode_points = leading([(b, s) for b in (32, 64, 128, 256) for s in (2048, 4096, 8192, 16384, 32768)
+                                 if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30],
+                                [(b, s) for b in (32, 128) for s in (4096, 8192, 32768)])
+        prefill_points = leading([(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)],
+                                 [(1, 8192), (4, 8192), (1, 32768)])
     copy_gib = args.copy_gib or (1 / 64 if args.smoke else 2.0)
     dtype = jnp.bfloat16
     keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
     normal = lambda *shape: jax.jit(lambda k: jax.random.normal(k, shape, dtype))(next(keys))
 
-    page_size = args.page_size  # the paged rows' pages
     document = 32 if args.smoke else DOCUMENT  # the packed prefill rows' documents
     started = time.perf_counter()
     tables = {"decode": [], "paged": [], "prefill": []}
@@ -136,18 +171,20 @@ def main(argv=None) -> int:
         write_results(out, "benchmarks/kernels.py", argv, {
             "device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "smoke": args.smoke,
             "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": "bfloat16", "copy": copy, "parts": sorted(parts), "page_size": page_size,
+            "dtype": "bfloat16", "copy": memory["copy"], "read": memory["read"],
+            "measured_bandwidth": memory["bandwidth"], "parts": sorted(parts), "page_sizes": list(args.page_size),
             "document_tokens": document, "deadline_s": args.deadline, "complete": complete, **tables}, quiet=True)
 
-    def measure(table: str, row: dict, error, fn, inputs, derived) -> dict:
+    def measure(table: str, row: dict, error, fn=None, inputs=None, derived=None) -> dict:
         """row + timings and derived(seconds), or + the error that kept it from being timed, appended to its table;
         the JSON is rewritten after every row (and each logged to stderr), so a run stopped by a time limit
-        leaves what it measured. Past --deadline a row is recorded as not measured."""
+        leaves what it measured. `inputs()` makes fn's inputs, so that none are made past --deadline, where a row
+        is recorded as not measured."""
         if args.deadline is not None and time.perf_counter() - started > args.deadline:
             error = error or f"not measured: past --deadline {args.deadline:g} s"
         if error is None:
             try:
-                seconds, compile_s = timed(fn, *inputs, repeats=repeats)
+                seconds, compile_s = timed(fn, *inputs(), repeats=repeats)
                 row = {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
             except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
                 row = {**row, "error": _error(e)}
@@ -158,25 +195,48 @@ def main(argv=None) -> int:
         save(complete=False)
         return row
 
-    def check(fn, reference, *inputs) -> str | None:
-        """None if fn (bf16) agrees with the reference run on fp32 copies of the inputs, else why not."""
+    def check(name, fn, reference, inputs) -> str | None:
+        """None if fn agrees with its reference at these (small) inputs, else why not. A quantised row's cache is
+        quantised once, from the bf16 inputs, and both fn and the reference (the XLA path, q in fp32) read that
+        same cache: quantised apart, in and out of jit, a value at a rounding boundary can differ by an FP8 ulp
+        between them. Any other row's reference is the fp32 one, on fp32 copies of the inputs. Both references at
+        matmul precision "highest", which keeps TF32 out of them."""
+        quantized = name_quantized(name)
         try:
-            out = np.asarray(jax.jit(fn)(*inputs), np.float32)
-            want = np.asarray(reference(*(x.astype(jnp.float32) if x.dtype == dtype else x for x in inputs)))
-            diff = np.abs(out - want)
+            laid = laid_out(name, inputs)
+            got = np.asarray(jax.jit(fn)(*laid), np.float32)
+            with jax.default_matmul_precision("highest"):
+                want = np.asarray(reference(*(x.astype(jnp.float32) if x.dtype == dtype else x
+                                              for x in (laid if quantized else inputs))), np.float32)
+            diff = np.abs(got - want)
             if np.any(diff > 4e-3 + 1e-2 * np.abs(want)):  # bf16 rounding; a key missed or added is ~2e-2
-                return f"disagrees with the fp32 reference at a small shape: max |diff| {diff.max():.3g}"
+                against = "the XLA path over the same quantised cache" if quantized else "the fp32 reference"
+                return f"disagrees with {against} at a small shape: max |diff| {diff.max():.3g}"
             return None
         except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
             return _error(e)
 
-    copy = copy_bandwidth(copy_gib, dtype, repeats)  # the device's copy bandwidth
-    copy_s, copy_bw = copy["time_s"], copy["bandwidth"]
+    def checked(table: str, impls: dict, reference, small, known: dict, row: dict) -> list:
+        """The impls that agree with their reference at the small inputs; each other one (`known`: its error
+        without trying, e.g. absent from this jax) gets one row with its error, none a point, and is not timed."""
+        passed = []
+        for name in {**impls, **known}:
+            error = known.get(name) or check(name, impls[name], quantized_reference.get(name, reference), small)
+            if error:
+                measure(table, {"impl": name, **row}, error)
+            else:
+                passed.append(name)
+        return passed
+
+    memory = memory_bandwidth(copy_gib, dtype, repeats)  # the tables' denominator: the larger of copy and read
+    measured_bw = memory["bandwidth"]
     if args.smoke:
         print("SMOKE RUN: tiny shapes" + (", kernels interpreted on the CPU" if interpret else "")
               + "; the numbers below check that the script runs, they measure nothing")
-    print(f"{device.device_kind} ({device.platform}{', interpret mode' if interpret else ''}): copy bandwidth "
-          f"{copy_bw / 1e9:.1f} GB/s ({copy_gib:g} GiB read + written in {copy_s * 1e3:.2f} ms)")
+    print(f"{device.device_kind} ({device.platform}{', interpret mode' if interpret else ''}): measured bandwidth "
+          f"{measured_bw / 1e9:.1f} GB/s, the larger of a copy ({memory['copy']['bandwidth'] / 1e9:.1f} GB/s: "
+          f"{copy_gib:g} GiB read + written in {memory['copy']['time_s'] * 1e3:.2f} ms) and a read "
+          f"({memory['read']['bandwidth'] / 1e9:.1f} GB/s: {memory['read']['time_s'] * 1e3:.2f} ms)")
 
     # Decode: q [B, 1, N, H] over the dense cache's k, v [B, K, S, H], every entry valid, the query at S - 1.
     # jax's bundled kernel takes [B, S, K, H]: its inputs are laid out so before timing (`layouts`).
@@ -211,7 +271,7 @@ def main(argv=None) -> int:
     # kernels read 1-byte K/V and their fp32 scales (Triton dequantises in registers, Mosaic converts each tile in
     # SMEM), XLA dequantises whole. Each is checked against the XLA path over the same quantised cache (the fp32
     # reference would see the rounding). `call(impl, *inputs, k_scale, v_scale)` runs one impl.
-    quantized_reference = {}  # name -> its check's reference
+    quantized_reference = {}  # name -> its check's reference, over the laid-out (quantised) inputs
 
     def add_quantized(impls, impl_names, call):
         for fmt in ("int8", "float8_e4m3fn"):
@@ -223,7 +283,7 @@ def main(argv=None) -> int:
                 name = f"{impl}_{fmt}"
                 impls[name] = functools.partial(call, impl)
                 layouts[name] = lay
-                quantized_reference[name] = lambda *x, lay=lay: call("xla", *lay(*x))
+                quantized_reference[name] = functools.partial(call, "xla")
 
     add_quantized(decode_impls, ("pallas", "xla", "mosaic"),
                   lambda impl, q, k, v, n, p, ks, vs: attend_cache(impl, q, k, v, p, n, ks, vs))
@@ -237,30 +297,32 @@ def main(argv=None) -> int:
     def laid_out(name, inputs):
         return layouts[name](*inputs) if name in layouts else inputs
 
-    def decode_table(table, impls, reference, make_inputs, errors_extra):
-        small = make_inputs(2, 512)
-        errors = {name: errors_extra.get(name) or check(lambda *x, f=fn, n=name: f(*laid_out(n, x)),
-                                                         quantized_reference.get(name, reference), *small)
-                  for name, fn in impls.items()}
-        errors.update(errors_extra)
+    def decode_table(table, impls, reference, variants, known):
+        """variants: (row fields, make_inputs(b, s)) each, its impls checked at a small shape, then timed at every
+        point (the variants of a point side by side)."""
+        passed = [(row, make, checked(table, impls, reference, make(2, 512), known, row)) for row, make in variants]
         for b, s in decode_points:
-            inputs = make_inputs(b, s)
-            for name, error in errors.items():
-                kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
-                                                   head_dim * jnp.dtype(dtype).itemsize)
-                measure(table, {"impl": name, "batch": b, "context": s, "kv_bytes": kv_bytes}, error, impls[name],
-                        laid_out(name, inputs),
-                        lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds, of_copy_bandwidth=n / seconds / copy_bw))
-            del inputs
+            for row, make, names in passed:
+                point = functools.cache(functools.partial(make, b, s))
+                for name in names:
+                    kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
+                                                       head_dim * jnp.dtype(dtype).itemsize)
+                    measure(table, {"impl": name, **row, "batch": b, "context": s, "kv_bytes": kv_bytes}, None,
+                            impls[name], lambda n=name: laid_out(n, point()),
+                            lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds,
+                                                             of_measured_bandwidth=n / seconds / measured_bw))
+                del point
 
     if "decode" in parts:
-        decode_table("decode", decode_impls, decode_reference, decode_inputs,
+        decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
                      {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})})
 
-    # Paged decode, what sk.Engine runs: the same queries over pools [K, P, 16, H] through shuffled block tables
-    # (sequences' pages scattered over the pool), by each decode_attention_impl's paged form.
+    # Paged decode, what sk.Engine runs: the same queries over pools [K, P, page_size, H] through shuffled block
+    # tables (sequences' pages scattered over the pool), by each decode_attention_impl's paged form, at each
+    # --page-size (an impl refusing one, as the Mosaic kernel refuses per-token scales on pages of 16, gets its
+    # one row saying so there).
 
-    def paged_inputs(b, s):
+    def paged_inputs(b, s, page_size):
         pages_per_seq = s // page_size
         pool_pages = b * pages_per_seq + 1  # page 0 is the engine's null page
         order = jax.random.permutation(next(keys), jnp.arange(1, pool_pages, dtype=jnp.int32))
@@ -274,7 +336,9 @@ def main(argv=None) -> int:
     add_quantized(paged_impls, ("pallas", "xla", "mosaic"), paged_attend)
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     if "paged" in parts:
-        decode_table("paged", paged_impls, paged_reference, paged_inputs,
+        decode_table("paged", paged_impls, paged_reference,
+                     [({"page_size": size}, functools.partial(paged_inputs, page_size=size))
+                      for size in args.page_size],
                      {name: error for name, error in mosaic_gpu_only.items() if name in paged_impls})
 
     # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H]; "packed": documents of DOCUMENT tokens side
@@ -298,56 +362,58 @@ def main(argv=None) -> int:
     }
     segmented = ("pallas", "cudnn_mask", "xla", "mosaic", "mosaic_smem")
     # jax's bundled Mosaic GPU kernel (FA3-style: warp specialisation, wgmma, TMA; causal, no segment ids): what
-    # Pallas on Hopper reaches. It needs jaxlib's CUDA plugin even to lower, so on a CPU its rows carry the error.
+    # Pallas on Hopper reaches. Its kernel keeps float16 buffers whatever the inputs (bfloat16 fails to lower), so
+    # it runs on float16 copies made before timing: the same FLOPs. It needs jaxlib's CUDA plugin even to lower, so
+    # on a CPU its row carries the error.
     try:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
         mosaic = attention_mgpu.TuningConfig(block_q=128, block_kv=128, max_concurrent_steps=2, causal=True)
-        prefill_impls["jax_mosaic"] = lambda q, k, v, p, g: attention_mgpu.attention(q, k, v, mosaic)
+        prefill_impls["jax_mosaic_fp16"] = lambda q, k, v, p, g: attention_mgpu.attention(q, k, v, mosaic)
+        layouts["jax_mosaic_fp16"] = lambda q, k, v, p, g: (*(x.astype(jnp.float16) for x in (q, k, v)), p, g)
     except (ImportError, AttributeError, TypeError) as e:
         mosaic_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
     else:
         mosaic_error = (None if getattr(attention_mgpu, "cuda_versions", True) is not None else
                         "Mosaic GPU needs jaxlib's CUDA plugin, even to lower (none on this machine)")
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
-    prefill_errors = None
-    for b, t in (prefill_points if "prefill" in parts else []):
-        if prefill_errors is None:
-            small = prefill_inputs(1, 256)
-            # our Mosaic GPU kernel interpreted takes minutes even here (tests/ interpret it at tiny shapes)
-            gpu_only = ("mosaic", "mosaic_smem") if interpret else ()
-            prefill_errors = {name: "Mosaic GPU kernel: timed on a GPU only" if name in gpu_only else
-                              check(fn, prefill_reference, *small) for name, fn in prefill_impls.items()}
-            if mosaic_error:
-                prefill_errors["jax_mosaic"] = mosaic_error
-            del small
-        flops = 4 * b * heads * t * t * head_dim / 2
-        for packed in (False, True) if t > document else (False,):
-            inputs = prefill_inputs(b, t, packed)
-            # packed: each document's own causal triangle
-            work = 4 * b * heads * t * document * head_dim / 2 if packed else flops
-            for name, error in prefill_errors.items():
-                if packed and name not in segmented:
-                    continue
-                measure("prefill", {"impl": name, "batch": b, "seq": t, "packed": packed, "flops": work}, error,
-                        prefill_impls.get(name), inputs, lambda seconds, w=work: dict(tflops=w / seconds / 1e12))
-            del inputs
+    if "prefill" in parts:
+        # our Mosaic GPU kernel interpreted takes minutes even at the small shape (tests/ interpret it at tiny ones)
+        known = {**{name: "Mosaic GPU kernel: timed on a GPU only" for name in ("mosaic", "mosaic_smem")
+                    if interpret}, **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
+        names = checked("prefill", prefill_impls, prefill_reference, prefill_inputs(1, 256), known, {})
+        for b, t in prefill_points:
+            flops = 4 * b * heads * t * t * head_dim / 2
+            for packed in (False, True) if t > document else (False,):
+                point = functools.cache(functools.partial(prefill_inputs, b, t, packed))
+                # packed: each document's own causal triangle
+                work = 4 * b * heads * t * document * head_dim / 2 if packed else flops
+                for name in names:
+                    if packed and name not in segmented:
+                        continue
+                    measure("prefill", {"impl": name, "batch": b, "seq": t, "packed": packed, "flops": work}, None,
+                            prefill_impls[name], lambda n=name: laid_out(n, point()),
+                            lambda seconds, w=work: dict(tflops=w / seconds / 1e12))
+                del point
 
-    decode_rows, paged_rows, prefill_rows = tables["decode"], tables["paged"], tables["prefill"]
-    for title, rows in (("decode, dense cache [B, K, S, H]", decode_rows),
-                        (f"paged decode, pools [K, P, {page_size}, H], shuffled tables", paged_rows)):
-        if not rows:
+    for title, table in (("decode, dense cache [B, K, S, H]", "decode"),
+                         ("paged decode, pools [K, P, page, H], shuffled tables", "paged")):
+        if not tables[table]:
             continue
+        paged = table == "paged"
         print(f"\n{title}: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
-        print(f"{'impl':<22}{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of copy':>9}")
-        for r in rows:
-            print(f"{r['impl']:<22}{r['batch']:>6}{r['context']:>9}" + (
-                f"  {r['error']}" if "error" in r else
-                f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}{r['of_copy_bandwidth']:>9.1%}"))
-    if prefill_rows:
+        print(f"{'impl':<22}" + (f"{'page':>6}" if paged else "") +
+              f"{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of measured':>13}")
+        for r in tables[table]:
+            print(f"{r['impl']:<22}" + (f"{r['page_size']:>6}" if paged else "") +
+                  f"{r.get('batch', '-'):>6}{r.get('context', '-'):>9}" + (
+                      f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
+                                                             f"{r['of_measured_bandwidth']:>13.1%}"))
+    if tables["prefill"]:
         print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
-        print(f"{'impl':<12}{'batch':>6}{'seq':>9}{'packed':>8}{'ms':>10}{'TFLOP/s':>9}")
-        for r in prefill_rows:
-            print(f"{r['impl']:<12}{r['batch']:>6}{r['seq']:>9}{'yes' if r['packed'] else 'no':>8}" + (
+        print(f"{'impl':<16}{'batch':>6}{'seq':>9}{'packed':>8}{'ms':>10}{'TFLOP/s':>9}")
+        for r in tables["prefill"]:
+            packed = {True: "yes", False: "no"}.get(r.get("packed"), "-")
+            print(f"{r['impl']:<16}{r.get('batch', '-'):>6}{r.get('seq', '-'):>9}{packed:>8}" + (
                 f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
     save(complete=True)
     print(f"wrote {out}")

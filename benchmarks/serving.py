@@ -69,7 +69,7 @@ l layers + the owners' K/V projections in SwiftKV's; A the layers whose attentio
 decode FLOPs of a token at context t = 2 (P + lm_head) + 4 L N H t; decode bytes = W / B + t x (KV bytes a token):
 the weights W (layers + lm_head) read once per step, shared by the B sequences of a step (max-num-seqs, or what the
 pool holds at the workload's mean length; the static batch), and every cached K/V read. R is a `--matmul-size`^3
-matmul in the model's dtype timed on the device, BW the copy bandwidth of `benchmarks/kernels.py`. A configuration's
+matmul in the model's dtype timed on the device, BW the memory bandwidth of `benchmarks/kernels.py`. A configuration's
 share = its total tokens/s / its roofline's.
 
 Targets (a miss prints FAIL; the exit status stays 0). 8b: teacher >= 19k total tokens/s at rate inf and >= 70% of its
@@ -312,16 +312,16 @@ def engine_settings(args, cfg, name: str, pool: dict, max_model_len: int) -> dic
 
 
 def measure_device(args) -> dict:
-    """The matmul rate (a `--matmul-size`^3 matmul in the model's dtype) and the copy bandwidth, on the device."""
+    """The matmul rate (a `--matmul-size`^3 matmul in the model's dtype) and the memory bandwidth, on the device."""
     import jax
     import jax.numpy as jnp
 
-    from kernels import copy_bandwidth, timed
+    from kernels import memory_bandwidth, timed
 
     n = args.matmul_size
     a, b = (jax.random.normal(jax.random.key(i), (n, n), args.dtype) for i in (1, 2))
     seconds, _ = timed(jnp.matmul, a, b, repeats=10)
-    copy = copy_bandwidth(args.copy_gib, args.dtype, repeats=10)
+    copy = memory_bandwidth(args.copy_gib, args.dtype, repeats=10)
     return dict(matmul=dict(size=n, dtype=args.dtype, time_s=seconds, flops_per_s=2 * n**3 / seconds), copy=copy)
 
 
@@ -695,7 +695,7 @@ def roofline_header(device: dict, rooflines: dict) -> str:
     any_roof = next(iter(rooflines.values()), None)
     lines = [f"roofline: seconds = prefill FLOPs / R + max(decode FLOPs / R, decode bytes / BW); R = "
              f"{m['flops_per_s'] / 1e12:.3g} TFLOP/s ({m['dtype']} {m['size']}^3 matmul, measured), BW = "
-             f"{c['bandwidth'] / 1e9:.4g} GB/s (copy of {c['bytes'] / 2**30:.3g} GiB, measured)"]
+             f"{c['bandwidth'] / 1e9:.4g} GB/s (the better of a copy and a read of {c['bytes'] / 2**30:.3g} GiB, measured)"]
     if any_roof:
         lines.append(f"  prefill FLOPs = 2 c P p + 2 A N H p^2 a prompt; decode FLOPs = 2 (P + head) + 4 L N H t a "
                      f"token; decode bytes = W / B + t KV; P = {any_roof['matmul_params'] / 1e9:.4g}B matmul "
@@ -813,7 +813,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--static-batches", type=int, help="full static batches timed, at most (8b: 2; default all)")
     parser.add_argument("--static-chunk-tokens", type=int, help="static prefill: batch x chunk at most this")
     parser.add_argument("--matmul-size", type=int, help="the roofline's matmul rate: an N^3 matmul (8b: 8192)")
-    parser.add_argument("--copy-gib", type=float, help="the roofline's copy bandwidth: GiB copied (8b: 2)")
+    parser.add_argument("--copy-gib", type=float, help="the roofline's memory bandwidth: GiB of its probes (8b: 2)")
     parser.add_argument("--ttft-factor", type=float, default=4.0,
                         help="sustained: TTFT p50 at most this x the config's TTFT p50 at its lowest rate")
     parser.add_argument("--run-timeout", type=float, help="seconds a rate-inf run (and the peer's) may take")

@@ -237,6 +237,34 @@ def test_sharded_step_equals_single_device(perturbed, reference_steps, mesh_shap
     assert jax.tree.map(lambda a: a.sharding, run[0].trainable) == jax.tree.map(lambda a: a.sharding, trainable)
 
 
+@pytest.mark.gpu
+def test_cudnn_attention_trains_as_xla_does():
+    """attention_impl="cudnn" in training (jax's fused cuDNN backward, our packed-row mask as its bias) against XLA:
+    the attention's gradient over packed rows (fp32 XLA as the reference), then one distillation step, bf16."""
+    from swiftkv_jax.model.attention import attend
+
+    batch = packed_batch(64, batch=2, length=128, seed=5)
+    where = [jnp.asarray(batch[k]) for k in ("positions", "positions", "segment_ids", "segment_ids")]
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, 128, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (2, 128, 2, 64), jnp.bfloat16) for key in keys[1:3])
+    weight = jax.random.normal(keys[3], q.shape, jnp.float32)
+    grads = {impl: jax.jit(jax.grad(lambda *qkv, impl=impl: jnp.sum(
+        attend(impl, *qkv, *where).astype(jnp.float32) * weight), argnums=(0, 1, 2)))(*(
+            x.astype(dtype) for x in (q, k, v))) for impl, dtype in (("cudnn", jnp.bfloat16), ("xla", jnp.float32))}
+    for got, want in zip(grads["cudnn"], grads["xla"]):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2 * np.abs(want).max())
+
+    cfg, trainable, frozen = student(tiny_config(head_dim=64, dtype="bfloat16"), l=2, noise=0.05)
+    metrics = {}
+    for impl in ("cudnn", "xla"):
+        fn, optimizer = jit_step(cfg.replace(attention_impl=impl), LOSS, FAST)
+        metrics[impl] = run_steps(fn, init_state(trainable, optimizer), frozen, [packed_batch(cfg.vocab_size)])[1][0]
+    assert metrics["xla"]["loss"] > 1e-3
+    for name in ("loss", "kl", "grad_norm"):
+        np.testing.assert_allclose(metrics["cudnn"][name], metrics["xla"][name], rtol=3e-2, err_msg=name)
+
+
 @pytest.mark.parametrize("poison", ["nan_lm_head", "inf_embedding"])
 def test_non_finite_loss_leaves_state_unchanged(perturbed, poison):
     cfg, trainable, frozen = perturbed

@@ -229,9 +229,13 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
 
     pytest_cmds = records["pytest"]["commands"]
     assert records["pytest"]["status"] == "failed" and pytest_cmds[-1]["label"] == "injected failure", why("pytest")
-    assert pytest_cmds[0]["status"] == "ok" and pytest_cmds[0]["result"]["collected"] > 0, why("pytest")
+    assert [c["part"] for c in pytest_cmds[:-1]] == list(pack_steps.PYTEST_PARTS), why("pytest")
+    assert all(c["status"] == "ok" and c["result"]["collected"] > 0 for c in pytest_cmds[:-1]), why("pytest")
     assert records["kernels"]["status"] == "ok", why("kernels")
-    assert records["kernels"]["commands"][0]["result"]["smoke"] is True
+    kernels = records["kernels"]["commands"][0]["result"]
+    assert kernels["smoke"] is True and kernels["measured_bandwidth"] == max(kernels[k]["bandwidth"]
+                                                                             for k in ("copy", "read"))
+    assert {r["page_size"] for r in kernels["paged"]} == set(kernels["page_sizes"]) == {16, 32}
     bench = {c["label"]: c for c in records["bench"]["commands"]}
     assert records["bench"]["status"] == "ok", why("bench")
     point = bench["prompt 32 x batch 2"]
@@ -258,6 +262,7 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     summary = (out / "summary.md").read_text()
     assert env["commit"]["commit"] in summary and "SMOKE" in summary
     assert "| 1 | pytest | **failed**" in summary and "| 3 | bench | **ok**" in summary
+    assert "| paged decode impl | page | batch | context | ms | GB/s | of measured |" in summary
 
 
 def test_serving_step_runs_each_part_with_arguments_serving_py_accepts(tmp_path):
@@ -312,3 +317,53 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, dryrun"):
         pack_steps.parse_distill_parts("9b")
 
+
+def test_pytest_step_runs_each_part_bounded_over_every_gpu_test_file(tmp_path):
+    """On the GPU the pytest step runs one command a part (--pytest-parts), each over its files with its own junit
+    and a limit that fits a call of 10 minutes; the parts' files are disjoint and hold every file with GPU tests."""
+    commands = []
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path)
+    pack_steps.pytest_step(ctx, lambda c: commands.append(c) or {"status": "ok"})
+    assert [c.label for c in commands] == [f"pytest -m gpu: {p}" for p in pack_steps.PYTEST_PARTS]
+    assert all(c.limit_s <= 540 and c.skip is None for c in commands)
+    junits = [c.argv[c.argv.index("--junitxml") + 1] for c in commands]
+    assert len(set(junits)) == len(commands) and all(Path(j).parent == tmp_path for j in junits)
+    files = [pack_steps.pytest_files(REPO, p) for p in pack_steps.PYTEST_PARTS]
+    assert all(c.argv[-len(f):] == tuple(f) for c, f in zip(commands, files))
+    flat = [f for part in files for f in part]
+    gpu_files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                       if "mark.gpu" in p.read_text())
+    assert sorted(flat) == gpu_files and len(set(flat)) == len(flat)
+    assert pack_steps.parse_pytest_parts("mosaic, rest") == ("mosaic", "rest")
+    with pytest.raises(ValueError, match="choose from mosaic, pallas, rest"):
+        pack_steps.parse_pytest_parts("triton")
+
+
+def test_kernel_tables_read_both_probes_page_sizes_and_earlier_runs():
+    """summary.md's kernels tables: decode rows as a share of the larger bandwidth probe, paged rows with their page
+    size, an impl refused at a page size in one row; a run before the read probe (copy alone, one page size) too."""
+    row = {"impl": "pallas", "batch": 32, "context": 4096, "time_s": 1e-3, "bandwidth": 2e12}
+    new = {"copy": {"bandwidth": 2.5e12}, "read": {"bandwidth": 4e12}, "measured_bandwidth": 4e12, "device": "H200",
+           "decode": [row], "paged": [{**row, "page_size": 32}, {"impl": "mosaic_int8", "page_size": 16,
+                                                                   "error": "ValueError: refused"}],
+           "prefill": [{"impl": "jax_mosaic_fp16", "error": "unavailable"}]}
+    lines = pack_steps._kernel_tables(new)
+    assert lines[0] == "measured bandwidth 4000 GB/s (read 4000, copy 2500 GB/s) on H200"
+    assert "| pallas | 32 | 4096 | 1.00 | 2000 | 50% |" in lines
+    assert "| pallas | 32 | 32 | 4096 | 1.00 | 2000 | 50% |" in lines
+    assert "| mosaic_int8 | 16 | - | - | error: ValueError: refused |  |  |" in lines
+    assert "| jax_mosaic_fp16 | - | - | - | error: unavailable |  |" in lines
+    old = {"copy": {"bandwidth": 2e12}, "page_size": 16, "device": "H200", "paged": [row]}
+    lines = pack_steps._kernel_tables(old)
+    assert lines[0] == "measured bandwidth 2000 GB/s (copy 2000 GB/s) on H200"
+    assert "| pallas | 16 | 32 | 4096 | 1.00 | 2000 | 100% |" in lines
+
+
+def test_kernels_bench_puts_the_targets_points_first():
+    """benchmarks/kernels.py's points: those the targets need ahead of the rest, so a --deadline cuts the rest."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernels
+
+    points = [(32, 2048), (32, 4096), (64, 4096), (128, 4096)]
+    assert kernels.leading(points, [(128, 4096), (32, 4096), (32, 32768)]) == [(128, 4096), (32, 4096), (32, 2048),
+                                                                               (64, 4096)]

@@ -5,12 +5,14 @@ Where pip works (here):
     python benchmarks/gpu/pack.py check              # the same check, nothing downloaded
 On the GPU host (the working tree and .whl/ copied there; python3 is the host's):
     python3 benchmarks/gpu/pack.py run --out DIR [--steps pytest,kernels | 1,2 | all] [--deadline 540]
+    python3 benchmarks/gpu/pack.py run --out DIR --steps pytest --pytest-parts mosaic     # one call, then
+    python3 benchmarks/gpu/pack.py run --out DIR --steps pytest --pytest-parts pallas,rest  # another
 Anywhere (a CPU: tiny shapes, kernels interpreted; CI runs it):
     python benchmarks/gpu/pack.py run --smoke --out /tmp/gpu-pack-smoke
 Afterwards:
     python benchmarks/gpu/pack.py collect CALL_DIR [CALL_DIR ...] --into benchmarks/results/gpu-YYYY-MM-DD
     python benchmarks/gpu/pack.py summary DIR        # rebuild DIR/summary.md from the step files there
-    python benchmarks/gpu/pack.py steps              # the steps, their time limits and commands
+    python benchmarks/gpu/pack.py steps              # the steps, their time limits and their parts' limits
 
 `run` installs the wheelhouse into --site with no index and no dependency resolution, puts it and the repo on
 PYTHONPATH for every step, records the machine in env.json, then runs the steps in order, each in its own
@@ -28,8 +30,8 @@ import sys
 from pathlib import Path
 
 import pack_runner
-from pack_steps import (BENCH, DISTILL_PARTS, SERVING_PARTS, STEPS, parse_distill_parts, parse_parts, parse_points,
-                        select, summarize)
+from pack_steps import (BENCH, DISTILL_LIMITS, DISTILL_PARTS, PYTEST_LIMITS, PYTEST_PARTS, SERVING_PARTS, STEPS,
+                        parse_distill_parts, parse_parts, parse_points, parse_pytest_parts, select, summarize)
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
@@ -72,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
                    help="device memory (default: nvidia-smi's; with --smoke 4, so that one point does not fit)")
     r.add_argument("--bench-points", type=parse_points, default=None,
                    help="bench points PROMPTxBATCH,... (default 2048,8192,32768 x 1,16,64)")
+    r.add_argument("--pytest-parts", type=parse_pytest_parts, default=tuple(PYTEST_PARTS),
+                   help=f"the pytest step's commands, comma-separated, in order ({', '.join(PYTEST_PARTS)}; default "
+                        "all): each part's test files with their own junit and time limit; about one call of 10 "
+                        "minutes for mosaic, one for pallas with rest")
     r.add_argument("--serving-parts", type=parse_parts, default=("offline",),
                    help="benchmarks/serving.py --part for the serving step, comma-separated, one command each, in "
                         f"order ({', '.join(SERVING_PARTS)}; default offline): about one call of 10 minutes each")
@@ -114,13 +120,13 @@ def _run(args) -> int:
         smoke=args.smoke, python=sys.executable, repo=REPO, env=env,
         usable_memory=int(memory * args.mem_fraction) if memory else None,
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
-        bench_points=args.bench_points, serving_parts=args.serving_parts,
+        bench_points=args.bench_points, pytest_parts=args.pytest_parts, serving_parts=args.serving_parts,
         distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts))
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
-               args.bench_points, "serving_parts": list(args.serving_parts), "distill_parts": list(ctx.distill_parts),
-               "inject_failure": args.inject_failure}
+               args.bench_points, "pytest_parts": list(args.pytest_parts), "serving_parts": list(args.serving_parts),
+               "distill_parts": list(ctx.distill_parts), "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),
                            options=options, echo=echo, smi=smi)
@@ -151,8 +157,11 @@ def _main(args) -> int:
     if args.command == "collect":
         print(pack_runner.collect(args.sources, args.into, summarize) / "summary.md")
         return 0
+    part_limits = {"pytest": PYTEST_LIMITS, "distill": DISTILL_LIMITS}
     for s in STEPS:
         print(f"{s.index} {s.name:<8} limit {s.limit_s:.0f} s (smoke {s.smoke_limit_s:.0f} s): {s.title}")
+        if s.name in part_limits:
+            print(" " * 11 + "parts: " + ", ".join(f"{k} {v} s" for k, v in part_limits[s.name].items()))
     return 0
 
 

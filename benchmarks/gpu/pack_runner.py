@@ -75,6 +75,7 @@ class Context:
     usable_memory: Optional[int] = None              # bytes a process may take on the device
     memory_bandwidth: Optional[float] = None         # bytes/s
     bench_points: Optional[tuple] = None             # ((prompt_len, batch), ...) to override the step's
+    pytest_parts: tuple = ("mosaic", "pallas", "rest")  # the pytest step's commands (pack_steps.PYTEST_PARTS)
     serving_parts: tuple = ("offline",)              # benchmarks/serving.py --part, one command each
     distill_parts: tuple = ("8b", "1b", "dryrun")    # the distill step's commands (pack_steps.DISTILL_PARTS)
 

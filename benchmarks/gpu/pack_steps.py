@@ -1,8 +1,11 @@
 """The GPU pack's steps, in order, each as it runs on the GPU and as `--smoke` runs it on a CPU; and summary.md.
 
- 1 pytest   `pytest -m gpu`: compiled kernels against their references, cuDNN against XLA
-            (smoke: the GPU tests are collected, not run)
- 2 kernels  benchmarks/kernels.py (smoke: its --smoke, kernels interpreted)
+ 1 pytest   `pytest -m gpu`: compiled kernels against their references, cuDNN against XLA; one bounded command
+            per --pytest-parts part, each over its test files with its own junit: mosaic (the Mosaic GPU kernels'
+            files), pallas (the Triton kernels' files) and rest (every other file with GPU tests); about one call
+            of 10 minutes for mosaic, one for pallas with rest (smoke: each part's GPU tests collected, not run)
+ 2 kernels  benchmarks/kernels.py, the decode, paged and prefill tables each under its own --deadline, the targets'
+            points first (smoke: its --smoke, kernels interpreted)
  3 bench    `infer.py bench --preset llama-3.1-8b --random-weights` at 2K/8K/32K prompts x batch 1/16/64 with the
             TPOT roofline, one process a point; a point whose estimated memory exceeds the device's is skipped
             ("does not fit"), and large batch x prompt prefills are chunked to bound their activations
@@ -71,17 +74,44 @@ def gib(n) -> str:
 
 # --- the steps ------------------------------------------------------------------------------------------------
 
+# The GPU tests by file, in parts that fit a device call of 10 minutes with the install and the probe (all of them
+# take some 12 minutes on an H200, about 4 s a test, mostly compiling): mosaic 92 tests, pallas 78; "rest" is every
+# other file with GPU tests (the engines' GPU defaults and cuDNN paths against XLA: a few tests, each compiling an
+# engine), found by their marks so that a new file is not left out.
+PYTEST_PARTS = {"mosaic": ("tests/test_decode_attention_mgpu_kernel.py", "tests/test_flash_attention_mgpu_kernel.py"),
+                "pallas": ("tests/test_decode_attention_kernel.py", "tests/test_flash_attention_kernel.py",
+                           "tests/test_paged_attention_kernel.py", "tests/test_ragged_paged_attention_kernel.py"),
+                "rest": ()}
+PYTEST_LIMITS = {"mosaic": 500, "pallas": 420, "rest": 300}  # each part's time limit on the GPU
+
+
+def parse_pytest_parts(text: str) -> tuple:
+    """"mosaic,rest" -> ("mosaic", "rest"): the pytest step's commands, in order."""
+    return parse_parts(text, tuple(PYTEST_PARTS), "pytest")
+
+
+def pytest_files(repo: Path, part: str) -> list[str]:
+    """A part's test files (relative to the repo): its own, or for "rest" every other file with GPU tests."""
+    if PYTEST_PARTS[part]:
+        return list(PYTEST_PARTS[part])
+    named = {f for files in PYTEST_PARTS.values() for f in files}
+    return sorted(f for f in (str(p.relative_to(repo)) for p in (repo / "tests").glob("test_*.py")
+                              if "mark.gpu" in p.read_text()) if f not in named)
+
+
 def pytest_step(ctx, run):
     base = (ctx.python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider")
-    if ctx.smoke:
-        files = sorted(str(p.relative_to(ctx.repo)) for p in (ctx.repo / "tests").glob("test_*.py")
-                       if "mark.gpu" in p.read_text())
-        run(Command("pytest -m gpu --collect-only (smoke: collected, not run)", (*base, "--collect-only", *files),
-                    120, parse=_collected))
-        return
-    junit = ctx.tmp / "junit.xml"
-    run(Command("pytest -m gpu", (*base, "-rfE", "--continue-on-collection-errors", "--junitxml", junit), 600,
-                parse=lambda _: _junit(junit)))
+    for part in ctx.pytest_parts:
+        files = pytest_files(ctx.repo, part)
+        skip = None if files else "no files with GPU tests"  # pytest given none would run the whole suite
+        if ctx.smoke:
+            run(Command(f"pytest -m gpu --collect-only: {part} (smoke: collected, not run)",
+                        (*base, "--collect-only", *files), 120, parse=_collected, skip=skip, info={"part": part}))
+            continue
+        junit = ctx.tmp / f"junit_{part}.xml"
+        argv = (*base, "-rfE", "--continue-on-collection-errors", "--junitxml", junit, *files)
+        run(Command(f"pytest -m gpu: {part}", argv, PYTEST_LIMITS[part], parse=lambda _, junit=junit: _junit(junit),
+                    skip=skip, info={"part": part}))
 
 
 def _collected(log: str) -> dict:
@@ -109,9 +139,10 @@ def kernels_step(ctx, run):
         run(Command("benchmarks/kernels.py", (ctx.python, "benchmarks/kernels.py", "--smoke", "--repeats", "1",
                                               "--out", out), 600, output=out, script="benchmarks/kernels.py"))
         return
-    # the whole grid takes longer than one call: the dense and paged decode tables (bf16, int8, FP8 caches) and
-    # prefill each under kernels.py's own deadline (rows written as measured; points not started recorded as such)
-    for parts, deadline in (("decode", 140), ("paged", 140), ("prefill", 170)):
+    # the whole grid takes longer than one call: the dense and paged decode tables (bf16, int8, FP8 caches; paged at
+    # pages of 16 and 32) and prefill each under kernels.py's own deadline (rows written as measured, the targets'
+    # points first; points not started recorded as such). Prefill's targets take the fewest rows.
+    for parts, deadline in (("decode", 160), ("paged", 160), ("prefill", 120)):
         out = ctx.tmp / f"kernels_{parts}.json"
         argv = (ctx.python, "benchmarks/kernels.py", "--parts", parts, "--deadline", str(deadline), "--out", out)
         run(Command(f"benchmarks/kernels.py --parts {parts}", argv, deadline + 45, output=out,
@@ -260,7 +291,8 @@ def peers_step(ctx, run):
 
 
 STEPS = (
-    Step(1, "pytest", "pytest -m gpu: compiled kernels against references, cuDNN against XLA", 420, pytest_step),
+    Step(1, "pytest", "pytest -m gpu: compiled kernels against references, cuDNN against XLA (--pytest-parts)", 590,
+         pytest_step),
     Step(2, "kernels", "benchmarks/kernels.py: decode and prefill attention kernels against their rivals", 585,
          kernels_step),
     Step(3, "bench", "infer.py bench, Llama-3.1-8B (SwiftKV l=16), random weights: 2K/8K/32K x batch 1/16/64",
@@ -312,10 +344,14 @@ def _headline(record: dict) -> str:
     results = [c.get("result") for c in record.get("commands", []) if isinstance(c.get("result"), dict)]
     name = record["step"]
     if name == "pytest" and results:
-        r = results[0]
-        if "collected" in r:
-            return f"{r['collected']} GPU tests collected"
-        return f"{r['passed']} passed, {r['failures']} failed, {r['errors']} errors, {r['skipped']} skipped"
+        counts = []
+        for c in record["commands"]:
+            r = c.get("result")
+            if isinstance(r, dict):
+                counts.append((f"{c['part']}: " if "part" in c else "") + (
+                    f"{r['collected']} GPU tests collected" if "collected" in r else
+                    f"{r['passed']} passed, {r['failures']} failed, {r['errors']} errors, {r['skipped']} skipped"))
+        return "; ".join(counts)
     if name == "bench":
         points = [c for c in record["commands"] if "point" in c]
         done = sum(c["status"] == "ok" for c in points)
@@ -406,18 +442,27 @@ def _timed_cells(row: dict, cells, width: int) -> list:
 
 
 def _kernel_tables(result: dict) -> list[str]:
-    decode = lambda r: [_ms(r["time_s"]), f"{r['bandwidth'] / 1e9:.0f}", f"{r['of_copy_bandwidth']:.0%}"]
+    """kernels.py's tables. Decode rows as a share of the measured bandwidth, the larger of its probes (a run before
+    the read probe had the copy alone, and one page size); an impl that failed its check has one row, no point."""
+    probes = {k: result[k]["bandwidth"] for k in ("read", "copy") if k in result}
+    measured = max(probes.values())
+    decode = lambda r: [_ms(r["time_s"]), f"{r['bandwidth'] / 1e9:.0f}", f"{r['bandwidth'] / measured:.0%}"]
     prefill = lambda r: [_ms(r["time_s"]), f"{r['tflops']:.1f}"]
-    lines = [f"copy bandwidth {result.get('copy', {}).get('bandwidth', 0) / 1e9:.0f} GB/s on "
+    lines = [f"measured bandwidth {measured / 1e9:.0f} GB/s ("
+             + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in probes.items()) + f" GB/s) on "
              f"{result.get('device')}{' (smoke)' if result.get('smoke') else ''}", ""]
-    for part, title in (("decode", "decode impl"), ("paged", "paged decode impl")):
-        if result.get(part):
-            lines += _table([title, "batch", "context", "ms", "GB/s", "of copy"],
-                            [[r["impl"], r["batch"], r["context"], *_timed_cells(r, decode, 3)]
-                             for r in result[part]]) + [""]
+    point = lambda r, *keys: [r.get(k, "-") for k in keys]
+    if result.get("decode"):
+        lines += _table(["decode impl", "batch", "context", "ms", "GB/s", "of measured"],
+                        [[r["impl"], *point(r, "batch", "context"), *_timed_cells(r, decode, 3)]
+                         for r in result["decode"]]) + [""]
+    if result.get("paged"):
+        lines += _table(["paged decode impl", "page", "batch", "context", "ms", "GB/s", "of measured"],
+                        [[r["impl"], r.get("page_size", result.get("page_size")), *point(r, "batch", "context"),
+                          *_timed_cells(r, decode, 3)] for r in result["paged"]]) + [""]
     if result.get("prefill"):
         lines += _table(["prefill impl", "batch", "seq", "packed", "ms", "TFLOP/s"],
-                        [[r["impl"], r["batch"], r["seq"], "yes" if r.get("packed") else "no",
+                        [[r["impl"], *point(r, "batch", "seq"), {True: "yes", False: "no"}.get(r.get("packed"), "-"),
                           *_timed_cells(r, prefill, 2)] for r in result["prefill"]])
     return lines
 

@@ -187,11 +187,11 @@ def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
                          f"or 'pallas'") from e
 
 
-# A name not in this table raises, there is no fallback. "xla_flash", "pallas", "mosaic" and "cudnn" serve prefill
-# only: none is validated for training (cuDNN's backward is untested here, no GPU in CI).
+# A name not in this table raises, there is no fallback. "xla_flash", "pallas" and "mosaic" serve prefill only (no
+# backward pass). "cudnn" trains too: jax's cuDNN attention has a fused backward (gpu-tested against XLA's gradient).
 _IMPLS = {"xla": xla_attention, "xla_chunked": xla_chunked_attention, "xla_flash": xla_flash_attention,
           "pallas": _pallas_flash_attention, "mosaic": _mosaic_flash_attention, "cudnn": cudnn_attention}
-DIFFERENTIABLE_IMPLS = ("xla", "xla_chunked")
+DIFFERENTIABLE_IMPLS = ("xla", "xla_chunked", "cudnn")
 ATTENTION_IMPLS = tuple(_IMPLS)
 
 

@@ -39,6 +39,7 @@ from swiftkv_jax.model.swiftkv import to_swiftkv
 from swiftkv_jax.serving.cache import cache_layers, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving import tensor_parallel
+from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 
 # Llama-3.1-8B(-Instruct)'s published config.json: the numbers are written here once.
@@ -238,7 +239,7 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
 
     The swiftkv row carries `vs_teacher`: swiftkv / teacher ratios of ttft, tpot, kv_bytes, e2e_tokens_per_s
     and kv_bytes_expected = (l + (L - l) / g) / L. memory_bandwidth (bytes/s) adds the TPOT roofline.
-    attention_impl / decode_attention_impl override the config's (prefill / few-query attention).
+    attention_impl / decode_attention_impl: prefill's / few-query attention's (defaults: `sk.generate`'s).
     keep_tokens adds each row's generated tokens [batch, gen_len + 1] (prompts: `random_prompts(..., seed)`).
     mesh: serve tensor-parallel on it (`tensor_parallel.serving_mesh`); kv_cache_bytes then counts every device's.
     """
@@ -247,11 +248,8 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if prefill_chunk is not None and (prefill_chunk < 1 or prompt_len % prefill_chunk):
         raise ValueError(f"prefill_chunk {prefill_chunk} must divide prompt_len {prompt_len}")
-    cfg = model.config
-    if attention_impl is not None:
-        cfg = cfg.replace(attention_impl=attention_impl)
-    if decode_attention_impl is not None:
-        cfg = cfg.replace(decode_attention_impl=decode_attention_impl)
+    cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
+                         decode_attention_impl=decode_attention_impl)
     model = tensor_parallel.for_serving(Model(cfg, model.params), mesh)
     cfg = model.config
     prompts = tensor_parallel.replicated(mesh, random_prompts(cfg.vocab_size, batch, prompt_len, seed))

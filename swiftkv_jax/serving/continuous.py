@@ -42,6 +42,7 @@ from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
 from swiftkv_jax.serving.compile_cache import count_compiles
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget
+from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
@@ -104,9 +105,9 @@ class EngineConfig:
     `single_buckets`; a step with prompt tokens pads them to one of `prompt_buckets` and its decodes to one of
     `mixed_single_buckets` (few: such a step is large anyway). The XLA paged path's tables are read `table_buckets`
     pages wide (the step's longest sequence, bucketed) where its cost follows the width (`xla_loop="static"`, the
-    form off the CPU); elsewhere one width. attention_impl / decode_attention_impl: None keeps the model config's,
-    except on a GPU, where the engine serves prompts with cuDNN (bf16 / fp16 models) and few queries with the Pallas
-    paged kernel. enable_prefix_caching: reuse the pages of prompt prefixes already computed (see the scheduler).
+    form off the CPU); elsewhere one width. attention_impl / decode_attention_impl: None keeps the model config's
+    off a GPU; on one, prompts run our Mosaic flash kernel on sm_90 and cuDNN elsewhere (bf16 / fp16 models), few
+    queries the Pallas paged kernel (`kernel_choice`: what the GPU runs measured fastest). enable_prefix_caching: reuse the pages of prompt prefixes already computed (see the scheduler).
     """
 
     swiftkv: Optional[bool] = None
@@ -162,15 +163,6 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
-def _serving_impls(config, options: EngineConfig) -> dict:
-    """The attention implementations the engine serves with (see `EngineConfig`)."""
-    gpu = jax.default_backend() == "gpu"
-    prefill = options.attention_impl or ("cudnn" if gpu and config.dtype in ("bfloat16", "float16")
-                                         else config.attention_impl)
-    return dict(attention_impl=prefill, decode_attention_impl=options.decode_attention_impl
-                or ("pallas" if gpu else config.decode_attention_impl))
-
-
 @dataclasses.dataclass
 class _InFlight:
     """A launched step: what it ran, and its outputs on the device."""
@@ -200,7 +192,9 @@ class Engine:
         self.engine_config = options
         self.mesh = mesh = options.mesh
         model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
-        self.config = cfg = model.config.replace(**_serving_impls(model.config, options))
+        self.config = cfg = serving_config(model.config, options.cache_dtype, paged=True,
+                                           attention_impl=options.attention_impl,
+                                           decode_attention_impl=options.decode_attention_impl)
         self.swiftkv = cfg.is_swiftkv if options.swiftkv is None else bool(options.swiftkv)
         self.cache_format = as_format(options.cache_dtype, options.kv_scales)
         page_size = self.page_size = options.page_size

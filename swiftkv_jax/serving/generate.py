@@ -16,6 +16,7 @@ from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
+from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
@@ -99,18 +100,17 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
-    max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl:
-    "xla" or "pallas" for the few-query attention over the cache, attention_impl: "xla", "pallas" or
-    "cudnn" for prefill (defaults: the config's). on_token(tokens [B], live [B]) streams: it is called
+    max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl: the
+    few-query attention over the cache, attention_impl: prefill's (defaults: the config's off a GPU, the measured
+    fastest on one, see `kernel_choice`). on_token(tokens [B], live [B]) streams: it is called
     on the host as each token is sampled. cache_dtype: a float dtype, or float8_e4m3fn / int8 (quantised on
     write, read back in fp32) with kv_scales "per-token-head" (default) or "per-layer" (`model.kv_quant`).
     mesh: serve tensor-parallel on this mesh (`serving_mesh(N)`): the weights, unless already placed there
     (`load_sharded`), are split by heads (`tensor_parallel.shard_model`), and so is the cache.
     """
     model = for_serving(model, mesh)
-    cfg = model.config
-    overrides = {"decode_attention_impl": decode_attention_impl, "attention_impl": attention_impl}
-    cfg = cfg.replace(**{k: v for k, v in overrides.items() if v is not None})
+    cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
+                         decode_attention_impl=decode_attention_impl)
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
     sampling = SamplingParams(temperature, top_k, top_p)
     if isinstance(prompts, str):

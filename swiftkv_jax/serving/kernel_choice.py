@@ -1,0 +1,59 @@
+"""The attention kernels the engines serve with when the caller names none: one rule per device, from GPU runs.
+
+Off a GPU both engines keep the model config's choices (XLA). On a GPU, measured on an H200 with jax 0.11.2
+(benchmarks/results/gpu-2026-11-24, `benchmarks/kernels.py`, Llama-3.1-8B heads, bf16):
+
+- prefill, causal 8K x 1: our Mosaic flash kernel 392 TFLOP/s, cuDNN with our position/segment mask as a bias
+  (what `attention_impl="cudnn"` runs: it must express packed prompts and chunks over cached context) 150; packed
+  2K documents 203 against 38. cuDNN's own causal flag reaches 429, but expresses neither. So sm_90 prefills with
+  `"mosaic"` and other GPUs with `"cudnn"` (16-bit activations; both refuse fp32).
+- static decode, batch 32 x 4K..32K: Mosaic 0.27..1.22 ms, XLA 0.34..1.42, the Triton kernel (which needs the cache
+  transposed) 0.70..3.94. So sm_90 decodes a 16-bit static cache with `"mosaic"`. Quantised caches keep the
+  config's XLA path: XLA over an int8 cache (0.26..1.22 ms) beat the Mosaic kernel's in-SMEM conversion (0.35..1.56).
+- paged decode (`sk.Engine`, pages of 16): the Triton paged kernel ties or beats Mosaic (0.47 against 0.52 ms at
+  32 x 8K, 1.30 against 1.33 at 32 x 32K), on any GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.kv_quant import cache_dtype_name
+
+SIXTEEN_BIT = ("bfloat16", "float16")
+MOSAIC_HEAD_ALIGN = 64  # the Mosaic kernels' head dim: wgmma's K and the 128-byte swizzle
+
+
+def is_hopper(device=None) -> bool:
+    """Whether `device` (default: the first) is an sm_90 GPU, where the Mosaic GPU kernels run."""
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return device.platform == "gpu" and capability is not None and str(capability).split(".")[0] == "9"
+
+
+def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> dict:
+    """{attention_impl, decode_attention_impl} an engine serves `config` with by default (see the module
+    docstring); `paged`: sk.Engine's pools rather than the static cache."""
+    device = device or jax.devices()[0]
+    impls = dict(attention_impl=config.attention_impl, decode_attention_impl=config.decode_attention_impl)
+    if device.platform != "gpu":
+        return impls
+    mosaic = is_hopper(device) and config.head_dim % MOSAIC_HEAD_ALIGN == 0
+    if config.dtype in SIXTEEN_BIT:
+        impls["attention_impl"] = "mosaic" if mosaic else "cudnn"
+    if paged:
+        impls["decode_attention_impl"] = "pallas"
+    elif mosaic and cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT:  # name or format
+        impls["decode_attention_impl"] = "mosaic"
+    return impls
+
+
+def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
+                   attention_impl: Optional[str] = None, decode_attention_impl: Optional[str] = None) -> ModelConfig:
+    """`config` with the impls the caller named, and the device's defaults (`default_impls`) for the others."""
+    chosen = default_impls(config, cache_dtype, paged=paged)
+    named = dict(attention_impl=attention_impl, decode_attention_impl=decode_attention_impl)
+    return config.replace(**{k: named[k] or chosen[k] for k in chosen})

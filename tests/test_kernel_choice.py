@@ -1,0 +1,77 @@
+"""The engines' default attention kernels per device (`serving.kernel_choice`): the rule on described devices here,
+and on a GPU (`gpu`-marked) that what the defaults serve is what XLA serves."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import swiftkv_jax as sk
+from swiftkv_jax.serving.continuous import Engine
+from swiftkv_jax.serving.kernel_choice import default_impls, is_hopper, serving_config
+
+from test_continuous_engine import PROMPTS, run
+from test_serving import CFG, engine_logits
+
+H100 = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+CPU = types.SimpleNamespace(platform="cpu")
+BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128, as Llama's
+
+
+@pytest.mark.parametrize("device, config, cache, paged, want", [
+    (H100, BF16, "bfloat16", False, ("mosaic", "mosaic")),
+    (H100, BF16, "bfloat16", True, ("mosaic", "pallas")),  # the Triton paged kernel ties or beats Mosaic
+    (H100, BF16, "int8", False, ("mosaic", "xla")),  # XLA over int8 beat Mosaic's in-SMEM conversion
+    (H100, BF16.replace(head_dim=96), "bfloat16", False, ("cudnn", "xla")),  # Mosaic needs head dims of 64s
+    (A100, BF16, "bfloat16", False, ("cudnn", "xla")),  # no wgmma before sm_90
+    (A100, BF16, "bfloat16", True, ("cudnn", "pallas")),
+    (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32
+    (CPU, BF16, "bfloat16", True, ("xla_flash", "xla")),
+])
+def test_default_impls_follow_the_measured_rule(device, config, cache, paged, want):
+    got = default_impls(config, cache, paged=paged, device=device)
+    assert (got["attention_impl"], got["decode_attention_impl"]) == want
+
+
+def test_named_impls_win_and_hopper_is_sm_90():
+    config = serving_config(BF16, paged=False, attention_impl="pallas", decode_attention_impl="pallas")
+    assert (config.attention_impl, config.decode_attention_impl) == ("pallas", "pallas")
+    assert is_hopper(types.SimpleNamespace(platform="gpu", compute_capability="9.0"))
+    assert not is_hopper(A100) and not is_hopper(CPU)
+
+
+@pytest.mark.gpu
+def test_the_static_engines_gpu_defaults_serve_what_xla_serves():
+    """The defaults on this GPU (Mosaic prefill and decode on sm_90, cuDNN prefill elsewhere) against XLA: chunked
+    prefill over a cache, then decode, SwiftKV wiring, bf16."""
+    cfg = CFG.replace(head_dim=64, dtype="bfloat16", param_dtype="bfloat16")
+    model = sk.to_swiftkv(sk.init(cfg, 1), 2, 2)
+    chosen = sk.Model(serving_config(model.config, "bfloat16", paged=False), model.params)
+    assert chosen.config.attention_impl != model.config.attention_impl  # a GPU default, not the config's
+    xla = sk.Model(model.config.replace(attention_impl="xla", decode_attention_impl="xla"), model.params)
+    seq = np.random.default_rng(3).integers(6, 96, (2, 48))
+    want, _ = engine_logits(xla, True, seq, [37, 30], padded=40, chunk=20, max_len=48, cache_dtype="bfloat16")
+    got, _ = engine_logits(chosen, True, seq, [37, 30], padded=40, chunk=20, max_len=48, cache_dtype="bfloat16")
+    np.testing.assert_allclose(got, want, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_the_engines_gpu_defaults_serve_what_xla_serves():
+    """sk.Engine with the GPU's default kernels (packed prompt chunks, continued chunks, decodes) against XLA, bf16:
+    the same greedy tokens, or the same up to a near tie, and their log-probabilities close."""
+    cfg = CFG.replace(head_dim=64, dtype="bfloat16", param_dtype="bfloat16")
+    model = sk.to_swiftkv(sk.init(cfg, 1), 2, 2)
+    kwargs = dict(swiftkv=True, page_size=16, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
+                  cache_dtype="bfloat16", single_buckets=(4,), prompt_buckets=(32,), max_model_len=128)
+    outs = {}
+    for impls in ({}, dict(attention_impl="xla", decode_attention_impl="xla")):
+        done = run(Engine(model, **impls, **kwargs), PROMPTS[:4], arrivals=[0, 0, 1, 2], max_tokens=8)
+        outs[bool(impls)] = [done[str(i)] for i in range(4)]
+    for default, xla in zip(outs[False], outs[True]):
+        same = next((i for i, (a, b) in enumerate(zip(default.token_ids, xla.token_ids)) if a != b),
+                    len(xla.token_ids))
+        assert same >= 1, (default.token_ids, xla.token_ids)
+        np.testing.assert_allclose(default.logprobs[:same], xla.logprobs[:same], atol=5e-2)
