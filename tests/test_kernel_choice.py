@@ -25,7 +25,8 @@ BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128,
     (H100, BF16, "bfloat16", False, ("mosaic", "mosaic")),
     (H100, BF16, "bfloat16", True, ("mosaic", "pallas")),  # the Triton paged kernel ties or beats Mosaic
     (H100, BF16, "int8", False, ("mosaic", "xla")),  # XLA over int8 beat Mosaic's in-SMEM conversion
-    (H100, BF16.replace(head_dim=96), "bfloat16", False, ("cudnn", "xla")),  # Mosaic needs head dims of 64s
+    (H100, BF16.replace(head_dim=96), "bfloat16", False, ("cudnn", "xla")),  # Mosaic: head dims of 64 and 128
+    (H100, BF16.replace(head_dim=256), "bfloat16", False, ("cudnn", "xla")),
     (A100, BF16, "bfloat16", False, ("cudnn", "xla")),  # no wgmma before sm_90
     (A100, BF16, "bfloat16", True, ("cudnn", "pallas")),
     (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32

@@ -24,7 +24,7 @@ from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import cache_dtype_name
 
 SIXTEEN_BIT = ("bfloat16", "float16")
-MOSAIC_HEAD_ALIGN = 64  # the Mosaic kernels' head dim: wgmma's K and the 128-byte swizzle
+MOSAIC_HEAD_DIMS = (64, 128)  # the Mosaic kernels' measured head dims (Llama's); 256 would overrun their SMEM budget
 
 
 def is_hopper(device=None) -> bool:
@@ -41,7 +41,7 @@ def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, d
     impls = dict(attention_impl=config.attention_impl, decode_attention_impl=config.decode_attention_impl)
     if device.platform != "gpu":
         return impls
-    mosaic = is_hopper(device) and config.head_dim % MOSAIC_HEAD_ALIGN == 0
+    mosaic = is_hopper(device) and config.head_dim in MOSAIC_HEAD_DIMS
     if config.dtype in SIXTEEN_BIT:
         impls["attention_impl"] = "mosaic" if mosaic else "cudnn"
     if paged:
