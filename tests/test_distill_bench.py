@@ -39,11 +39,25 @@ def test_8b_preset_is_the_issues_shape():
 
 
 def test_targets_are_judged_only_where_measured():
-    ours = {"variant": "ours", "mfu": 0.45, "tokens_per_s": 9000.0}
-    got = distill_step.targets([ours], {})
-    assert got == {"mfu": {"target": 0.40, "measured": 0.45, "pass": True},
-                   "tokens_per_s": {"target": 10_000, "measured": 9000.0, "pass": False}}
+    ours = {"variant": "ours", "attention_impl": "cudnn", "step_s": 0.8, "mfu": 0.45, "tokens_per_s": 9000.0}
+    slower = dict(ours, attention_impl="xla_chunked", step_s=2.0, mfu=0.15, tokens_per_s=4000.0)
+    got = distill_step.targets([slower, ours], {})  # ours' fastest row, whichever attention it ran
+    assert got == {"mfu": {"target": 0.40, "measured": 0.45, "pass": True, "attention_impl": "cudnn"},
+                   "tokens_per_s": {"target": 10_000, "measured": 9000.0, "pass": False, "attention_impl": "cudnn"}}
     assert distill_step.targets([ours], {"time_naive_over_ours": 1.2})["time_naive_over_ours"]["pass"] is False
+
+
+def test_cudnn_attention_is_sized_by_the_rows():
+    """plain cudnn: the preset's rows are one document, so cuDNN's own causal mask (one run); cudnn:N its packed
+    layout for up to N documents per row; a bound on any other impl is refused."""
+    preset = distill_step.PRESETS["test"]
+    for spec, runs in (("cudnn", 1), ("cudnn:8", 8), ("xla_chunked", None)):
+        config = distill_step.model_config(dict(preset, attention_impl=spec), "none")
+        assert (config.attention_impl, config.max_segments_per_row) == (spec.split(":")[0], runs)
+    assert distill_step.attention_impls("test", "cudnn:4, xla") == ("cudnn:4", "xla")
+    for bad in ("xla:4", "cudnn:0", "cudnn:x", "pallas"):
+        with pytest.raises(SystemExit, match="--attention"):
+            distill_step.attention_impls("test", bad)
 
 
 def test_unknown_variant_is_refused(capsys):

@@ -10,6 +10,7 @@ import dataclasses
 import glob
 import os
 
+import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from swiftkv_jax.distill import loss as losses
 from swiftkv_jax.distill import trainer
 from swiftkv_jax.distill.config import (LossSection, ModelSection, OptimSection, TrainConfig, TrainSection)
 from swiftkv_jax.distill.student import student_config
+from swiftkv_jax.data.packing import max_runs
 from swiftkv_jax.distill.trainable import merge, split
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -240,7 +242,8 @@ def test_sharded_step_equals_single_device(perturbed, reference_steps, mesh_shap
 @pytest.mark.gpu
 def test_cudnn_attention_trains_as_xla_does():
     """attention_impl="cudnn" in training (jax's fused cuDNN backward, our packed-row mask as its bias) against XLA:
-    the attention's gradient over packed rows (fp32 XLA as the reference), then one distillation step, bf16."""
+    the attention's gradient over packed rows (fp32 XLA as the reference), then one distillation step, bf16, with
+    the bias and with cuDNN's packed layout (tests/test_cudnn_attention.py checks that one's attention)."""
     from swiftkv_jax.model.attention import attend
 
     batch = packed_batch(64, batch=2, length=128, seed=5)
@@ -256,13 +259,17 @@ def test_cudnn_attention_trains_as_xla_does():
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2 * np.abs(want).max())
 
     cfg, trainable, frozen = student(tiny_config(head_dim=64, dtype="bfloat16"), l=2, noise=0.05)
+    step_batch = packed_batch(cfg.vocab_size)
     metrics = {}
-    for impl in ("cudnn", "xla"):
-        fn, optimizer = jit_step(cfg.replace(attention_impl=impl), LOSS, FAST)
-        metrics[impl] = run_steps(fn, init_state(trainable, optimizer), frozen, [packed_batch(cfg.vocab_size)])[1][0]
+    # cuDNN with our mask as a bias, and as train.py runs it: its packed causal layout sized by the rows' runs
+    for name, impl, runs in (("bias", "cudnn", None), ("packed", "cudnn", max_runs(step_batch["segment_ids"])),
+                             ("xla", "xla", None)):
+        fn, optimizer = jit_step(cfg.replace(attention_impl=impl, max_segments_per_row=runs), LOSS, FAST)
+        metrics[name] = run_steps(fn, init_state(trainable, optimizer), frozen, [step_batch])[1][0]
     assert metrics["xla"]["loss"] > 1e-3
-    for name in ("loss", "kl", "grad_norm"):
-        np.testing.assert_allclose(metrics["cudnn"][name], metrics["xla"][name], rtol=3e-2, err_msg=name)
+    for form in ("bias", "packed"):
+        for name in ("loss", "kl", "grad_norm"):
+            np.testing.assert_allclose(metrics[form][name], metrics["xla"][name], rtol=3e-2, err_msg=f"{form} {name}")
 
 
 @pytest.mark.parametrize("poison", ["nan_lm_head", "inf_embedding"])
@@ -393,6 +400,31 @@ def test_student_config_refuses_a_forward_only_attention(tmp_path):
     teacher = write_hf_config(tmp_path, num_hidden_layers=4)
     with pytest.raises(ConfigError, match="attention_impl='pallas' has no backward pass"):
         student_config(ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="pallas"))
+
+
+def test_student_config_refuses_cudnn_where_it_cannot_run(tmp_path):
+    teacher = write_hf_config(tmp_path, num_hidden_layers=4)
+    section = ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="cudnn")
+    with pytest.raises(ConfigError, match="attention_impl='cudnn' needs an NVIDIA GPU.*use xla_chunked"):
+        student_config(section)
+    if jax.default_backend() == "gpu":
+        with pytest.raises(ConfigError, match="compute_dtype is 'float32': set model.compute_dtype=bfloat16"):
+            student_config(dataclasses.replace(section, compute_dtype="float32"))
+
+
+def test_cudnn_attention_is_sized_by_the_packed_rows():
+    """train.py's cuDNN config: max_segments_per_row is the most runs of segment ids (documents, then padding) in any
+    packed row, read off the dataset; other attention impls are left alone."""
+    rows = packed_batch(64, batch=6, length=40, seed=4)
+    runs = [len(set(zip(r, np.r_[0, np.cumsum(r[1:] != r[:-1])]))) for r in rows["segment_ids"]]
+    dataset = datasets.Dataset.from_dict({k: v.tolist() for k, v in rows.items()})
+    said, cudnn = [], tiny_config().replace(attention_impl="cudnn")
+    sized = trainer.sized_for_rows(cudnn, dataset, said.append, packed_layout=True)
+    assert sized.max_segments_per_row == max(runs) > 1 and f"at most {max(runs)} runs" in said[-1]
+    # before Hopper cuDNN has no packed layout: the bias, said aloud
+    assert trainer.sized_for_rows(cudnn, dataset, said.append, packed_layout=False).max_segments_per_row is None
+    assert "as a bias" in said[-1] and "sm_90" in said[-1]
+    assert trainer.sized_for_rows(tiny_config(), dataset, said.append).max_segments_per_row is None
 
 
 def test_student_config_of_missing_teacher(tmp_path):

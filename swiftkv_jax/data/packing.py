@@ -128,3 +128,15 @@ def _pack(table, seq_len: int, loss_mask: str, pad_id: int) -> dict[str, np.ndar
     out["segment_ids"][where] = segment[piece]
     out["loss_mask"][where] = 1 if loss_mask == "all" else next_assistant
     return out
+
+
+def max_runs(rows) -> int:
+    """The most runs of equal segment ids in any row: of `segment_ids` [..., T] (numpy), or of a packed dataset
+    (read in blocks of rows). A run is a document piece or a row's padding; the model's `max_segments_per_row`
+    for these rows (cuDNN's packed attention, `swiftkv_jax.model.attention.cudnn_row_attention`)."""
+    if isinstance(rows, datasets.Dataset):
+        blocks = (b["segment_ids"] for b in rows.select_columns(["segment_ids"]).with_format("numpy").iter(1024))
+        return max((max_runs(block) for block in blocks), default=1)
+    ids = np.asarray(rows).reshape(-1, np.shape(rows)[-1])
+    return int((ids[:, 1:] != ids[:, :-1]).sum(axis=1).max(initial=0)) + 1
+

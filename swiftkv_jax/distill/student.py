@@ -28,13 +28,23 @@ def _runtime(section: ModelSection) -> dict:
                 attention_impl=section.attention_impl)
 
 
+def check_attention(section: ModelSection) -> None:
+    """A trainable attention_impl that this machine runs, refused before any data is read."""
+    impl = section.attention_impl
+    if impl not in DIFFERENTIABLE_IMPLS:
+        raise ConfigError(f"model.attention_impl={impl!r} has no backward pass; training needs one of "
+                          f"{', '.join(DIFFERENTIABLE_IMPLS)} (xla_chunked bounds memory on long sequences)")
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention_impl='cudnn' needs an NVIDIA GPU, but JAX's backend is "
+                          f"{jax.default_backend()!r}: use xla_chunked (or xla)")
+    if impl == "cudnn" and as_dtype(section.compute_dtype) not in (as_dtype("bfloat16"), as_dtype("float16")):
+        raise ConfigError(f"model.attention_impl='cudnn' computes in bfloat16 or float16, but model.compute_dtype is "
+                          f"{section.compute_dtype!r}: set model.compute_dtype=bfloat16, or use xla_chunked")
+
+
 def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
     l, g = section.num_key_value_layers, section.key_value_group_size
-    if section.attention_impl not in DIFFERENTIABLE_IMPLS:
-        raise ConfigError(
-            f"model.attention_impl={section.attention_impl!r} has no backward pass; distillation needs one of "
-            f"{', '.join(DIFFERENTIABLE_IMPLS)} (xla_chunked bounds memory on long sequences)"
-        )
+    check_attention(section)
     if teacher.is_swiftkv and (teacher.num_key_value_layers, teacher.key_value_group_size) != (l, g):
         raise ConfigError(
             f"{section.teacher} is already a SwiftKV model with l={teacher.num_key_value_layers}, "
@@ -70,9 +80,7 @@ def pretrain_config(section: ModelSection) -> ModelConfig:
     if config.is_swiftkv:
         raise ConfigError(f"stage pretrain trains a plain model, but {section.teacher} is a SwiftKV model: pretrain "
                           f"its base model, then distil (stage distill)")
-    if section.attention_impl not in DIFFERENTIABLE_IMPLS:
-        raise ConfigError(f"model.attention_impl={section.attention_impl!r} has no backward pass; use one of "
-                          f"{', '.join(DIFFERENTIABLE_IMPLS)}")
+    check_attention(section)
     return config.replace(remat=section.remat)
 
 

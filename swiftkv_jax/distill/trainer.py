@@ -13,6 +13,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -256,6 +257,29 @@ def export_student(model_config: ModelConfig, trainable, frozen, config: TrainCo
     return written
 
 
+def sized_for_rows(model_config: ModelConfig, dataset, print_fn=print, packed_layout: Optional[bool] = None
+                   ) -> ModelConfig:
+    """cuDNN attention sized by the packed rows: the most runs of segment ids in any row (documents and padding)
+    becomes `max_segments_per_row`, so cuDNN masks causally within each document instead of reading a [T, S]
+    bias. cuDNN's packed layout (more than one run per row) needs Hopper or later (`packed_layout`: default, the
+    first device's compute capability >= 9); before it, cuDNN attends with the bias, and says so. Other attention
+    impls need nothing from the data."""
+    from swiftkv_jax.data.packing import max_runs
+
+    if model_config.attention_impl != "cudnn":
+        return model_config
+    runs = max_runs(dataset)
+    if packed_layout is None:
+        packed_layout = float(getattr(jax.devices()[0], "compute_capability", None) or 0) >= 9
+    if runs > 1 and not packed_layout:
+        print_fn(f"attention: cuDNN with our mask as a bias (rows hold up to {runs} runs of segment ids; cuDNN's "
+                 f"packed layout needs an sm_90+ GPU)")
+        return model_config
+    print_fn(f"attention: cuDNN, causal within each of at most {runs} runs of segment ids per row (documents and "
+             f"padding)")
+    return model_config.replace(max_segments_per_row=runs)
+
+
 def train(config: TrainConfig, print_fn=print) -> int:
     """Run (or resume) a distillation; 0 when finished or stopped cleanly by a signal.
 
@@ -288,6 +312,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
         model_config, trainable, frozen = student_lib.load_pretrain(config.model, mesh, config.train.seed)
     else:
         model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
+    model_config = sized_for_rows(model_config, dataset, say)
     shape = (config.train.global_batch_size, config.data.seq_len)
     rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
     batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)

@@ -77,6 +77,10 @@ class ModelConfig:
     attention_impl: str = "xla_flash"  # serving prefill and `logits`; training configs pick a differentiable one
     decode_attention_impl: str = "xla"  # few queries over a KV cache (serving decode, SwiftKV's later layers)
     remat: str = "none"  # activation checkpointing of each layer in backward passes; see REMAT_POLICIES
+    # rows attended without a cache hold at most this many runs of equal segment ids (documents, padding): lets
+    # attention_impl "cudnn" use cuDNN's causal mask over its packed layout, not a [T, S] bias (the trainer sets
+    # it from its packed data, `swiftkv_jax.data.packing.max_runs`)
+    max_segments_per_row: Optional[int] = None
     initializer_range: float = 0.02
     # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
     hf_extra: str = "{}"
@@ -107,6 +111,9 @@ class ModelConfig:
                              f"{', '.join(DECODE_ATTENTION_IMPLS)}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat {self.remat!r}: available are {', '.join(REMAT_POLICIES)}")
+        runs = self.max_segments_per_row
+        if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
+            raise ValueError(f"max_segments_per_row must be a positive int or None, got {runs!r}")
         if self.num_key_value_layers is not None:
             check_swiftkv_layout(self.num_hidden_layers, self.num_key_value_layers, self.key_value_group_size)
         elif self.key_value_group_size != 1:

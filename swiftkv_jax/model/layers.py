@@ -207,7 +207,8 @@ class Attention(nn.Module):
                 # may be wider than the activations (an fp32 cache under a bf16 model holds bf16 values, so the
                 # cast is exact) and cuDNN takes one dtype for q, k and v
                 k, v = (jnp.swapaxes(x, 1, 2).astype(q.dtype) for x in (k, v))
-            out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids)
+            out = attend(self.config.attention_impl, q, k, v, positions, kv_positions, segment_ids, kv_segment_ids,
+                         row_runs=self.config.max_segments_per_row if kv_lengths is None else None)
         return self.o_proj(out), new_cache
 
 
