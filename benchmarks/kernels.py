@@ -21,8 +21,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   (attention_impl="cudnn": our position mask as a bias), jax's Mosaic GPU kernel (`attention_mgpu`, causal, no
   segments: what Pallas on Hopper reaches; `jax_mosaic_fp16`: it supports float16 only, so it runs on float16
   copies of the inputs, made before timing), ours on Mosaic GPU (`mosaic`: flash_attention_mgpu in FA3's form;
-  `mosaic_smem`: the form jax's interpreter runs, compiled) and XLA (`xla_attention`, fp32 logits [B, N, T, T]:
-  it runs out of memory at the largest shapes, reported so).
+  `mosaic_smem`: the form jax's interpreter runs, compiled; `mosaic_float8_e4m3fn`: K/V from an FP8 cache, which
+  the engines dequantise with XLA before the kernel) and XLA (`xla_attention`, fp32 logits [B, N, T, T]: it runs
+  out of memory at the largest shapes, reported so).
 Rows are written to the JSON as they are measured (`--deadline S`: no point is started after S seconds, the rest
 recorded as not measured; `complete` says whether the run finished). The points the targets need come first
 (decode at batch 32 and 128 x context 4K, 8K, 32K; prefill 8K x 1, 8K x 4, 32K x 1), the rest after. Each
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
-    from swiftkv_jax.model.kv_quant import quantize
+    from swiftkv_jax.model.kv_quant import dequantize_pair, quantize
     from swiftkv_jax.model.paged import paged_attend
 
     name_quantized = lambda name: name.endswith(("_int8", "_float8_e4m3fn"))  # noqa: E731
@@ -273,8 +274,8 @@ def main(argv=None) -> int:
     # reference would see the rounding). `call(impl, *inputs, k_scale, v_scale)` runs one impl.
     quantized_reference = {}  # name -> its check's reference, over the laid-out (quantised) inputs
 
-    def add_quantized(impls, impl_names, call):
-        for fmt in ("int8", "float8_e4m3fn"):
+    def add_quantized(impls, impl_names, call, formats=("int8", "float8_e4m3fn")):
+        for fmt in formats:
             def lay(*inputs, fmt=fmt):  # inputs: (q, k, v, ...) -> (q, k8, v8, ..., k_scale, v_scale)
                 (kq, ks), (vq, vs) = quantize(inputs[1], fmt), quantize(inputs[2], fmt)
                 return (inputs[0], kq, vq, *inputs[3:], ks, vs)
@@ -360,7 +361,12 @@ def main(argv=None) -> int:
         "mosaic": lambda q, k, v, p, g: flash_attention_mgpu(q, k, v, p, p, g, g),
         "mosaic_smem": lambda q, k, v, p, g: flash_attention_mgpu(q, k, v, p, p, g, g, interpreter_safe=True),
     }
-    segmented = ("pallas", "cudnn_mask", "xla", "mosaic", "mosaic_smem")
+    # The engines' prefill over an FP8 cache (a chunk over cached context): XLA dequantises K/V to q's dtype first,
+    # then the same kernel runs (model/layers.py); this row prices that pre-pass against the bf16 row's.
+    add_quantized(prefill_impls, ("mosaic",), lambda impl, q, k, v, p, g, ks, vs: attend(
+        impl, q, *(x.astype(q.dtype) for x in dequantize_pair((k, v, ks, vs))), p, p, g, g),
+        formats=("float8_e4m3fn",))
+    segmented = ("pallas", "cudnn_mask", "xla", "mosaic", "mosaic_smem", "mosaic_float8_e4m3fn")
     # jax's bundled Mosaic GPU kernel (FA3-style: warp specialisation, wgmma, TMA; causal, no segment ids): what
     # Pallas on Hopper reaches. Its kernel keeps float16 buffers whatever the inputs (bfloat16 fails to lower), so
     # it runs on float16 copies made before timing: the same FLOPs. It needs jaxlib's CUDA plugin even to lower, so
@@ -378,8 +384,8 @@ def main(argv=None) -> int:
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
     if "prefill" in parts:
         # our Mosaic GPU kernel interpreted takes minutes even at the small shape (tests/ interpret it at tiny ones)
-        known = {**{name: "Mosaic GPU kernel: timed on a GPU only" for name in ("mosaic", "mosaic_smem")
-                    if interpret}, **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
+        known = {**{name: "Mosaic GPU kernel: timed on a GPU only"
+                    for name in ("mosaic", "mosaic_smem", "mosaic_float8_e4m3fn") if interpret}, **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
         names = checked("prefill", prefill_impls, prefill_reference, prefill_inputs(1, 256), known, {})
         for b, t in prefill_points:
             flops = 4 * b * heads * t * t * head_dim / 2
@@ -409,11 +415,12 @@ def main(argv=None) -> int:
                       f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
                                                              f"{r['of_measured_bandwidth']:>13.1%}"))
     if tables["prefill"]:
-        print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16; TFLOP/s of 4*B*N*T*T*H/2")
-        print(f"{'impl':<16}{'batch':>6}{'seq':>9}{'packed':>8}{'ms':>10}{'TFLOP/s':>9}")
+        print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16 (_float8_e4m3fn: K/V read from an FP8 "
+              f"cache, dequantised by XLA first, as the engines do); TFLOP/s of 4*B*N*T*T*H/2")
+        print(f"{'impl':<22}{'batch':>6}{'seq':>9}{'packed':>8}{'ms':>10}{'TFLOP/s':>9}")
         for r in tables["prefill"]:
             packed = {True: "yes", False: "no"}.get(r.get("packed"), "-")
-            print(f"{r['impl']:<16}{r.get('batch', '-'):>6}{r.get('seq', '-'):>9}{packed:>8}" + (
+            print(f"{r['impl']:<22}{r.get('batch', '-'):>6}{r.get('seq', '-'):>9}{packed:>8}" + (
                 f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['tflops']:>9.2f}"))
     save(complete=True)
     print(f"wrote {out}")
