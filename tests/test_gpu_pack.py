@@ -367,3 +367,17 @@ def test_kernels_bench_puts_the_targets_points_first():
     points = [(32, 2048), (32, 4096), (64, 4096), (128, 4096)]
     assert kernels.leading(points, [(128, 4096), (32, 4096), (32, 32768)]) == [(128, 4096), (32, 4096), (32, 2048),
                                                                                (64, 4096)]
+
+
+def test_distill_summary_names_each_rows_attention_and_the_failed_steps():
+    row = lambda variant, attention, step_s: {"variant": variant, "attention_impl": attention, "remat": "none",
+                                              "step_s": step_s, "tokens_per_s": 8192 / step_s, "mfu": 0.3,
+                                              "xla_peak_bytes": 2**30, "device_peak_bytes": None}
+    result = {"results": [row("ours", "cudnn", 0.8), row("ours", "xla_chunked", 2.0)],
+              "failed": [{"variant": "ours", "attention_impl": "cudnn:8", "returncode": 1,
+                          "stderr_tail": "Traceback ...\nValueError: attention_impl='cudnn' does not support this case"}],
+              "targets": {"mfu": {"target": 0.4, "measured": 0.3, "pass": False, "attention_impl": "cudnn"}}}
+    text = "\n".join(pack_steps._distill_lines("distill_step.py --preset 8b", result))
+    assert "| ours | cudnn | none | 0.8000 |" in text and "| ours | xla_chunked |" in text
+    assert "cudnn:8 attention: **failed** (exit 1)" in text and "does not support this case" in text
+    assert "mfu 0.3 vs 0.4 FAIL (cudnn)" in text

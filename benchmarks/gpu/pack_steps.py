@@ -398,15 +398,20 @@ def _distill_lines(label: str, result: dict) -> list[str]:
     lines = []
     if result.get("results"):
         lines += ["", f"`{label}`", ""] + _table(
-            ["variant", "remat", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB"],
-            [[r["variant"], r.get("remat", "-"), f"{r['step_s']:.4f}", f"{r.get('tokens_per_s', 0):,.0f}",
+            ["variant", "attention", "remat", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB"],
+            [[r["variant"], r.get("attention_impl", "-"), r.get("remat", "-"), f"{r['step_s']:.4f}",
+              f"{r.get('tokens_per_s', 0):,.0f}",
               f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r["xla_peak_bytes"]),
               gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-"] for r in result["results"]])
+        lines += [f"- {f['variant']} step with {f['attention_impl']} attention: **failed** (exit {f['returncode']}) "
+                  f"{_first_line(_last(f.get('stderr_tail', '')))}" for f in result.get("failed", [])]
         if result.get("ratios"):
             lines.append("naive / ours: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
         if result.get("targets"):
             lines.append("targets: " + ", ".join(f"{k} {t['measured']:.3g} vs {t['target']:g} "
-                                                 f"{'PASS' if t['pass'] else 'FAIL'}" for k, t in result["targets"].items()))
+                                                 f"{'PASS' if t['pass'] else 'FAIL'}"
+                                                 + (f" ({t['attention_impl']})" if t.get("attention_impl") else "")
+                                                 for k, t in result["targets"].items()))
     if result.get("plan"):
         plan = result["plan"]
         lines.append(f"memory plan ({plan['platform']}): " + ", ".join(
