@@ -116,8 +116,8 @@ def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: 
         finish with ``normalize``) instead of the output.
       k_scale, v_scale: None (a bf16 / fp16 / fp32 cache) or the scales of a quantised (int8, float8_e4m3fn)
         cache, both a ``()`` per-layer scale or both ``[B, S, K]`` per token and KV head: key s reads
-        ``k_cache[b, s, k].astype(f32) * k_scale[b, s, k]``. The kernel loads the cache in its storage dtype and
-        dequantises in registers; products, softmax and accumulation run in fp32.
+        ``k_cache[b, s, k].astype(f32) * k_scale[b, s, k]``. The kernel loads the cache in its storage dtype, casts
+        it to q's dtype in registers (exact) and puts the scales on the scores' and P's columns (split_k.py).
 
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.

@@ -137,8 +137,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
       k_scale, v_scale: None (a bf16 / fp16 / fp32 pool) or the scales of a quantised (int8, float8_e4m3fn) pool,
         both a ``()`` per-layer scale or both ``[K, P, page_size]`` per token and KV head (laid out as the pool):
         ``k_pages[k, p, o].astype(f32) * k_scale[k, p, o]``. The kernel gathers the scales through the block table
-        with the pages, loads the pool in its storage dtype and dequantises in registers (fp32 products, softmax
-        and accumulation).
+        with the pages, loads the pool in its storage dtype and casts it to q's dtype in registers, the scales on
+        the scores' and P's columns (split_k.py); softmax and accumulation in fp32.
 
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.

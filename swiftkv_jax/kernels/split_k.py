@@ -18,10 +18,13 @@ Backend decision: a Triton-style ``pl.pallas_call`` (BlockSpecs over a grid, for
 that compiles on both JAX 0.10 and 0.11. JAX 0.10 lowers a GPU ``pallas_call`` with Mosaic GPU unless Triton
 ``CompilerParams`` are passed, so they are always passed here. The Triton backend is deprecated from JAX 0.11 on.
 
-Quantised caches (int8, float8_e4m3fn): K and V blocks are loaded in their storage dtype and dequantised in
-registers (times the fp32 scale of each token and KV head, loaded beside the block), so the products, softmax and
-accumulation run in fp32 and no dequantised copy of the cache is made. A per-layer (``()``) scale is not loaded at
-all: K's multiplies the fp32 queries and V's the unnormalised output, both exact since attention is linear in each.
+Quantised caches (int8, float8_e4m3fn): K and V blocks are loaded in their storage dtype (1 byte an element) and
+cast in registers to the queries' 16-bit dtype, exactly (int8 and e4m3 values are bf16 and fp16 values), so both
+products run on the tensor cores as over a 16-bit cache (fp32 queries: in fp32). The fp32 scale of each token and
+KV head, loaded beside the block, multiplies that key's column of the scores (K's) and of the softmax weights
+before P V (V's): [rows, block_k] products where scaling the block would take [block_k, H], and no dequantised
+copy of the cache is made. Softmax and accumulation stay fp32. A per-layer (``()``) scale is not loaded at all: K's
+multiplies the queries and V's the unnormalised output (attention is linear in each).
 FP8 needs a GPU of compute capability >= 8.9 under Triton (checked before the launch).
 
 Nothing here imports the model: the kernels stand alone, and the model picks them by name.
@@ -155,15 +158,18 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
     as k_ref minus H) for per-token-head scales. ``key_index(i, idx, in_range)`` gives the indexers of block i's
     keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load): into k_ref and v_ref,
     which they must turn into ``[block_k, H]``, and into the scale refs (``[block_k]``). The dense cache and the
-    paged pool differ only there. dequantize: read K and V in fp32 (times their scale blocks if any), so the
-    products and the softmax run in fp32 over a quantised cache; no dequantised copy of the cache is made.
+    paged pool differ only there. dequantize: K and V are a quantised cache, cast to q's dtype as they are read
+    (fp32 if q is), with their per-key scales (if given) on the columns of the scores and of P; see the module.
     """
     *scale_refs, o_ref, m_ref, l_ref = refs
     rows, head_dim = q_ref.shape
     split_start = pl.program_id(3) * split_len
     limit = limit_ref[...]
-    # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case).
-    dot_dtype = jnp.float32 if dequantize else jnp.promote_types(q_ref.dtype, k_ref.dtype)
+    # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case). A quantised
+    # cache reads as q's dtype: its 1-byte values are exact in bf16 and fp16.
+    sixteen_bit = q_ref.dtype in (jnp.bfloat16, jnp.float16)
+    dot_dtype = ((q_ref.dtype if sixteen_bit else jnp.float32) if dequantize
+                 else jnp.promote_types(q_ref.dtype, k_ref.dtype))
     q = q_ref[...].astype(dot_dtype)
     # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S): a row
     # block of rows that see nothing runs no iteration.
@@ -176,24 +182,26 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
         in_range = idx < split_end
         keys, scale_keys = key_index(i, idx, in_range)
 
-        def read(ref, which):  # [block_k, H]: K (which=0) or V (1), in its storage dtype or dequantised in fp32
+        def read(ref):  # [block_k, H]: K or V, in its storage dtype, or a quantised cache's values as dot_dtype
             x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
-            if not dequantize:
-                return x
-            x = x.astype(jnp.float32)
-            if scale_refs:
-                x = x * pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[:, None]
-            return x
+            return x.astype(jnp.float32).astype(dot_dtype) if dequantize else x  # (e4m3 -> bf16 goes through fp32)
 
-        k = read(k_ref, 0).astype(dot_dtype)
+        def key_scales(which):  # [1, block_k]: each key's K (0) or V (1) scale, on its column
+            return pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[None, :]
+
+        k = read(k_ref).astype(dot_dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if scale_refs:
+            s = s * key_scales(0)
         visible = idx[None, :] < limit[:, None]
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_next)
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
-        v = read(v_ref, 1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        v = read(v_ref)
+        weights = p * key_scales(1) if scale_refs else p  # V's scales on P's columns; the row sums stay P's own
+        pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
         return o * correction[:, None] + pv, m_next, l * correction + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
@@ -264,8 +272,9 @@ def split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, n
     """
     if dequantize:
         kernel = functools.partial(kernel, dequantize=True)
-    if static_scales is not None:
-        q = q.astype(jnp.float32) * static_scales[0]
+    if static_scales is not None:  # K's per-layer scale on the queries (rounded back to a 16-bit q's dtype)
+        scaled = q.astype(jnp.float32) * static_scales[0]
+        q = scaled.astype(q.dtype) if q.dtype in (jnp.bfloat16, jnp.float16) else scaled
     B, T, N, H = q.shape
     K = num_kv_heads
     G = N // K
