@@ -347,20 +347,18 @@ def targets(rows: list, ratios: dict) -> dict:
             for k, v in TARGETS_8B.items() if got[k] is not None}
 
 
-def attention_impls(preset_name: str, spec=None) -> tuple:
+def attention_impls(preset_name: str, spec=None, platform=None) -> tuple:
     """The attention impls to measure: `spec` (comma-separated; cudnn:N for cuDNN's packed layout with room for N
     documents per row), else on a GPU for the bf16 presets cuDNN's fused attention (fwd and bwd) as the rows need it
     (one document: its plain causal mask), then as packed rows of up to 8 documents need it, beside the preset's XLA
     one (the GPU run of 2026-11-24 measured XLA's attention at ~40 TFLOP/s, most of the 8b step); else the
-    preset's."""
-    import jax
-
+    preset's. platform: JAX's backend (default: `backend_platform()`)."""
     from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
 
     preset = PRESETS[preset_name]
     default = preset.get("attention_impl", "xla")
     if spec is None:
-        gpu = jax.default_backend() == "gpu" and preset["dtype"] == "bfloat16"
+        gpu = (platform or backend_platform()) == "gpu" and preset["dtype"] == "bfloat16"
         return ("cudnn", "cudnn:8", default) if gpu else (default,)
     impls = tuple(a.strip() for a in spec.split(",") if a.strip())
     try:
@@ -410,9 +408,10 @@ def main(argv=None) -> int:
                                                            "plan": result})
         return 0
 
-    attentions = attention_impls(args.preset, args.attention)
+    platform = backend_platform()
+    attentions = attention_impls(args.preset, args.attention, platform)
     rows, failed = [], []
-    out_path = args.out or f"benchmarks/results/distill_step_{args.preset}_{jax_platform()}.json"
+    out_path = args.out or f"benchmarks/results/distill_step_{args.preset}_{platform}.json"
     for variant, attention in [(v, a) for a in attentions for v in variants if v == "ours" or a == attentions[0]]:
         out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant, attention],
                              capture_output=True, text=True, env=os.environ)
@@ -439,10 +438,12 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def jax_platform() -> str:
-    import jax
-
-    return jax.devices()[0].platform
+def backend_platform() -> str:
+    """JAX's backend platform, asked of a child process: starting the backend in this (parent) process would take
+    most of the GPU's memory (XLA preallocates it) away from the processes that run the steps."""
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], capture_output=True,
+                         text=True, env=os.environ, check=True)
+    return out.stdout.strip().splitlines()[-1]
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def _qkv(b, t, n, kv, h, seed=0):
 @pytest.mark.parametrize("layout", ["packed", "one_document"])
 def test_cudnn_row_attention_matches_xla_forward_and_backward(layout, head_dim):
     """Packed rows (1-3 documents, padding; bound 4 and 8) and whole-row documents (bound 1, cuDNN's plain causal
-    mask): outputs and the gradients of q, k, v (GQA 8/2) against fp32 XLA, on document tokens."""
+    mask): outputs token by token, a weighted loss and its gradients of q, k, v (GQA 8/2) against fp32 XLA, on
+    document tokens."""
     b, t = 2, 256
     if layout == "packed":
         batch = packed_batch(64, batch=b, length=t, seed=5)
@@ -154,8 +155,13 @@ def test_cudnn_row_attention_matches_xla_forward_and_backward(layout, head_dim):
                                                  argnums=(0, 1, 2)))
     want, want_grads = loss(lambda *x: xla_attention(*x, pos, pos, ids, ids))(
         *(x.astype(jnp.float32) for x in (q, k, v)))
+    reference = np.asarray(xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)), pos, pos, ids, ids))
+    documents = np.asarray(ids) > 0
     for bound in bounds:
-        got, grads = loss(lambda *x: attend("cudnn", *x, pos, pos, ids, ids, row_runs=bound))(q, k, v)
+        attention = lambda *x, bound=bound: attend("cudnn", *x, pos, pos, ids, ids, row_runs=bound)
+        out = np.asarray(jax.jit(attention)(q, k, v), np.float32)  # every document token, not only a weighted sum
+        np.testing.assert_allclose(out[documents], reference[documents], atol=2e-2, rtol=2e-2, err_msg=f"bound {bound}")
+        got, grads = loss(attention)(q, k, v)
         np.testing.assert_allclose(got, want, rtol=2e-2, err_msg=f"bound {bound}")
         for name, g, w in zip("qkv", grads, want_grads):
             np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * np.abs(w).max(),
