@@ -82,7 +82,8 @@ def parse_attention(spec: str) -> tuple:
 
 def model_config(preset: dict, remat: str):
     """The student's ModelConfig of a preset (SwiftKV at its l, g = 1) with `remat`; its rows are one document
-    (`_build`'s batch), so cuDNN attention gets one run per row unless the preset's attention names a bound."""
+    (`_build`'s batch), so cuDNN attention gets one run per row unless the preset's attention names a bound, and
+    `xla_chunked` skips the keys past each query block (both as train.py sets them from its packed data)."""
     import swiftkv_jax as sk
     from swiftkv_jax.model.config import RopeConfig
     from swiftkv_jax.serving import bench
@@ -96,7 +97,7 @@ def model_config(preset: dict, remat: str):
         config = sk.ModelConfig(**model_kw, rope=rope, **runtime)
     impl, runs = parse_attention(preset.get("attention_impl", config.attention_impl))
     return config.replace(num_key_value_layers=preset["l"], key_value_group_size=1, remat=remat, attention_impl=impl,
-                          max_segments_per_row=(runs or 1) if impl == "cudnn" else None)
+                          max_segments_per_row=(runs or 1) if impl in ("cudnn", "xla_chunked") else None)
 
 
 def _build(preset: dict, variant: str, remat: str, abstract: bool):

@@ -47,11 +47,12 @@ def test_targets_are_judged_only_where_measured():
     assert distill_step.targets([ours], {"time_naive_over_ours": 1.2})["time_naive_over_ours"]["pass"] is False
 
 
-def test_cudnn_attention_is_sized_by_the_rows():
+def test_attention_is_sized_by_the_rows():
     """plain cudnn: the preset's rows are one document, so cuDNN's own causal mask (one run); cudnn:N its packed
-    layout for up to N documents per row; a bound on any other impl is refused."""
+    layout for up to N documents per row; xla_chunked told the same rows (it skips keys past each query block);
+    a bound on any other impl is refused."""
     preset = distill_step.PRESETS["test"]
-    for spec, runs in (("cudnn", 1), ("cudnn:8", 8), ("xla_chunked", None)):
+    for spec, runs in (("cudnn", 1), ("cudnn:8", 8), ("xla_chunked", 1), ("xla", None)):
         config = distill_step.model_config(dict(preset, attention_impl=spec), "none")
         assert (config.attention_impl, config.max_segments_per_row) == (spec.split(":")[0], runs)
     assert distill_step.attention_impls("test", "cudnn:4, xla") == ("cudnn:4", "xla")

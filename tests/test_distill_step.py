@@ -141,19 +141,25 @@ def test_kl_per_position_matches_float64(temperature):
     assert np.all(np.asarray(losses.kl_per_position(teacher, teacher, temperature)) == 0.0)
 
 
-def test_chunked_kl_sum_is_independent_of_chunk_size():
-    rng = np.random.RandomState(1)
-    batch, length, dim, vocab, temperature = 2, 20, 16, 50, 2.0
-    w = jnp.asarray(rng.randn(dim, vocab).astype(np.float32))
-    head = lambda h: h @ w
+def _head_problem(seed=1, batch=2, length=20, dim=16, vocab=50):
+    rng = np.random.RandomState(seed)
+    params = {"w": jnp.asarray(rng.randn(dim, vocab).astype(np.float32)),
+              "scale": jnp.asarray(1 + 0.1 * rng.randn(dim).astype(np.float32))}
+    head = lambda p, h: (h * p["scale"]) @ p["w"]  # a norm-like scale and a projection, as Transformer.head
     hs, ht = (jnp.asarray(rng.randn(batch, length, dim).astype(np.float32)) for _ in range(2))
     weights = jnp.asarray((rng.rand(batch, length) < 0.7).astype(np.int32))
+    return head, params, hs, ht, weights
+
+
+def test_chunked_kl_sum_is_independent_of_chunk_size():
+    head, params, hs, ht, weights = _head_problem()
+    temperature, length = 2.0, hs.shape[1]
 
     def value_and_grad(chunk_size):
         return jax.jit(jax.value_and_grad(
-            lambda s: losses.chunked_kl_sum(head, s, ht, weights, temperature, chunk_size)))(hs)
+            lambda s: losses.chunked_kl_sum(head, params, s, ht, weights, temperature, chunk_size)))(hs)
 
-    expected = np.sum(np.asarray(weights) * numpy_kl(np.asarray(ht) @ np.asarray(w), np.asarray(hs) @ np.asarray(w),
+    expected = np.sum(np.asarray(weights) * numpy_kl(np.asarray(head(params, ht)), np.asarray(head(params, hs)),
                                                      temperature))
     value0, grad0 = value_and_grad(0)
     np.testing.assert_allclose(value0, expected, rtol=1e-5)
@@ -163,6 +169,56 @@ def test_chunked_kl_sum_is_independent_of_chunk_size():
         np.testing.assert_allclose(value, value0, rtol=1e-6, err_msg=f"chunk {chunk_size}")
         np.testing.assert_allclose(grad, grad0, rtol=1e-6, atol=1e-6 * np.abs(grad0).max(),
                                    err_msg=f"chunk {chunk_size}")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 7])
+def test_fused_losses_match_autodiff_of_the_whole_logits(chunk_size):
+    """The gradients the chunks compute in the forward pass are jax's own gradients of the unchunked loss, for
+    the hidden states and, where they are differentiated (pretraining, a trainable head), the head's weights."""
+    head, params, hs, ht, weights = _head_problem(seed=2)
+    temperature, w = 2.0, weights.astype(jnp.float32)
+    targets = jnp.asarray(np.random.RandomState(3).randint(0, 50, hs.shape[:2]), jnp.int32)
+    scale = 0.37  # the objective scales the sum; the stored gradient must take the cotangent
+
+    def reference(p, h):
+        teacher = jax.lax.stop_gradient(head(p, ht))  # the KL's teacher side has no gradient, its head's neither
+        kl = jnp.sum(w * losses.kl_per_position(teacher, head(p, h), temperature))
+        log_p = jax.nn.log_softmax(head(p, h), axis=-1)
+        nll = -jnp.sum(w * jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0])
+        return scale * kl, scale * nll
+
+    def fused(p, h):
+        kl = losses.chunked_kl_sum(head, p, h, ht, weights, temperature, chunk_size)
+        nll, _ = losses.chunked_cross_entropy_sums(head, p, h, targets, weights, chunk_size)
+        return scale * kl, scale * nll
+
+    for which in (0, 1):  # KL, cross-entropy
+        got = jax.jit(jax.value_and_grad(lambda p, h: fused(p, h)[which], argnums=(0, 1)))(params, hs)
+        want = jax.value_and_grad(lambda p, h: reference(p, h)[which], argnums=(0, 1))(params, hs)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+    # the KL's teacher side has no gradient by construction; a `rest` that is differentiated raises
+    sums = lambda _, __, logits, x: (jnp.sum(logits * x)[None], x)
+    with pytest.raises(ValueError, match="stop_gradient"):
+        jax.grad(lambda x: losses.fused_chunked_sums(sums, head, params, hs, (x,), chunk_size)[0])(
+            jnp.ones(hs.shape[:2] + (50,)))
+
+
+def test_fused_kl_runs_the_head_three_times_a_token():
+    """Teacher logits, student logits, the student's activation gradient: no logits recomputed in the backward
+    pass and no gradient for the frozen head (XLA's FLOP count of the compiled value-and-grad, one chunk)."""
+    batch, length, dim, vocab = 1, 64, 128, 4096
+    rng = np.random.RandomState(0)
+    params = {"w": jnp.asarray(rng.randn(dim, vocab).astype(np.float32)), "scale": jnp.ones((dim,), jnp.float32)}
+    head = lambda p, h: (h * p["scale"]) @ p["w"]
+    hs, ht = (jnp.asarray(rng.randn(batch, length, dim).astype(np.float32)) for _ in range(2))
+    weights = jnp.ones((batch, length), jnp.int32)
+    fn = jax.jit(jax.value_and_grad(lambda h, p: losses.chunked_kl_sum(head, p, h, ht, weights, 2.0, 0)))
+    cost = fn.lower(hs, params).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    one_head = 2 * batch * length * dim * vocab
+    assert 3 * one_head <= cost["flops"] < 3.5 * one_head, cost["flops"] / one_head
 
 
 def two_steps(cfg, trainable, frozen, loss=LOSS, grad_accum=1):
@@ -412,7 +468,7 @@ def test_student_config_refuses_cudnn_where_it_cannot_run(tmp_path):
             student_config(dataclasses.replace(section, compute_dtype="float32"))
 
 
-def test_cudnn_attention_is_sized_by_the_packed_rows():
+def test_attention_is_sized_by_the_packed_rows():
     """train.py's cuDNN config: max_segments_per_row is the most runs of segment ids (documents, then padding) in any
     packed row, read off the dataset; other attention impls are left alone."""
     rows = packed_batch(64, batch=6, length=40, seed=4)
@@ -424,6 +480,9 @@ def test_cudnn_attention_is_sized_by_the_packed_rows():
     # before Hopper cuDNN has no packed layout: the bias, said aloud
     assert trainer.sized_for_rows(cudnn, dataset, said.append, packed_layout=False).max_segments_per_row is None
     assert "as a bias" in said[-1] and "sm_90" in said[-1]
+    # xla_chunked is told its rows are packed documents (it skips the keys past each query block)
+    chunked = trainer.sized_for_rows(tiny_config(attention_impl="xla_chunked"), dataset, said.append)
+    assert chunked.max_segments_per_row == max(runs) and "keys up to its own end" in said[-1]
     assert trainer.sized_for_rows(tiny_config(), dataset, said.append).max_segments_per_row is None
 
 

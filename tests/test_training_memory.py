@@ -37,6 +37,45 @@ def test_chunked_attention_equals_xla_attention(length, chunk):
         np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length,chunk", [(300, 64), (256, 64)])  # padded, exact
+def test_own_rows_skip_keys_past_each_block_exactly(length, chunk):
+    """Rows as `pack` makes them (three documents, then padding: segment 0 at position 0): values and gradients of
+    every document token equal full attention's, for about half the FLOPs."""
+    rng = np.random.default_rng(2)
+    b, n, k, h = 2, 4, 2, 8
+    q, kk, v = (jnp.asarray(rng.normal(size=(b, length, heads, h)), jnp.float32) for heads in (n, k, k))
+    cuts = np.array([0, 70, 71, length - 40, length])  # a document of one token; 40 padding positions
+    index = np.arange(length)
+    doc = np.searchsorted(cuts, index, side="right") - 1
+    ids = np.where(doc == 3, 0, doc + 1)
+    positions = jnp.asarray(np.broadcast_to(np.where(ids > 0, index - cuts[doc], 0), (b, length)), jnp.int32)
+    segments = jnp.asarray(np.broadcast_to(ids, (b, length)), jnp.int32)
+    used = (segments > 0)[..., None, None]
+    own = functools.partial(xla_chunked_attention, chunk=chunk, own_rows=True)
+
+    def loss(fn, *qkv):
+        return jnp.sum(jnp.where(used, jnp.sin(fn(*qkv, positions, positions, segments, segments)), 0.0))
+
+    got = own(q, kk, v, positions, positions, segments, segments)
+    want = xla_attention(q, kk, v, positions, positions, segments, segments)
+    np.testing.assert_allclose(jnp.where(used, got, 0), jnp.where(used, want, 0), atol=2e-6)
+    grads = jax.grad(functools.partial(loss, own), argnums=(0, 1, 2))(q, kk, v)
+    expected = jax.grad(functools.partial(loss, xla_attention), argnums=(0, 1, 2))(q, kk, v)
+    for g, w in zip(grads, expected):
+        np.testing.assert_allclose(g, w, atol=3e-5, rtol=1e-5)
+
+    def flops(own_rows):
+        fn = functools.partial(xla_chunked_attention, chunk=chunk, own_rows=own_rows)
+        cost = jax.jit(fn).lower(q, kk, v, positions, positions, segments, segments).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+    ends = np.minimum(np.arange(1, -(-length // chunk) + 1) * chunk, length)  # block i's keys: [0, ends[i])
+    # XLA counts the unskipped path's loop body once: one block over all `length` keys (full: len(ends) of them)
+    assert flops(True) / flops(False) == pytest.approx(ends.sum() / length, rel=0.02)
+    assert ends.sum() / (len(ends) * length) < 0.63
+    with pytest.raises(ValueError, match="attends a row to itself"):
+        own(q, kk[:, :-1], v[:, :-1], positions, positions[:, :-1], segments, segments[:, :-1])
+
+
 def test_chunked_attention_model_matches_xla_model():
     cfg = sk.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.2)

@@ -58,6 +58,16 @@ def stage(params, config: ModelConfig, method: str, *args, **kwargs):
     return Transformer(config).apply({"params": params}, *args, method=method, **kwargs)
 
 
+def head(params, h, *, config: ModelConfig):
+    """Final norm and output projection as a function of the head's own parameters (`head_params`)."""
+    return stage(params, config, "head", h)
+
+
+def head_params(params: dict, config: ModelConfig) -> dict:
+    """The subtree `Transformer.head` reads: only these get a gradient from the loss's head."""
+    return {k: params[k] for k in ("norm", "embed_tokens" if config.tie_word_embeddings else "lm_head")}
+
+
 def _split_microbatches(batch: dict, grad_accum: int, batch_spec: Optional[NamedSharding]) -> dict:
     """[B, T] -> [A, B / A, T], micro-batch a = rows a, a + A, …: every device holds part of each one."""
     def split(x):
@@ -77,7 +87,6 @@ def distill_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, l
     h_l = stage(frozen, config, "lower", batch["tokens"], positions, segment_ids)
     teacher = stage(frozen, config, "upper", h_l, positions, segment_ids, swiftkv=False, with_last_input=with_hidden)
     teacher_final, teacher_last = teacher if with_hidden else (teacher, None)
-    head = functools.partial(stage, frozen, config, "head")
     temperature = loss.temperature
 
     def objective(trainable):
@@ -85,7 +94,8 @@ def distill_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, l
                         with_last_input=with_hidden)
         student_final, student_last = student if with_hidden else (student, None)
         weights = batch["loss_mask"] * valid
-        kl = losses.chunked_kl_sum(head, student_final, teacher_final, weights, temperature, loss.chunk_size)
+        kl = losses.chunked_kl_sum(functools.partial(head, config=config), head_params(frozen, config),
+                                   student_final, teacher_final, weights, temperature, loss.chunk_size)
         sq = losses.hidden_sq_error_sum(student_last, teacher_last, valid) if with_hidden else jnp.zeros(())
         total = (temperature**2 * kl + loss.hidden_loss_mult * sq / config.hidden_size) * inv_tokens
         return total, {"kl": kl, "sq": sq}
@@ -112,8 +122,9 @@ def pretrain_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, 
         params = merge(trainable, frozen)
         h = stage(params, config, "lower", batch["tokens"], positions, segment_ids)
         h = stage(params, config, "upper", h, positions, segment_ids)
-        head = functools.partial(stage, params, config, "head")
-        nll, correct = losses.chunked_cross_entropy_sums(head, h, targets, weights, loss.chunk_size)
+        nll, correct = losses.chunked_cross_entropy_sums(functools.partial(head, config=config),
+                                                         head_params(params, config), h, targets, weights,
+                                                         loss.chunk_size)
         return nll * inv_tokens, {"nll": nll, "correct": correct, "predicted": jnp.sum(weights)}
 
     (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(trainable)

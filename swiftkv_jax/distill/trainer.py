@@ -259,16 +259,20 @@ def export_student(model_config: ModelConfig, trainable, frozen, config: TrainCo
 
 def sized_for_rows(model_config: ModelConfig, dataset, print_fn=print, packed_layout: Optional[bool] = None
                    ) -> ModelConfig:
-    """cuDNN attention sized by the packed rows: the most runs of segment ids in any row (documents and padding)
-    becomes `max_segments_per_row`, so cuDNN masks causally within each document instead of reading a [T, S]
-    bias. cuDNN's packed layout (more than one run per row) needs Hopper or later (`packed_layout`: default, the
-    first device's compute capability >= 9); before it, cuDNN attends with the bias, and says so. Other attention
-    impls need nothing from the data."""
+    """Attention told that its rows are packed documents: the most runs of segment ids in any row (documents and
+    padding) becomes `max_segments_per_row`. cuDNN then masks causally within each document instead of reading a
+    [T, S] bias; `xla_chunked` skips the keys past each query block. cuDNN's packed layout (more than one run per
+    row) needs Hopper or later (`packed_layout`: default, the first device's compute capability >= 9); before it,
+    cuDNN attends with the bias, and says so. Other attention impls need nothing from the data."""
     from swiftkv_jax.data.packing import max_runs
 
-    if model_config.attention_impl != "cudnn":
+    impl = model_config.attention_impl
+    if impl not in ("cudnn", "xla_chunked"):
         return model_config
     runs = max_runs(dataset)
+    if impl == "xla_chunked":
+        print_fn("attention: XLA in query blocks, each over the keys up to its own end (rows of packed documents)")
+        return model_config.replace(max_segments_per_row=runs)
     if packed_layout is None:
         packed_layout = float(getattr(jax.devices()[0], "compute_capability", None) or 0) >= 9
     if runs > 1 and not packed_layout:

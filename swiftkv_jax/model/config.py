@@ -77,9 +77,10 @@ class ModelConfig:
     attention_impl: str = "xla_flash"  # serving prefill and `logits`; training configs pick a differentiable one
     decode_attention_impl: str = "xla"  # few queries over a KV cache (serving decode, SwiftKV's later layers)
     remat: str = "none"  # activation checkpointing of each layer in backward passes; see REMAT_POLICIES
-    # rows attended without a cache hold at most this many runs of equal segment ids (documents, padding): lets
-    # attention_impl "cudnn" use cuDNN's causal mask over its packed layout, not a [T, S] bias (the trainer sets
-    # it from its packed data, `swiftkv_jax.data.packing.max_runs`)
+    # rows attended without a cache are packed documents (positions rising within each run of equal segment ids)
+    # holding at most this many runs (documents, padding): lets attention_impl "cudnn" use cuDNN's causal mask over
+    # its packed layout, not a [T, S] bias, and "xla_chunked" skip the keys past each query block (the trainer
+    # sets it from its packed data, `swiftkv_jax.data.packing.max_runs`)
     max_segments_per_row: Optional[int] = None
     initializer_range: float = 0.02
     # config.json keys we do not interpret, as sorted JSON, so export loses nothing.
