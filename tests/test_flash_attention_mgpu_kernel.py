@@ -35,8 +35,10 @@ CASES = [
     Case("odd_lengths_head_dim_80", b=1, t=100, s=100, n=2, kv_heads=2, h=80),  # T, S and H padded
 ]
 BY_NAME = {case.name: case for case in CASES}
-DEFAULT = "chunk_over_context_gqa2"  # the one case the default suite interprets
-SLOW_IN_INTERPRET = [pytest.param(c.name, marks=[] if c.name == DEFAULT else pytest.mark.slow) for c in CASES]
+# the cases the default suite interprets: the engines' layout, and two CTAs along the queries (the grid's q_tile
+# order is reversed, longest tiles first)
+DEFAULT = ("chunk_over_context_gqa2", "packed_segments")
+SLOW_IN_INTERPRET = [pytest.param(c.name, marks=[] if c.name in DEFAULT else pytest.mark.slow) for c in CASES]
 BLOCKS = MosaicFlashBlockSizes(block_q=64, block_kv=64, max_concurrent_steps=2)
 
 

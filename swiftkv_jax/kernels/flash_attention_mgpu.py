@@ -53,7 +53,8 @@ Mosaic GPU on this project's JAX versions:
   cores); the tests compile it once per kernel instead (conftest's `mgpu_interpreter_compiles_once`).
 - On an H200 (jax 0.11.2, benchmarks/results/gpu-2026-11-24): every `gpu` test passed; causal bf16 at 8K x 1
   393 TFLOP/s against cuDNN's causal flag 429 (0.91x), 8K x 4 515 against 539, packed 2K documents 203 against
-  38 for cuDNN given the mask as a bias. The engines' default prefill on sm_90 (serving/kernel_choice.py).
+  38 for cuDNN given the mask as a bias. The engines' default prefill on sm_90 (serving/kernel_choice.py). The
+  query tiles have started longest first since (`_kernel`): not yet measured.
 
 Forward only (serving prefill). K/V from an int8 / FP8 cache reach it dequantised by XLA (model/layers.py): a
 prefill chunk is compute-bound, so by arithmetic that pre-pass over the cached context costs a few percent of its
@@ -164,8 +165,11 @@ def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_l
 
 def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
             block_q: int, block_kv: int, stages: int, group: int, qk_scale: float, interpreter_safe: bool,
-            interpret: bool):
-    """One CTA: query head `heads`, queries [2 * block_q * q_tile, + 2 * block_q) of sequence `batch`."""
+            interpret: bool, num_tiles: int):
+    """One CTA: query head `heads`, queries [2 * block_q * tile, + 2 * block_q) of sequence `batch`, where the grid's
+    q_tile i is tile num_tiles - 1 - i: the GPU starts CTAs in grid order, and under a causal mask the last
+    queries see the most keys, so the longest CTAs start first and the short ones fill the tail of the last wave
+    (FlashAttention's causal order; in order, the last wave was the longest tiles alone)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
@@ -174,7 +178,8 @@ def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, k_ref, v_ref,
     (qo_smem2, k_smem, v_smem, q_meta_smem2, kv_meta_smem, p_smem2), loaded, consumed, schedule = scoped
     q_barriers, q_meta_barriers, k_barriers, v_barriers, kv_meta_barriers = loaded
     k_consumed, v_consumed = consumed
-    batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tile")
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    tile = num_tiles - 1 - lax.axis_index("q_tile")
     wg = lax.axis_index("wg")
     first, last = tiles_ref[batch, tile, 0], tiles_ref[batch, tile, 1]  # KV blocks the CTA loads
     dtype, head_dim = q_ref.dtype, q_ref.shape[3]
@@ -349,7 +354,7 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
 
     kernel = functools.partial(_kernel, block_q=block_q, block_kv=block_kv, stages=stages, group=n // kv_heads,
                                qk_scale=_LOG2_E / math.sqrt(h), interpreter_safe=interpreter_safe,
-                               interpret=interpret)
+                               interpret=interpret, num_tiles=t_pad // tile_q)
     dtype = q.dtype
 
     def entry(*refs):
