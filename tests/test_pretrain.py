@@ -88,3 +88,33 @@ def test_pretrain_refuses_a_swiftkv_model(start, tmp_path, capsys):
 def test_unknown_stage_is_refused(start, tmp_path, capsys):
     assert cli.main(args(start, tmp_path / "run", "stage=finetune")) == 2
     assert "stage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cross_entropy_gradient_is_jax_autodiff_of_the_whole_logits(tied):
+    """The chunks' gradients, computed in the forward pass (embedding, every layer, the head; a tied embedding
+    gets the lookup's and the head's), against jax.grad of the plain cross-entropy over `sk.forward`'s logits."""
+    import jax
+    import jax.numpy as jnp
+
+    model = sk.init(sk.ModelConfig(vocab_size=50, tie_word_embeddings=tied, **ARCH), 0)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50, (2, 12)).astype(np.int32)
+    segments = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], np.int32)
+    positions = np.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12))], np.int32)
+    batch = {"tokens": tokens, "positions": positions, "segment_ids": segments, "loss_mask": np.ones_like(tokens)}
+    targets, weights = step_lib.next_token_targets(batch)
+    grads, _ = jax.jit(lambda p: step_lib.pretrain_sums(p, {}, batch, 0.5, config=model.config,
+                                                        loss=LossSection(chunk_size=5)))(model.params)
+
+    def reference(params):
+        logits = sk.forward(params, tokens, positions, segments, config=model.config)
+        log_p = jax.nn.log_softmax(logits, axis=-1)
+        return -0.5 * jnp.sum(weights * jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0])
+
+    expected = jax.grad(reference)(model.params)
+    flat, flat_expected = (jax.tree_util.tree_flatten_with_path(g)[0] for g in (grads, expected))
+    assert [p for p, _ in flat] == [p for p, _ in flat_expected]
+    for (path, got), (_, want) in zip(flat, flat_expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.abs(want).max()) + 1e-9,
+                                   err_msg=jax.tree_util.keystr(path))
