@@ -83,8 +83,7 @@ def fused_chunked_sums(chunk_sums: Callable, head: Callable, head_params, hidden
             raise ValueError("fused_chunked_sums: only the hidden states and the head's weights have a gradient; "
                              "wrap the other inputs (targets, weights, the teacher's hidden states) in "
                              "jax.lax.stop_gradient")
-        sums, grads = forward(hidden.value, value(head_params), value(rest), hidden.perturbed, perturbed(head_params))
-        return sums, grads
+        return forward(hidden.value, value(head_params), value(rest), hidden.perturbed, perturbed(head_params))
 
     def sums_bwd(grads, g):
         d_hidden, d_params = grads

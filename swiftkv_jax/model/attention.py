@@ -82,7 +82,7 @@ def xla_chunked_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
             xs[0], k[:, :end], v[:, :end], xs[1], kv_positions[:, :end], xs[2], kv_segment_ids[:, :end]),
             prevent_cse=False)
         outs.append(jax.lax.map(body, tuple(x[first:stop] for x in q_blocks)))
-    out = jnp.concatenate(outs) if groups > 1 else outs[0]
+    out = jnp.concatenate(outs)
     out = jnp.moveaxis(out, 0, 1).reshape((q.shape[0], t + pad) + q.shape[2:])
     return out[:, :t]
 

@@ -107,7 +107,8 @@ class EngineConfig:
     pages wide (the step's longest sequence, bucketed) where its cost follows the width (`xla_loop="static"`, the
     form off the CPU); elsewhere one width. attention_impl / decode_attention_impl: None keeps the model config's
     off a GPU; on one, prompts run our Mosaic flash kernel on sm_90 and cuDNN elsewhere (bf16 / fp16 models), few
-    queries the Pallas paged kernel (`kernel_choice`: what the GPU runs measured fastest). enable_prefix_caching: reuse the pages of prompt prefixes already computed (see the scheduler).
+    queries the Pallas paged kernel (`kernel_choice`: what the GPU runs measured fastest). enable_prefix_caching:
+    reuse the pages of prompt prefixes already computed (see the scheduler).
     """
 
     swiftkv: Optional[bool] = None
