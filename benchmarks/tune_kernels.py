@@ -1,17 +1,23 @@
 """Tune the Pallas kernels' block sizes on this GPU and record the winners in swiftkv_jax/kernels/tuned_blocks.json.
 
-    python benchmarks/tune_kernels.py [--write] [--repeats 10] [--out benchmarks/results/tune_kernels_gpu.json]
+    python benchmarks/tune_kernels.py [--write] [--only mosaic_decode,paged:int8] [--deadline 540]
     python benchmarks/tune_kernels.py --smoke --table /tmp/t.json --write   # any machine: tiny, interpreted
-    python benchmarks/tune_kernels.py --from-results benchmarks/results/gpu-<date>/tune_kernels_gpu.json
-        # a GPU run's winners (its --out, brought back) into the table, without measuring
+    python benchmarks/tune_kernels.py --from-results run1.json gpu-<date>/tune.json   # GPU runs' winners (their
+        --out, or the GPU pack's tune step) into the table, without measuring
 
-Llama-3.1-8B heads (32 / 8 x 128), bf16. For each kernel and shape every candidate is timed (compiled, then the
-median of --repeats runs); a candidate that fails to compile or launch (shared memory, say) is recorded with its
-error. The winner is checked against the kernel's jnp reference at the tuned shape before it is kept, and its time
-is reported beside the defaults'. --write replaces this device's entries in the table (`--table`, default the
-package's), which compiled kernels called without block sizes then use (`swiftkv_jax.kernels.tuning`).
-Shapes: flash (causal prefill, batch 1) at 2K and 8K tokens; decode and paged decode (one query, batch 64, 8K
-context).
+Llama-3.1-8B heads (32 / 8 x 128). A point is a kernel, the query tokens its entry covers, a cache dtype and the
+shapes it is timed at; the points run in the order of the issue's targets: the Mosaic GPU prefill at 8K, Mosaic
+decode over bf16, int8 and FP8 caches (32 sequences x 4K and 32K keys), the Triton paged kernel (what sk.Engine
+runs) over int8 and bf16 pools, Mosaic paged, then the Triton prefill and decode. Every candidate (and the
+kernel's defaults) is timed at each of the point's shapes (compiled, then the median of --repeats samples, as
+benchmarks/kernels.py times); its score is the geometric mean of those times. A candidate that fails to compile,
+launch or fit shared memory is recorded with its error. The winner (the defaults may win: the entry then
+records that they were measured best) is checked against the kernel's jnp reference
+over the same (quantised) cache before it is kept. The results file is rewritten after every point, and points
+not started by --deadline seconds are recorded as such, so a bounded GPU call keeps what it measured. --write
+replaces this device's entries for the tuned points (kernel, cache dtype and token range) in the table
+(`--table`, default the package's), which compiled kernels called without block sizes then use
+(`swiftkv_jax.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -19,66 +25,244 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kernels import _error, timed
 from results_file import commit, write_results
 
-# (kernel, tokens the entry covers [min, max], shape) per tuned point
-POINTS = [("flash", (1, 4095), dict(batch=1, tokens=2048)), ("flash", (4096, None), dict(batch=1, tokens=8192)),
-          ("decode", (1, 16), dict(batch=64, context=8192)), ("paged", (1, 16), dict(batch=64, context=8192))]
-SMOKE_POINTS = [("flash", (1, None), dict(batch=1, tokens=64)), ("decode", (1, 16), dict(batch=2, context=128)),
-                ("paged", (1, 16), dict(batch=2, context=128))]
+
+class Point(NamedTuple):
+    kernel: str        # a tuning-table kernel name (swiftkv_jax.kernels.tuning.KERNELS)
+    tokens: tuple      # (min, max or None): the query tokens the entry covers
+    cache_dtype: str   # K and V's dtype (int8 / float8_e4m3fn: quantised per token and head, as the engines do)
+    shapes: tuple      # dicts: flash (batch, tokens); decode (batch, context); paged (batch, context, page_size)
+
+
+_DECODE = (dict(batch=32, context=4096), dict(batch=32, context=32768))
+POINTS = (
+    Point("mosaic_flash", (4096, None), "bfloat16", (dict(batch=1, tokens=8192),)),
+    Point("mosaic_decode", (1, 16), "bfloat16", _DECODE),
+    Point("mosaic_decode", (1, 16), "int8", _DECODE),
+    Point("mosaic_decode", (1, 16), "float8_e4m3fn", _DECODE),
+    Point("paged", (1, 16), "int8", (dict(batch=32, context=8192, page_size=16),)),
+    Point("paged", (1, 16), "bfloat16", (dict(batch=32, context=8192, page_size=16),)),
+    Point("mosaic_paged", (1, 16), "bfloat16", (dict(batch=32, context=8192, page_size=16),)),
+    Point("mosaic_paged", (1, 16), "int8", (dict(batch=32, context=8192, page_size=32),)),
+    Point("mosaic_flash", (1, 4095), "bfloat16", (dict(batch=1, tokens=2048),)),
+    Point("flash", (4096, None), "bfloat16", (dict(batch=1, tokens=8192),)),
+    Point("flash", (1, 4095), "bfloat16", (dict(batch=1, tokens=2048),)),
+    Point("decode", (1, 16), "bfloat16", (dict(batch=64, context=8192),)),
+)
+SMOKE_POINTS = (
+    Point("flash", (1, None), "bfloat16", (dict(batch=1, tokens=64),)),
+    Point("decode", (1, 16), "bfloat16", (dict(batch=2, context=128),)),
+    Point("paged", (1, 16), "bfloat16", (dict(batch=2, context=128, page_size=16),)),
+    Point("paged", (1, 16), "int8", (dict(batch=2, context=128, page_size=16),)),
+    Point("mosaic_flash", (1, None), "bfloat16", (dict(batch=1, tokens=128),)),
+    Point("mosaic_decode", (1, 16), "int8", (dict(batch=1, context=128), dict(batch=2, context=64))),
+    Point("mosaic_paged", (1, 16), "bfloat16", (dict(batch=1, context=128, page_size=32),)),
+)
+_SPLIT_K = [dict(block_k=k, num_splits=n, num_warps=w, num_stages=2, block_q=64)
+            for k, n, w in itertools.product((32, 64, 128), (8, 16, 32), (4, 8))]
+_MOSAIC_SPLIT_K = [dict(block_kv=k, max_concurrent_steps=s, ctas_per_sm=c)
+                   for k, s, c in itertools.product((64, 128, 256), (2, 3, 4), (1, 2, 4, 8))]
 CANDIDATES = {
     "flash": [dict(block_q=q, block_k=k, num_warps=w, num_stages=s)
               for q, k, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))],
-    "decode": [dict(block_k=k, num_splits=n, num_warps=w, num_stages=2, block_q=64)
-               for k, n, w in itertools.product((32, 64, 128), (8, 16, 32), (4, 8))],
+    "decode": _SPLIT_K, "paged": _SPLIT_K,
+    # shapes that do not fit shared memory are refused before launching (recorded, cheaply)
+    "mosaic_flash": [dict(block_q=q, block_kv=k, max_concurrent_steps=s)
+                     for q, k, s in itertools.product((64, 128), (64, 128, 256), (2, 3, 4))],
+    "mosaic_decode": _MOSAIC_SPLIT_K, "mosaic_paged": _MOSAIC_SPLIT_K,
 }
-CANDIDATES["paged"] = CANDIDATES["decode"]
+_SMOKE_SPLIT_K = [dict(block_k=16, num_splits=2, num_warps=4, num_stages=2, block_q=16),
+                  dict(block_k=32, num_splits=4, num_warps=4, num_stages=2, block_q=16)]
+_SMOKE_MOSAIC_SPLIT_K = [dict(block_kv=64, max_concurrent_steps=2, ctas_per_sm=1),
+                         dict(block_kv=64, max_concurrent_steps=3, ctas_per_sm=2)]
 SMOKE_CANDIDATES = {"flash": [dict(block_q=16, block_k=16, num_warps=4, num_stages=2),
                               dict(block_q=32, block_k=16, num_warps=4, num_stages=2)],
-                    "decode": [dict(block_k=16, num_splits=2, num_warps=4, num_stages=2, block_q=16),
-                               dict(block_k=32, num_splits=4, num_warps=4, num_stages=2, block_q=16)]}
-SMOKE_CANDIDATES["paged"] = SMOKE_CANDIDATES["decode"]
+                    "decode": _SMOKE_SPLIT_K, "paged": _SMOKE_SPLIT_K,
+                    "mosaic_flash": [dict(block_q=64, block_kv=64, max_concurrent_steps=2)],
+                    "mosaic_decode": _SMOKE_MOSAIC_SPLIT_K, "mosaic_paged": _SMOKE_MOSAIC_SPLIT_K}
 
 
-def write_table(table, device_kind: str, entries: list, commit: str) -> None:
-    """Replace device_kind's entries of the table (default the package's) by these, stamped with the commit."""
+def parse_only(text: str | None, points) -> tuple:
+    """The points that "--only kernel[:dtype],..." names, in the run's order; all for None."""
+    if not text:
+        return tuple(points)
+    wanted = [item.strip().split(":") for item in text.split(",") if item.strip()]
+    chosen = tuple(p for p in points if any(w[0] == p.kernel and (len(w) == 1 or w[1] == p.cache_dtype)
+                                            for w in wanted))
+    if not chosen:
+        raise ValueError(f"--only {text!r} names no point; points are "
+                         + ", ".join(sorted({f"{p.kernel}:{p.cache_dtype}" for p in points})))
+    return chosen
+
+
+def entry_key(e: dict) -> tuple:
+    return (e["device"], e["kernel"], e.get("cache_dtype"), e.get("min_tokens"), e.get("max_tokens"))
+
+
+def write_table(table, entries: list, commit: str) -> None:
+    """Put these entries into the table (default the package's), stamped with the commit, replacing the entries of
+    the same device, kernel, cache dtype and token range (other points' entries stay)."""
     from swiftkv_jax.kernels.tuning import TABLE
 
     table = table or TABLE
     data = json.loads(table.read_text()) if table.exists() else {"entries": []}
     for e in entries:
         e["measured"]["commit"] = commit
-    data["entries"] = [e for e in data.get("entries", []) if e["device"] != device_kind] + entries
+    new = {entry_key(e) for e in entries}
+    data["entries"] = [e for e in data.get("entries", []) if entry_key(e) not in new] + entries
     table.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {len(entries)} entries for {device_kind} to {table}")
+    print(f"wrote {len(entries)} entries to {table}")
+
+
+def tuning_results(data: dict) -> list:
+    """This script's results in a file: its own --out, or the GPU pack's record of its `tune` step (tune.json, each
+    command's result kept)."""
+    if "entries" in data:
+        return [data]
+    found = [c["result"] for c in data.get("commands", []) if isinstance(c.get("result"), dict)
+             and "entries" in c["result"]]
+    if not found:
+        raise SystemExit("no tuning results in that file: give a tune_kernels.py --out or the GPU pack's tune.json")
+    return found
+
+
+class Kernels:
+    """The kernels under tuning: their calls (block sizes first, then `inputs`' arrays), references, block-size
+    types, defaults and inputs, at Llama-3.1-8B's heads (tiny heads for --smoke)."""
+
+    def __init__(self, smoke: bool, interpret: bool):
+        import jax
+        import jax.numpy as jnp
+
+        from swiftkv_jax import kernels as sk
+
+        self.jax, self.jnp = jax, jnp
+        self.heads, self.kv_heads, self.head_dim = (8, 2, 64) if smoke else (32, 8, 128)
+        self._keys = iter(jax.random.split(jax.random.key(0), 256))
+        mode = dict(interpret=interpret)
+        flash_call = lambda fn: lambda s, q, k, v, p, g: fn(q, k, v, p, p, g, g, block_sizes=s, **mode)  # noqa: E731
+        split_call = lambda fn: (lambda s, *x: fn(*x[:-2], block_sizes=s, k_scale=x[-2], v_scale=x[-1],  # noqa: E731
+                                                    **mode))
+        self.call = {"flash": flash_call(sk.flash_attention), "mosaic_flash": flash_call(sk.flash_attention_mgpu),
+                     "decode": split_call(sk.decode_attention), "mosaic_decode": split_call(sk.decode_attention_mgpu),
+                     "paged": split_call(sk.paged_attention), "mosaic_paged": split_call(sk.paged_attention_mgpu)}
+        to_bskh = lambda x: None if x is None else jnp.swapaxes(x, 1, 2)  # noqa: E731 - [B, K, S(, H)] -> [B, S, K(, H)]
+        self.reference = {
+            "flash": lambda q, k, v, p, g: sk.flash_attention_reference(q, k, v, p, p, g, g),
+            "decode": lambda *x: sk.decode_attention_reference(*x[:-2], k_scale=x[-2], v_scale=x[-1]),
+            "paged": lambda *x: sk.paged_attention_reference(*x[:-2], k_scale=x[-2], v_scale=x[-1]),
+            "mosaic_decode": lambda q, k, v, n, p, ks, vs: sk.decode_attention_reference(
+                q, to_bskh(k), to_bskh(v), n, p, k_scale=to_bskh(ks), v_scale=to_bskh(vs))}
+        self.reference["mosaic_flash"], self.reference["mosaic_paged"] = self.reference["flash"], self.reference["paged"]
+        self.sizes = {"flash": sk.FlashBlockSizes, "decode": sk.DecodeBlockSizes, "paged": sk.DecodeBlockSizes,
+                      "mosaic_flash": sk.MosaicFlashBlockSizes, "mosaic_decode": sk.MosaicDecodeBlockSizes,
+                      "mosaic_paged": sk.MosaicDecodeBlockSizes}
+        self.defaults = {**{k: cls() for k, cls in self.sizes.items()},
+                         "flash": sk.FlashBlockSizes.for_head_dim(self.head_dim)}
+
+    def _normal(self, *shape):
+        return self.jax.random.normal(next(self._keys), shape, self.jnp.bfloat16)
+
+    def _cache(self, shape, cache_dtype):
+        """(values, scales or None): a bf16 cache of `shape`, quantised per token and head as the engines store it."""
+        from swiftkv_jax.model.kv_quant import quantize
+
+        return quantize(self._normal(*shape), cache_dtype)
+
+    def inputs(self, kernel: str, cache_dtype: str, shape: dict) -> tuple:
+        """The arrays of one call at `shape`: the queries, K / V, positions / lengths / tables, and for the split-K
+        kernels the scales last (k_scale, v_scale: None over a 16-bit cache; arguments, not constants of the
+        compiled call)."""
+        jnp, heads, kv_heads, h = self.jnp, self.heads, self.kv_heads, self.head_dim
+        if kernel.endswith("flash"):
+            b, t = shape["batch"], shape["tokens"]
+            p = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            kv = lambda: self._normal(b, t, kv_heads, h)  # noqa: E731
+            return self._normal(b, t, heads, h), kv(), kv(), p, jnp.zeros((b, t), jnp.int32)
+        b, s = shape["batch"], shape["context"]
+        q = self._normal(b, 1, heads, h)
+        lengths, positions = jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32)
+        if kernel.endswith("paged"):
+            page = shape["page_size"]
+            pages = s // page
+            table = self.jax.random.permutation(next(self._keys), jnp.arange(1, b * pages + 1, dtype=jnp.int32))
+            (k, ks), (v, vs) = (self._cache((kv_heads, b * pages + 1, page, h), cache_dtype) for _ in "kv")
+            return q, k, v, table.reshape(b, pages), lengths, positions, ks, vs
+        layout = (b, kv_heads, s, h) if kernel == "mosaic_decode" else (b, s, kv_heads, h)
+        (k, ks), (v, vs) = (self._cache(layout, cache_dtype) for _ in "kv")
+        return q, k, v, lengths, positions, ks, vs
+
+
+def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, stop_at: float, rows: list):
+    """Time every candidate (and the defaults) at the point's shapes; (winner, its score, the defaults' score,
+    per-shape times of the winner) or a reason there is none. Rows are appended to `rows` as measured."""
+    import numpy as np
+
+    jnp = kernels.jnp
+    inputs = [kernels.inputs(point.kernel, point.cache_dtype, shape) for shape in point.shapes]
+    call = kernels.call[point.kernel]
+    scores = []  # (geometric mean s, block sizes, is the default, per-shape s)
+    for fields in candidates + ["default"]:
+        if time.monotonic() > stop_at:
+            return None, "stopped at the deadline before every candidate ran"
+        sizes = kernels.defaults[point.kernel] if fields == "default" else kernels.sizes[point.kernel](**fields)
+        row = dict(kernel=point.kernel, cache_dtype=point.cache_dtype, block_sizes=vars(sizes).copy(),
+                   default=fields == "default", shapes=[])
+        try:
+            for shape, args in zip(point.shapes, inputs):
+                t, compile_s = timed(lambda *a, s=sizes: call(s, *a), *args, repeats=repeats)
+                row["shapes"].append(dict(shape, time_s=t, compile_s=compile_s))
+            row["time_s"] = math.exp(sum(math.log(r["time_s"]) for r in row["shapes"]) / len(row["shapes"]))
+            scores.append((row["time_s"], sizes, row["default"], [r["time_s"] for r in row["shapes"]]))
+        except Exception as e:  # noqa: BLE001 - a candidate that does not fit is recorded, not hidden
+            row["error"] = _error(e)
+        print("measured", row, file=sys.stderr, flush=True)
+        rows.append(row)
+    ranked = sorted(scores, key=lambda s: s[0])  # the defaults too: an entry is never slower than no entry
+    default = next((s[0] for s in scores if s[2]), None)
+    if not ranked:
+        return None, "no candidate ran"
+    best_time, best, _, per_shape = ranked[0]
+    for args in inputs:  # the winner against the reference, over the same (quantised) cache
+        out = np.asarray(call(best, *args), np.float32)
+        wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
+        want = np.asarray(kernels.reference[point.kernel](*wide), np.float32)
+        if not np.allclose(out, want, atol=4e-3, rtol=2e-2):
+            return None, f"the winner {best} disagrees with the reference (max |diff| {np.abs(out - want).max():.3g})"
+    return (best, best_time, default, per_shape), None
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted: checks the script")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per candidate (default 10, smoke 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed samples per candidate (default 10, smoke 1)")
+    parser.add_argument("--only", default=None, help="points to tune: kernel or kernel:cache_dtype, comma-separated "
+                                                     "(e.g. mosaic_decode,paged:int8); default all, in order")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds after which no point or candidate "
+                                                                     "starts (results so far are kept)")
     parser.add_argument("--write", action="store_true", help="record the winners in the table")
     parser.add_argument("--table", default=None, help="the table to write (default the package's tuned_blocks.json)")
-    parser.add_argument("--out", default=None, help="JSON of every candidate's time")
-    parser.add_argument("--from-results", default=None, help="write the winners of an earlier run's --out JSON "
-                                                             "into the table, measuring nothing")
+    parser.add_argument("--out", default=None, help="JSON of every candidate's time, rewritten after each point")
+    parser.add_argument("--from-results", nargs="+", default=None, help="write the winners of earlier runs' --out "
+                                                                          "JSON into the table, measuring nothing")
     args = parser.parse_args(argv)
+    table = Path(args.table) if args.table else None
     if args.from_results:
-        result = json.loads(Path(args.from_results).read_text())
-        write_table(Path(args.table) if args.table else None, result["device"], result["entries"], result["commit"])
+        for path in args.from_results:
+            for result in tuning_results(json.loads(Path(path).read_text())):
+                write_table(table, result["entries"], result["commit"])
         return 0
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from swiftkv_jax.kernels import (DecodeBlockSizes, FlashBlockSizes, decode_attention, decode_attention_reference,
-                                     flash_attention, flash_attention_reference, paged_attention,
-                                     paged_attention_reference)
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.smoke:
         print("benchmarks/tune_kernels.py tunes GPU kernels and this machine has none; --smoke checks the script",
@@ -86,77 +270,46 @@ def main(argv=None) -> int:
         return 2
     interpret = device.platform != "gpu"
     repeats = args.repeats or (1 if args.smoke else 10)
-    heads, kv_heads, head_dim = (8, 2, 32) if args.smoke else (32, 8, 128)
-    dtype = jnp.bfloat16
-    keys = iter(jax.random.split(jax.random.key(0), 64))
-    normal = lambda *shape: jax.random.normal(next(keys), shape, dtype)  # noqa: E731
-
-    def inputs(kernel, shape):
-        if kernel == "flash":
-            b, t = shape["batch"], shape["tokens"]
-            p = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            g = jnp.zeros((b, t), jnp.int32)
-            kv = lambda: normal(b, t, kv_heads, head_dim)  # noqa: E731
-            return normal(b, t, heads, head_dim), kv(), kv(), p, p, g, g
-        b, s = shape["batch"], shape["context"]
-        q, n, p = normal(b, 1, heads, head_dim), jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32)
-        if kernel == "decode":
-            return q, normal(b, s, kv_heads, head_dim), normal(b, s, kv_heads, head_dim), n, p
-        pages = s // 16
-        table = jax.random.permutation(next(keys), jnp.arange(1, b * pages + 1, dtype=jnp.int32)).reshape(b, pages)
-        pool = lambda: normal(kv_heads, b * pages + 1, 16, head_dim)  # noqa: E731
-        return q, pool(), pool(), table, n, p
-
-    run = {"flash": lambda sizes, *x: flash_attention(*x, block_sizes=sizes, interpret=interpret),
-           "decode": lambda sizes, *x: decode_attention(*x, block_sizes=sizes, interpret=interpret),
-           "paged": lambda sizes, *x: paged_attention(*x, block_sizes=sizes, interpret=interpret)}
-    reference = {"flash": flash_attention_reference, "decode": decode_attention_reference,
-                 "paged": paged_attention_reference}
-    sizes_cls = {"flash": FlashBlockSizes, "decode": DecodeBlockSizes, "paged": DecodeBlockSizes}
-    defaults = {"flash": FlashBlockSizes.for_head_dim(head_dim), "decode": DecodeBlockSizes(),
-                "paged": DecodeBlockSizes()}
-
-    rows, entries = [], []
-    for kernel, (low, high), shape in (SMOKE_POINTS if args.smoke else POINTS):
-        x = inputs(kernel, shape)
-        timings = []
-        for fields in (SMOKE_CANDIDATES if args.smoke else CANDIDATES)[kernel] + ["default"]:
-            sizes = defaults[kernel] if fields == "default" else sizes_cls[kernel](**fields)
-            row = dict(kernel=kernel, **shape, block_sizes=vars(sizes).copy(), default=fields == "default")
-            try:
-                row["time_s"], row["compile_s"] = timed(lambda *a, s=sizes: run[kernel](s, *a), *x, repeats=repeats)
-                timings.append((row["time_s"], sizes, row["default"]))
-            except Exception as e:  # noqa: BLE001 - a candidate that does not fit is recorded, not hidden
-                row["error"] = _error(e)
-            print("measured", row, file=sys.stderr, flush=True)
-            rows.append(row)
-        candidates = sorted(t for t in timings if not t[2])
-        default_time = next((t for t, _, d in timings if d), None)
-        if not candidates:
-            print(f"{kernel} {shape}: no candidate ran", flush=True)
-            continue
-        best_time, best, _ = candidates[0]
-        out = np.asarray(run[kernel](best, *x), np.float32)
-        want = np.asarray(reference[kernel](*(a.astype(jnp.float32) if a.dtype == dtype else a for a in x)))
-        if not np.allclose(out, want, atol=4e-3, rtol=2e-2):
-            print(f"{kernel} {shape}: the winner {best} disagrees with the reference; not kept", flush=True)
-            continue
-        print(f"{kernel} {shape}: {best} {best_time * 1e3:.3f} ms (defaults "
-              f"{'failed' if default_time is None else f'{default_time * 1e3:.3f} ms'})", flush=True)
-        entry = dict(kernel=kernel, device=device.device_kind, head_dim=head_dim, group=heads // kv_heads,
-                     min_tokens=low, block_sizes=vars(best).copy(),
-                     measured=dict(shape=shape, time_s=best_time, default_time_s=default_time, dtype="bfloat16"))
-        if high is not None:
-            entry["max_tokens"] = high
-        entries.append(entry)
-
+    points = parse_only(args.only, SMOKE_POINTS if args.smoke else POINTS)
+    stop_at = time.monotonic() + (args.deadline if args.deadline is not None else float("inf"))
+    kernels = Kernels(args.smoke, interpret)
     out = args.out or ("/tmp/swiftkv_jax_tune_smoke.json" if args.smoke else
                        f"benchmarks/results/tune_kernels_{device.platform}.json")
-    write_results(out, "benchmarks/tune_kernels.py", argv,
-                  {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
-                   "entries": entries})
+    rows, entries, outcomes = [], [], []
+
+    def save():
+        write_results(out, "benchmarks/tune_kernels.py", argv,
+                      {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
+                       "entries": entries, "points": outcomes})
+
+    for point in points:
+        label = f"{point.kernel} {point.cache_dtype} {list(point.shapes)}"
+        if time.monotonic() > stop_at:
+            outcomes.append(dict(point._asdict(), status="not started (deadline)"))
+            continue
+        candidates = (SMOKE_CANDIDATES if args.smoke else CANDIDATES)[point.kernel]
+        found, why = tune_point(kernels, point, candidates, repeats, stop_at, rows)
+        if found is None:
+            print(f"{label}: {why}; nothing kept", flush=True)
+            outcomes.append(dict(point._asdict(), status=why))
+        else:
+            best, best_time, default_time, per_shape = found
+            print(f"{label}: {best} {best_time * 1e3:.3f} ms (defaults "
+                  f"{'failed' if default_time is None else f'{default_time * 1e3:.3f} ms'})", flush=True)
+            entry = dict(kernel=point.kernel, device=device.device_kind, head_dim=kernels.head_dim,
+                         group=kernels.heads // kernels.kv_heads, cache_dtype=point.cache_dtype,
+                         min_tokens=point.tokens[0], block_sizes=vars(best).copy(),
+                         measured=dict(shapes=list(point.shapes), time_s=best_time, shape_times_s=per_shape,
+                                       default_time_s=default_time, score="geometric mean over the shapes"))
+            if point.tokens[1] is not None:
+                entry["max_tokens"] = point.tokens[1]
+            entries.append(entry)
+            outcomes.append(dict(point._asdict(), status="tuned",
+                                 speedup_over_default=None if default_time is None else default_time / best_time))
+        save()
+    save()
     if args.write:
-        write_table(Path(args.table) if args.table else None, device.device_kind, entries, commit())
+        write_table(table, entries, commit())
     return 0
 
 

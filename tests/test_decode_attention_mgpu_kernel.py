@@ -268,11 +268,14 @@ def test_automatic_splits_fill_the_gpu_and_never_outnumber_the_blocks():
     assert auto.splits(4096, ctas=2048, num_sms=132) == 1      # batch 256: one split
     assert auto.splits(300, ctas=1, num_sms=132) == 3          # never more than the blocks
     assert MosaicDecodeBlockSizes(128, 2, 4).splits(32768, ctas=8) == 4  # an explicit count is kept
+    four = MosaicDecodeBlockSizes(128, 2, ctas_per_sm=4)              # a tuned occupancy: 4 CTAs an SM
+    assert four.splits(4096, ctas=256, num_sms=132) == 3 and four.splits(32768, ctas=8, num_sms=132) == 66
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_kv=96), "multiple of 64"), (dict(block_kv=512), "multiple of 64"),
     (dict(max_concurrent_steps=1), ">= 2"), (dict(num_splits=-1), ">= 0"), (dict(num_splits=True), ">= 0"),
+    (dict(ctas_per_sm=0), "ctas_per_sm must be an int >= 1"),
 ])
 def test_block_sizes_reject_invalid_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

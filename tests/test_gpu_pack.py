@@ -200,9 +200,10 @@ def test_a_step_past_the_deadline_is_not_started(tmp_path):
 
 def test_step_selection_chunks_and_bandwidth():
     assert [s.name for s in pack_steps.select("3,pytest")] == ["pytest", "bench"]
-    assert len(pack_steps.select("all")) == len(pack_steps.STEPS) == 6
+    assert len(pack_steps.select("all")) == len(pack_steps.STEPS) == 7
+    assert [s.name for s in pack_steps.select("7,kernels")] == ["kernels", "tune"]
     with pytest.raises(ValueError, match="unknown step"):
-        pack_steps.select("7")
+        pack_steps.select("8")
     assert pack_steps.prefill_chunk(2048, 1, 65536) == 2048
     assert pack_steps.prefill_chunk(8192, 64, 65536) == 1024
     assert pack_steps.prefill_chunk(24, 8, 16) == 12 and pack_steps.prefill_chunk(36, 8, 16) == 9  # stops at 16 or odd
@@ -221,7 +222,7 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(["env.json", "summary.md"] + [f"{s.name}.json" for s in pack_steps.STEPS])
-    assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())
+    assert all(p.is_file() for p in out.iterdir())  # flat (a GPU call, at most 6 steps, brings back <= 8 files)
     records = {s.name: json.loads((out / f"{s.name}.json").read_text()) for s in pack_steps.STEPS}
 
     def why(name):
@@ -253,6 +254,10 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
                                                              "benchmarks/train_pipeline.py --preset 1b",
                                                              "demo.py --budget gpu"))
     assert "memory plan (cpu)" in (out / "summary.md").read_text()
+    assert records["tune"]["status"] == "ok", why("tune")
+    tune = records["tune"]["commands"][0]["result"]
+    assert [p["status"] for p in tune["points"]] == ["tuned", "tuned"] and len(tune["entries"]) == 2
+    assert "| decode | bfloat16 | 2,128 | tuned |" in (out / "summary.md").read_text()
     for name in ("serving", "peers"):  # skipped until the script exists, then its smoke runs
         assert records[name]["status"] in ("ok", "skipped"), why(name)
         if not (REPO / "benchmarks" / f"{name}.py").exists():
@@ -263,6 +268,33 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert env["commit"]["commit"] in summary and "SMOKE" in summary
     assert "| 1 | pytest | **failed**" in summary and "| 3 | bench | **ok**" in summary
     assert "| paged decode impl | page | batch | context | ms | GB/s | of measured |" in summary
+
+
+def test_a_gpu_call_of_more_steps_than_files_it_brings_back_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, str(PACK / "pack.py"), "run", "--out", str(tmp_path / "r"), "--no-install",
+                           "--steps", "all"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "at most 8" in proc.stderr and "at most 6 steps a call" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_tune_step_passes_its_points_and_a_deadline_inside_its_limit(tmp_path):
+    """On the GPU the tune step runs every point (or --tune-only's) under tune_kernels.py's own deadline, which the
+    step's limit covers; the script accepts the argv."""
+    seen = []
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, tune_only="mosaic_decode:int8")
+    pack_steps.tune_step(ctx, seen.append)
+    (cmd,) = seen
+    argv = [str(a) for a in cmd.argv]
+    assert argv[argv.index("--only") + 1] == "mosaic_decode:int8"
+    deadline = float(argv[argv.index("--deadline") + 1])
+    assert deadline + 30 < cmd.limit_s < pack_steps.BY_NAME["tune"].limit_s
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    assert [p.kernel for p in tune_kernels.parse_only("mosaic_decode:int8", tune_kernels.POINTS)] == ["mosaic_decode"]
+    assert tune_kernels.POINTS[0].kernel == "mosaic_flash" and tune_kernels.POINTS[0].shapes[0]["tokens"] == 8192
 
 
 def test_serving_step_runs_each_part_with_arguments_serving_py_accepts(tmp_path):

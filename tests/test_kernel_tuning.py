@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from swiftkv_jax.kernels import DecodeBlockSizes, FlashBlockSizes
+from swiftkv_jax.kernels import DecodeBlockSizes, FlashBlockSizes, MosaicDecodeBlockSizes, MosaicFlashBlockSizes
 from swiftkv_jax.kernels.tuning import TABLE, _entries, lookup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,34 +38,112 @@ def test_the_narrowest_matching_entry_wins(tmp_path):
     assert lookup("paged", "NVIDIA H100", head_dim=128, group=4, tokens=1, table=table) is None
 
 
+def test_an_entry_for_the_cache_dtype_wins_over_one_for_any(tmp_path):
+    sizes = lambda k: dict(block_kv=k, max_concurrent_steps=2, ctas_per_sm=2)  # noqa: E731
+    any_dtype = dict(kernel="mosaic_decode", device="H200", head_dim=128, group=4, min_tokens=1, max_tokens=16,
+                     block_sizes=sizes(128))
+    int8 = dict(any_dtype, cache_dtype="int8", min_tokens=0, max_tokens=1 << 20, block_sizes=sizes(64))
+    table = write(tmp_path, [any_dtype, int8])
+    at = lambda dtype: lookup("mosaic_decode", "NVIDIA H200", head_dim=128, group=4, tokens=1,  # noqa: E731
+                              cache_dtype=dtype, table=table)
+    assert at(jnp.dtype(jnp.int8)) == sizes(64)  # although its token range is the wider
+    assert at(jnp.dtype(jnp.bfloat16)) == sizes(128) and at(None) == sizes(128)
+    assert lookup("mosaic_paged", "NVIDIA H200", head_dim=128, group=4, tokens=1, cache_dtype="int8",
+                  table=table) is None
+
+
+def test_a_compiled_mosaic_kernel_without_block_sizes_takes_the_tuned_ones(tmp_path, monkeypatch):
+    """`settings`, which every Mosaic kernel's entry point calls: the table's entry for this device (here the CPU)
+    when compiled and given no block sizes; the defaults interpreted; given sizes as given."""
+    import swiftkv_jax.kernels.tuning as tuning
+    from swiftkv_jax.kernels.mosaic_launch import settings
+
+    device = jax.devices()[0].device_kind
+    tuned = dict(block_kv=64, max_concurrent_steps=3, num_splits=0, ctas_per_sm=4)
+    monkeypatch.setattr(tuning, "TABLE", write(tmp_path, [dict(kernel="mosaic_decode", device=device, head_dim=128,
+                                                               group=4, cache_dtype="int8", block_sizes=tuned)]))
+    tune = dict(kernel="mosaic_decode", head_dim=128, group=4, tokens=1, cache_dtype=jnp.dtype(jnp.int8))
+    compiled = lambda sizes=None, **kw: settings("k", False, False, sizes, MosaicDecodeBlockSizes,  # noqa: E731
+                                                 dict(tune, **kw))[2]
+    assert compiled() == MosaicDecodeBlockSizes(**tuned)
+    assert compiled(cache_dtype=jnp.dtype(jnp.bfloat16)) == MosaicDecodeBlockSizes()
+    assert compiled(MosaicDecodeBlockSizes(block_kv=256)) == MosaicDecodeBlockSizes(block_kv=256)
+    assert settings("k", True, None, None, MosaicDecodeBlockSizes, tune)[2] == MosaicDecodeBlockSizes()
+
+
 def test_a_malformed_entry_is_a_clear_error(tmp_path):
     table = write(tmp_path, [dict(kernel="flashy", device="H100", block_sizes={})])
-    with pytest.raises(ValueError, match="kernel .one of flash, decode, paged"):
+    with pytest.raises(ValueError, match="kernel .one of flash, decode, paged, mosaic_flash"):
         lookup("flash", "H100", head_dim=128, group=4, tokens=1, table=table)
+
+
+SIZES = {"flash": FlashBlockSizes, "decode": DecodeBlockSizes, "paged": DecodeBlockSizes,
+         "mosaic_flash": MosaicFlashBlockSizes, "mosaic_decode": MosaicDecodeBlockSizes,
+         "mosaic_paged": MosaicDecodeBlockSizes}
 
 
 def test_the_packages_table_is_valid():
     for entry in _entries(str(TABLE)):
-        cls = FlashBlockSizes if entry["kernel"] == "flash" else DecodeBlockSizes
-        cls(**entry["block_sizes"])  # validates
+        SIZES[entry["kernel"]](**entry["block_sizes"])  # validates
+
+
+def tune(tmp_path, *args, timeout=600):
+    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def test_the_tuning_script_writes_a_table_the_kernels_read(tmp_path):
-    table = tmp_path / "tuned.json"
-    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--smoke", "--write", "--table", str(table),
-                           "--out", str(tmp_path / "rows.json")], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """Its smoke (tiny shapes, interpreted) over every kernel but the Mosaic prefill (a minute interpreted: the slow
+    test below), the quantised points included; then a GPU run's --out brought back into another table."""
+    table, rows = tmp_path / "tuned.json", tmp_path / "rows.json"
+    kernels = "flash,decode,paged,mosaic_decode,mosaic_paged"
+    tune(tmp_path, "--smoke", "--write", "--table", table, "--out", rows, "--only", kernels)
     entries = json.loads(table.read_text())["entries"]
-    assert sorted(e["kernel"] for e in entries) == ["decode", "flash", "paged"]
-    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    assert all("time_s" in r for r in rows) and sum(r["default"] for r in rows) == 3
-    flash = next(e for e in entries if e["kernel"] == "flash")
-    found = lookup("flash", flash["device"], head_dim=32, group=4, tokens=64, table=table)
-    assert found == flash["block_sizes"] and FlashBlockSizes(**found)
-    # a GPU run's --out brought back: its winners into another table, nothing measured
+    assert sorted((e["kernel"], e["cache_dtype"]) for e in entries) == [
+        ("decode", "bfloat16"), ("flash", "bfloat16"), ("mosaic_decode", "int8"), ("mosaic_paged", "bfloat16"),
+        ("paged", "bfloat16"), ("paged", "int8")]
+    result = json.loads(rows.read_text())
+    assert all("time_s" in r for r in result["rows"]) and sum(r["default"] for r in result["rows"]) == 6
+    assert [p["status"] for p in result["points"]] == ["tuned"] * 6
+    mosaic = next(r for r in result["rows"] if r["kernel"] == "mosaic_decode")
+    assert [s["context"] for s in mosaic["shapes"]] == [128, 64]  # every shape of the point timed
+    for e in entries:
+        found = lookup(e["kernel"], e["device"], head_dim=64, group=4, tokens=1 if "flash" not in e["kernel"] else 64,
+                       cache_dtype=jnp.dtype(e["cache_dtype"]), table=table)
+        assert found == e["block_sizes"] and SIZES[e["kernel"]](**found)
     again = tmp_path / "again.json"
-    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--from-results", str(tmp_path / "rows.json"),
-                           "--table", str(again)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    tune(tmp_path, "--from-results", rows, "--table", again, timeout=120)
     assert json.loads(again.read_text())["entries"] == entries
+
+
+def test_a_second_run_replaces_only_its_own_points(tmp_path):
+    """Two bounded GPU calls tune different points: writing the second keeps the first's entries."""
+    table = tmp_path / "tuned.json"
+    for only in ("decode", "paged:int8", "decode"):
+        tune(tmp_path, "--smoke", "--write", "--table", table, "--out", tmp_path / "rows.json", "--only", only)
+    entries = json.loads(table.read_text())["entries"]
+    assert sorted((e["kernel"], e["cache_dtype"]) for e in entries) == [("decode", "bfloat16"), ("paged", "int8")]
+
+
+def test_a_deadline_keeps_what_was_measured(tmp_path):
+    rows = tmp_path / "rows.json"
+    tune(tmp_path, "--smoke", "--out", rows, "--only", "decode,paged", "--deadline", 0)
+    result = json.loads(rows.read_text())
+    assert result["entries"] == [] and result["rows"] == []
+    assert [p["status"] for p in result["points"]] == ["not started (deadline)"] * 3
+
+
+def test_only_naming_no_point_is_a_clear_error(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--smoke", "--only", "mosaic_decode:fp4"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "names no point" in proc.stderr and "mosaic_decode:int8" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_tuning_script_tunes_the_mosaic_prefill(tmp_path):
+    table = tmp_path / "tuned.json"
+    tune(tmp_path, "--smoke", "--write", "--table", table, "--out", tmp_path / "rows.json", "--only", "mosaic_flash")
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert entry["kernel"] == "mosaic_flash" and MosaicFlashBlockSizes(**entry["block_sizes"])

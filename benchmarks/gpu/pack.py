@@ -17,7 +17,8 @@ Afterwards:
 `run` installs the wheelhouse into --site with no index and no dependency resolution, puts it and the repo on
 PYTHONPATH for every step, records the machine in env.json, then runs the steps in order, each in its own
 processes under its time limit and the call's --deadline; a step that fails or runs out of time is recorded and
-the next one starts. DIR stays flat: env.json, <step>.json per step, summary.md (at most 8 files). It exits 1
+the next one starts. DIR stays flat: env.json, <step>.json per step, summary.md (a GPU call runs at most 6 steps,
+so that it writes at most the 8 files a device call brings back). It exits 1
 when a step failed or timed out.
 """
 
@@ -35,6 +36,7 @@ from pack_steps import (BENCH, DISTILL_LIMITS, DISTILL_PARTS, PYTEST_LIMITS, PYT
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
+MAX_FILES_BACK = 8  # files a device call brings back from $OUT
 
 
 def _limits(items) -> dict:
@@ -85,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the distill step's commands, comma-separated, in order ({', '.join(DISTILL_PARTS)}; default "
                         "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, and demo "
                         "each")
+    r.add_argument("--tune-only", default=None,
+                   help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
+                        "default every point, the targets' first)")
     r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
     r.add_argument("--site", type=Path, default=Path("/tmp/swiftkv-jax-site"), help="where the wheels go")
     r.add_argument("--no-install", action="store_true", help="use this environment as it is (--smoke implies it)")
@@ -101,6 +106,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     steps = select(args.steps)
+    if not args.smoke and len(steps) + 2 > MAX_FILES_BACK:
+        raise ValueError(f"{len(steps)} steps in one call would write {len(steps) + 2} files (env.json, summary.md and "
+                         f"a file a step), but a device call brings back at most {MAX_FILES_BACK}: run at most "
+                         f"{MAX_FILES_BACK - 2} steps a call (--steps), as one call of 10 minutes holds only a few")
     limits = _limits(args.limit)
     steps = [dataclasses.replace(s, limit_s=limits[s.name], smoke_limit_s=limits[s.name]) if s.name in limits else s
              for s in steps]
@@ -121,12 +130,14 @@ def _run(args) -> int:
         usable_memory=int(memory * args.mem_fraction) if memory else None,
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
         bench_points=args.bench_points, pytest_parts=args.pytest_parts, serving_parts=args.serving_parts,
-        distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts))
+        distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts),
+        tune_only=args.tune_only)
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
                args.bench_points, "pytest_parts": list(args.pytest_parts), "serving_parts": list(args.serving_parts),
-               "distill_parts": list(ctx.distill_parts), "inject_failure": args.inject_failure}
+               "distill_parts": list(ctx.distill_parts), "tune_only": args.tune_only,
+               "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),
                            options=options, echo=echo, smi=smi)

@@ -78,6 +78,7 @@ class Context:
     pytest_parts: tuple = ("mosaic", "pallas", "rest")  # the pytest step's commands (pack_steps.PYTEST_PARTS)
     serving_parts: tuple = ("offline",)              # benchmarks/serving.py --part, one command each
     distill_parts: tuple = ("8b", "1b", "dryrun")    # the distill step's commands (pack_steps.DISTILL_PARTS)
+    tune_only: Optional[str] = None                  # tune_kernels.py --only (default: every point, in order)
 
 
 @dataclass(frozen=True)

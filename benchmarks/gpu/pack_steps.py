@@ -23,6 +23,10 @@
             prefix: --workload shared-prefix, prefix caching on against off; one call of under 10 minutes each)
             (smoke: its --smoke, every configuration on a tiny model)
  6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
+ 7 tune     benchmarks/tune_kernels.py: block sizes of the Mosaic and Triton kernels per point (kernel, cache dtype),
+            the targets' points first, under its own --deadline, the results rewritten after every point; bring them
+            into the table with `tune_kernels.py --from-results <results>/tune.json` (--tune-only picks points)
+            (smoke: two Triton points interpreted)
 Standard library only, like the runner.
 """
 
@@ -290,6 +294,21 @@ def peers_step(ctx, run):
         run(Command("benchmarks/peers.py --shape 1b", argv, 540, output=out, script="benchmarks/peers.py"))
 
 
+TUNE_SMOKE_POINTS = "decode,paged:int8"  # the Mosaic points' smoke runs in tests/test_kernel_tuning.py
+TUNE_DEADLINE_S = 480
+
+
+def tune_step(ctx, run):
+    out = ctx.tmp / "tune_kernels.json"
+    script = "benchmarks/tune_kernels.py"
+    only = ctx.tune_only or (TUNE_SMOKE_POINTS if ctx.smoke else None)
+    # its own deadline leaves the step's limit room for the candidate under way and the winner's check
+    argv = (ctx.python, script, *(("--smoke",) if ctx.smoke else ("--deadline", TUNE_DEADLINE_S)), "--out", out,
+            *(("--only", only) if only else ()))
+    run(Command(f"{script}" + (f" --only {only}" if only else ""), argv, 300 if ctx.smoke else TUNE_DEADLINE_S + 60,
+                output=out, script=script))
+
+
 STEPS = (
     Step(1, "pytest", "pytest -m gpu: compiled kernels against references, cuDNN against XLA (--pytest-parts)", 590,
          pytest_step),
@@ -302,6 +321,8 @@ STEPS = (
     Step(5, "serving", "benchmarks/serving.py --preset 8b: engine (SwiftKV, teacher), static engine, transformers; "
          "offline and Poisson, against the roofline", 540, serving_step),
     Step(6, "peers", "benchmarks/peers.py --shape 1b: our engine against transformers", 480, peers_step),
+    Step(7, "tune", "benchmarks/tune_kernels.py: the kernels' block sizes per GPU, kernel and cache dtype "
+         "(--tune-only)", TUNE_DEADLINE_S + 75, tune_step, smoke_limit_s=300),
 )
 BY_NAME = {s.name: s for s in STEPS}
 
@@ -357,6 +378,9 @@ def _headline(record: dict) -> str:
         done = sum(c["status"] == "ok" for c in points)
         skipped = sum(c["status"] == "skipped" for c in points)
         return f"{done} of {len(points)} points measured, {skipped} skipped"
+    if name == "tune" and results:
+        points = [p for result in results for p in result.get("points", [])]
+        return f"{sum(p['status'] == 'tuned' for p in points)} of {len(points)} points tuned"
     if name == "kernels" and results:
         rows = {part: [r for result in results for r in result.get(part, [])]
                 for part in ("decode", "paged", "prefill")}
@@ -376,6 +400,9 @@ def _details(record: dict) -> list[str]:
             lines += [f"- FAILED `{f['test']}`: {_first_line(f['message'])}" for f in result["failed"]]
         if name == "kernels" and result:
             lines += _kernel_tables(result)
+        if name == "tune" and result.get("points"):
+            lines += _table(["kernel", "cache", "shapes", "outcome", "winner", "ms (geo. mean)", "over defaults"],
+                            _tune_rows(result))
         if name == "distill" and "dry-run" in c["label"] and result:
             lines += [f"8B recipe dry run ({result.get('platform', '?')}, mesh {result.get('mesh', '?')}), GiB per "
                       "device: " + ", ".join(f"{k} {v}" for k, v in result["bytes_per_device_gib"].items())]
@@ -434,6 +461,20 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                      + (f" (target {checks['gap_closed_target']:.0%}: "
                         f"{'PASS' if checks['gap_closed_pass'] else 'FAIL'})" if "gap_closed_pass" in checks else ""))
     return lines
+
+
+def _tune_rows(result: dict) -> list:
+    """A row per tuned point: its winner (the entry written for it) and its gain over the kernel's defaults."""
+    entries = {(e["kernel"], e["cache_dtype"], e["min_tokens"]): e for e in result.get("entries", [])}
+    rows = []
+    for p in result["points"]:
+        e = entries.get((p["kernel"], p["cache_dtype"], p["tokens"][0])) if p["status"] == "tuned" else None
+        shapes = "; ".join(",".join(str(v) for v in shape.values()) for shape in p["shapes"])
+        gain = p.get("speedup_over_default")
+        rows.append([p["kernel"], p["cache_dtype"], shapes, _first_line(p["status"])[:60],
+                     ", ".join(f"{k}={v}" for k, v in e["block_sizes"].items()) if e else "-",
+                     _ms(e["measured"]["time_s"]) if e else "-", f"{gain:.2f}x" if gain else "-"])
+    return rows
 
 
 def _last(text: str) -> str:

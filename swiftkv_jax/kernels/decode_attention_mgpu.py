@@ -31,8 +31,8 @@ below their smallest limit need no mask, so a decode step masks its last block o
 reads nothing. The last block of a dense cache whose S is not a multiple of block_kv is read at S - block_kv
 (inside the array) and its keys before the block's own start are masked. In a masked block the V rows past the
 keys anyone sees are zeroed in SMEM before P V: they may hold anything (a freed page's or slot's stale values,
-NaN included), and 0 * NaN would reach the output. num_splits 0 (the default) picks enough splits for about two
-CTAs per SM.
+NaN included), and 0 * NaN would reach the output. num_splits 0 (the default) picks enough splits for about
+`ctas_per_sm` (2) CTAs per SM.
 
 Interpreted on the CPU (jax's GPU interpret mode, with mosaic_launch.py's transposed-operand rule) the kernel
 code is the same except register layouts (jax 0.10.2's interpreter has no rule for `layout_cast` or `plgpu.load`)
@@ -79,7 +79,10 @@ class MosaicDecodeBlockSizes:
 
     block_kv: keys per pipeline step, a multiple of 64 in [64, 256].
     max_concurrent_steps: SMEM slots of K and V tiles in flight (>= 2).
-    num_splits: programs per sequence and KV head along the keys; 0 picks enough for ~2 CTAs per SM.
+    num_splits: programs per sequence and KV head along the keys; 0 picks enough for about `ctas_per_sm` CTAs
+      per SM (a shape-free setting, which the tuning table keeps).
+    ctas_per_sm: what num_splits 0 aims at (>= 1): more splits hide each CTA's start and merge behind others' copies
+      but add partial results for XLA to merge.
     SMEM per CTA is about 2 * (64 + 2 * slots * block_kv) * H + 4 * 64 * H bytes (16-bit cache; an 8-bit one
     takes 1 byte a slot element, plus the two converted 16-bit tiles and the keys' scales); a config that does not
     fit raises before launching.
@@ -88,6 +91,7 @@ class MosaicDecodeBlockSizes:
     block_kv: int = 128
     max_concurrent_steps: int = 2
     num_splits: int = 0
+    ctas_per_sm: int = 2
 
     def __post_init__(self):
         if not _is_int(self.block_kv) or self.block_kv % 64 or not 64 <= self.block_kv <= 256:
@@ -99,6 +103,8 @@ class MosaicDecodeBlockSizes:
         if not _is_int(self.num_splits) or self.num_splits < 0:
             raise ValueError(f"MosaicDecodeBlockSizes.num_splits must be an int >= 0 (0: automatic), "
                              f"got {self.num_splits!r}")
+        if not _is_int(self.ctas_per_sm) or self.ctas_per_sm < 1:
+            raise ValueError(f"MosaicDecodeBlockSizes.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         """Shared memory of one CTA over a cache of `itemsize` bytes an element: the Q tile, K and V slots, P's
@@ -113,7 +119,7 @@ class MosaicDecodeBlockSizes:
     def splits(self, num_keys: int, ctas: int, num_sms: int = _DEFAULT_SMS) -> int:
         """How many splits a launch of `ctas` CTAs per split uses over `num_keys` keys (each split >= one block)."""
         blocks = pl.cdiv(num_keys, self.block_kv)
-        wanted = self.num_splits or pl.cdiv(2 * num_sms, ctas)
+        wanted = self.num_splits or pl.cdiv(self.ctas_per_sm * num_sms, ctas)
         return max(1, min(wanted, blocks))
 
 
@@ -437,9 +443,10 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
     if q.shape[2] % k_cache.shape[1]:
         raise ValueError(f"query heads N={q.shape[2]} must be a multiple of KV heads K={k_cache.shape[1]} (k_cache "
                          f"is [B, K, S, H], the model's cache layout; decode_attention takes [B, S, K, H])")
-    block_sizes, interpret, interpreter_safe = _settings("decode_attention_mgpu", q, k_cache, v_cache, lengths,
-                                                         q_positions, k_cache.shape[1], block_sizes, interpret,
-                                                         interpreter_safe, k_scale, v_scale, "[B, K, S]")
+    block_sizes, interpret, interpreter_safe = _settings("decode_attention_mgpu", "mosaic_decode", q, k_cache,
+                                                         v_cache, lengths, q_positions, k_cache.shape[1],
+                                                         block_sizes, interpret, interpreter_safe, k_scale, v_scale,
+                                                         "[B, K, S]")
     if k_cache.shape[2] > block_sizes.block_kv and k_cache.shape[2] % _TILE_ROWS:
         raise ValueError(f"decode_attention_mgpu reads the cache by TMA in tiles of {_TILE_ROWS} keys, so its length "
                          f"S must be a multiple of {_TILE_ROWS} (or at most block_kv), got S={k_cache.shape[2]}: "
@@ -472,9 +479,10 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
                          f"{v_pages.shape}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be [B={b}, M] integers, got {block_tables.shape} {block_tables.dtype}")
-    block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", q, k_pages, v_pages, lengths,
-                                                         q_positions, k_pages.shape[0], block_sizes, interpret,
-                                                         interpreter_safe, k_scale, v_scale, "[K, P, page_size]")
+    block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", "mosaic_paged", q, k_pages,
+                                                         v_pages, lengths, q_positions, k_pages.shape[0],
+                                                         block_sizes, interpret, interpreter_safe, k_scale, v_scale,
+                                                         "[K, P, page_size]")
     page_size = k_pages.shape[2]
     if (page_size % _TILE_ROWS if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
         raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} below block_kv and a "
@@ -502,10 +510,11 @@ def _run(jitted, args, k_scale, v_scale, empty: bool, block_sizes, interpret, in
     return residuals if return_residuals else normalize(residuals, q.dtype)
 
 
-def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret, interpreter_safe,
-              k_scale, v_scale, scale_layout: str):
-    """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe). The scales, if
-    any, are laid out as the cache minus H (scale_layout names that)."""
+def _settings(what: str, kernel: str, q, k, v, lengths, q_positions, kv_heads: int, block_sizes, interpret,
+              interpreter_safe, k_scale, v_scale, scale_layout: str):
+    """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe). kernel: the
+    tuning table's name ("mosaic_decode", "mosaic_paged"). The scales, if any, are laid out as the cache minus H
+    (scale_layout names that)."""
     check_queries(q, kv_heads, lengths, q_positions)
     check_scales(k, v, k_scale, v_scale, k.shape[:3], scale_layout)
     if k.dtype not in _DTYPES + _QUANTIZED or v.dtype != k.dtype:
@@ -514,8 +523,9 @@ def _settings(what: str, q, k, v, lengths, q_positions, kv_heads: int, block_siz
     h = q.shape[3]
     if h % _HEAD_ALIGN:
         raise ValueError(f"{what} needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
+    tune = dict(kernel=kernel, head_dim=h, group=q.shape[2] // kv_heads, tokens=q.shape[1], cache_dtype=k.dtype)
     interpret, interpreter_safe, block_sizes = settings(what, interpret, interpreter_safe, block_sizes,
-                                                        MosaicDecodeBlockSizes)
+                                                        MosaicDecodeBlockSizes, tune)
     smem = block_sizes.smem_bytes(h, k.dtype.itemsize)
     if smem > SMEM_BYTES:
         raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h}, more than the "

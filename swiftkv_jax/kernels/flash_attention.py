@@ -282,7 +282,8 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
         interpret = backend == "cpu"
     if block_sizes is None:  # measured ones for this GPU (tuning.py), else the defaults
         tuned_sizes = None if interpret else tuned("flash", FlashBlockSizes, head_dim=q.shape[3],
-                                                   group=q.shape[2] // k.shape[2], tokens=q.shape[1])
+                                                   group=q.shape[2] // k.shape[2], tokens=q.shape[1],
+                                                   cache_dtype=k.dtype)
         block_sizes = tuned_sizes or FlashBlockSizes.for_head_dim(q.shape[3])
     elif not isinstance(block_sizes, FlashBlockSizes):
         raise TypeError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")

@@ -399,8 +399,10 @@ def flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     if q.dtype not in _DTYPES:
         raise ValueError(f"flash_attention_mgpu takes bfloat16 or float16 q, k, v (wgmma's operand types), got "
                          f"{q.dtype}: cast them, or use flash_attention")
+    tune = dict(kernel="mosaic_flash", head_dim=q.shape[3], group=q.shape[2] // k.shape[2], tokens=q.shape[1],
+                cache_dtype=k.dtype)
     interpret, interpreter_safe, block_sizes = settings("flash_attention_mgpu", interpret, interpreter_safe,
-                                                        block_sizes, MosaicFlashBlockSizes)
+                                                        block_sizes, MosaicFlashBlockSizes, tune)
     args = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
     return launch(functools.partial(_flash_attention_mgpu, *args, block_sizes=block_sizes, interpret=interpret,
                                     interpreter_safe=interpreter_safe), interpret)

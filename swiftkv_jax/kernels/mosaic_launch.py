@@ -41,10 +41,12 @@ def interpret_params(what: str):
     return InterpretGPUParams()
 
 
-def settings(what: str, interpret, interpreter_safe, block_sizes, block_sizes_type):
+def settings(what: str, interpret, interpreter_safe, block_sizes, block_sizes_type, tune: dict | None = None):
     """(interpret, interpreter_safe, block_sizes) of a Mosaic kernel's call. interpret None: jax's GPU interpreter
     on a CPU, compiled on a GPU, another backend raises (no fallback); interpreter_safe None: the form the
-    interpreter runs (P V through SMEM) when interpreting, FA3's (P in registers) compiled."""
+    interpreter runs (P V through SMEM) when interpreting, FA3's (P in registers) compiled. block_sizes None:
+    compiled, the ones measured best on this GPU for `tune` (`tuning.tuned`'s kernel and shapes) if the table has
+    them, else the type's defaults."""
     if interpret is None:
         backend = jax.default_backend()
         if backend not in ("cpu", "gpu"):
@@ -57,7 +59,11 @@ def settings(what: str, interpret, interpreter_safe, block_sizes, block_sizes_ty
         raise ValueError("interpreter_safe=False (P V from registers, pl.run_state) cannot run in jax's GPU "
                          "interpret mode: it has no rule for run_state")
     if block_sizes is None:
-        block_sizes = block_sizes_type()
+        if not interpret and tune:
+            from swiftkv_jax.kernels.tuning import tuned
+
+            block_sizes = tuned(cls=block_sizes_type, **tune)
+        block_sizes = block_sizes or block_sizes_type()
     elif not isinstance(block_sizes, block_sizes_type):
         raise TypeError(f"block_sizes must be a {block_sizes_type.__name__}, got {type(block_sizes).__name__}")
     return bool(interpret), bool(interpreter_safe), block_sizes

@@ -130,7 +130,8 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, slots, positions, 
                          f"{positions.shape}")
     if not 0 <= num_single <= q.shape[0]:
         raise ValueError(f"num_single must be in [0, T={q.shape[0]}], got {num_single}")
-    tune = dict(kernel="paged", head_dim=q.shape[2], group=q.shape[1] // k_pages.shape[0], tokens=1)  # decodes'
+    tune = dict(kernel="paged", head_dim=q.shape[2], group=q.shape[1] // k_pages.shape[0], tokens=1,  # decodes'
+                cache_dtype=k_pages.dtype)
     block_sizes, interpret = kernel_settings(block_sizes, interpret, "ragged_paged_attention", (k_pages.dtype,), tune)
     prefill_sizes = dataclasses.replace(block_sizes, num_splits=1)
 

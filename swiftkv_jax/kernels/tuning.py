@@ -1,10 +1,13 @@
 """Measured block sizes per GPU, as data (`tuned_blocks.json`, as tokamax keeps its autotuning results per GPU).
 
-An entry names a kernel ("flash", "decode", "paged"), a device (a substring of `jax.Device.device_kind`, e.g.
-"H100"), the shapes it was measured for (`head_dim`, a `group` of query heads per KV head, and a range of query
-tokens `[min_tokens, max_tokens]`), the block sizes that won, and how it was measured (`benchmarks/tune_kernels.py`
-writes the entries: command, commit, time of the winner and of the default). A compiled kernel called without
-block sizes takes the entry that matches it most narrowly, else its own defaults, which are unmeasured guesses.
+An entry names a kernel (the Triton kernels "flash", "decode", "paged"; the Mosaic GPU kernels "mosaic_flash",
+"mosaic_decode", "mosaic_paged"), a device (a substring of `jax.Device.device_kind`, e.g. "H100"), the shapes it
+was measured for (`head_dim`, a `group` of query heads per KV head, a range of query tokens `[min_tokens,
+max_tokens]`, and optionally the `cache_dtype` of K and V, e.g. "int8": a 1-byte cache moves half the bytes a key
+and may want other blocks), the block sizes that won, and how it was measured (`benchmarks/tune_kernels.py` writes
+the entries: command, commit, time of the winner and of the default). A compiled kernel called without block sizes
+takes the entry that matches it most narrowly (its own cache dtype before any dtype, then the narrowest token
+range), else its own defaults, which are unmeasured guesses.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 TABLE = Path(__file__).with_name("tuned_blocks.json")
-KERNELS = ("flash", "decode", "paged")
+KERNELS = ("flash", "decode", "paged", "mosaic_flash", "mosaic_decode", "mosaic_paged")
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,23 +32,28 @@ def _entries(path: str) -> tuple:
     return tuple(entries)
 
 
-def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: int,
+def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: int, cache_dtype=None,
            table: Optional[Path] = None) -> Optional[dict]:
     """The block sizes (a dict of the kernel's block-size fields) measured best for this kernel on this device at
-    these shapes, or None. Among matching entries the narrowest token range wins."""
+    these shapes, or None. An entry for this cache dtype wins over one for any dtype; then the narrowest token
+    range."""
+    dtype = None if cache_dtype is None else str(cache_dtype)
     matches = [e for e in _entries(str(table or TABLE))
                if e["kernel"] == kernel and e["device"].lower() in device_kind.lower()
                and e.get("head_dim", head_dim) == head_dim and e.get("group", group) == group
+               and e.get("cache_dtype", dtype) == dtype
                and e.get("min_tokens", 0) <= tokens <= e.get("max_tokens", float("inf"))]
     if not matches:
         return None
-    best = min(matches, key=lambda e: e.get("max_tokens", float("inf")) - e.get("min_tokens", 0))
+    best = min(matches, key=lambda e: ("cache_dtype" not in e,
+                                       e.get("max_tokens", float("inf")) - e.get("min_tokens", 0)))
     return dict(best["block_sizes"])
 
 
-def tuned(kernel: str, cls, *, head_dim: int, group: int, tokens: int):
+def tuned(kernel: str, cls, *, head_dim: int, group: int, tokens: int, cache_dtype=None):
     """`cls(**entry)` for the current device when the table has one, else None (the caller's defaults)."""
     import jax
 
-    found = lookup(kernel, jax.devices()[0].device_kind, head_dim=head_dim, group=group, tokens=tokens)
+    found = lookup(kernel, jax.devices()[0].device_kind, head_dim=head_dim, group=group, tokens=tokens,
+                   cache_dtype=cache_dtype)
     return None if found is None else cls(**found)
