@@ -122,6 +122,23 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
+def with_attention(settings: DemoSettings, impl: str) -> DemoSettings:
+    """The settings with `model.attention_impl=impl` in training (pretraining and distillation), replacing the
+    budget's own. impl: a differentiable attention (`swiftkv_jax.model.attention.DIFFERENTIABLE_IMPLS`)."""
+    from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
+
+    if impl not in DIFFERENTIABLE_IMPLS:
+        raise ValueError(f"--attention {impl!r}: training needs a differentiable attention, one of "
+                         f"{', '.join(DIFFERENTIABLE_IMPLS)}")
+    key = "model.attention_impl="
+
+    def replace(overrides: tuple) -> tuple:
+        return tuple(o for o in overrides if not o.startswith(key)) + (key + impl,)
+
+    return dataclasses.replace(settings, pretrain_overrides=replace(settings.pretrain_overrides),
+                               distill_overrides=replace(settings.distill_overrides))
+
+
 def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
     """One --out per settings: a run of other settings would mix models; refuse instead of overwriting."""
     record = json.loads(json.dumps({"settings": name, **dataclasses.asdict(settings)}))  # tuples as JSON lists
@@ -321,14 +338,15 @@ RESULT_FILES = ("results.md", "results.json", "quality_vs_layers_skipped.png", "
 GAP_CLOSED_TARGET = 0.9  # issue 24, gpu budget: the distilled 50% student closes >= 90% of the undistilled one's gap
 
 
-def run(out: Path, name: str = "full", results: Optional[Path] = None) -> dict:
+def run(out: Path, name: str = "full", results: Optional[Path] = None, attention: Optional[str] = None) -> dict:
     """The whole pipeline with SETTINGS[name] ("full", "quick", "gpu" or "smoke"), in `out`; `results`: a folder
-    that receives RESULT_FILES (flat, "/" as "_"), e.g. benchmarks/results/gpu-DATE/demo."""
+    that receives RESULT_FILES (flat, "/" as "_"), e.g. benchmarks/results/gpu-DATE/demo; attention: the training's
+    attention_impl instead of the budget's (`with_attention`)."""
     import jax
 
     import swiftkv_jax as sk
 
-    settings = SETTINGS[name]
+    settings = SETTINGS[name] if attention is None else with_attention(SETTINGS[name], attention)
     if name == "gpu" and jax.devices()[0].platform != "gpu":
         raise ValueError(f"the gpu budget needs a GPU, but JAX's backend is {jax.devices()[0].platform!r}: use "
                          f"--quick or the full budget on a CPU")
@@ -394,6 +412,9 @@ def parser() -> argparse.ArgumentParser:
                                                     "artifacts/demo-gpu)")
     parser.add_argument("--results", type=Path, default=None,
                         help="also copy the table, results JSON and plots into this folder (flat)")
+    parser.add_argument("--attention", default=None,
+                        help="the training's model.attention_impl (xla, xla_chunked, or cudnn on a GPU with bf16 "
+                             "compute) instead of the budget's (xla)")
     return parser
 
 
@@ -412,7 +433,7 @@ def main(argv=None) -> int:
              f"matmul work {e['pretrain_s']:.0f} s pretraining + {e['distill_s']:.0f} s distilling at an assumed "
              f"{e['assumed_mfu']:.0%} of {e['peak_flops'] / 1e12:.0f} TFLOP/s (compiling and evaluation on top)")
     try:
-        run(out, budget, args.results)
+        run(out, budget, args.results, args.attention)
     except (ValueError, ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -103,3 +103,24 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     with pytest.raises(ValueError, match="the gpu budget needs a GPU"):
         demo.run(tmp_path / "gpu", "gpu")
     assert not (tmp_path / "gpu").exists()
+
+
+def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):
+    """--attention: the training's attention_impl, once, in pretraining and distillation; the rest untouched."""
+    from swiftkv_jax import configuration
+    from swiftkv_jax.distill.config import TrainConfig
+
+    settings = demo.with_attention(demo.SETTINGS["gpu"], "cudnn")
+    for overrides, recipe in ((settings.pretrain_overrides, "stdlib-teacher.yaml"),
+                              (settings.distill_overrides, "stdlib-swiftkv.yaml")):
+        assert [o for o in overrides if "attention_impl" in o] == ["model.attention_impl=cudnn"]
+        assert len(overrides) == len(demo.SETTINGS["gpu"].pretrain_overrides if "teacher" in recipe
+                                     else demo.SETTINGS["gpu"].distill_overrides)
+        common = demo.common_overrides(tmp_path, settings, 1, tmp_path / "run")
+        config = configuration.load(TrainConfig, demo.CONFIGS / recipe, ["model.teacher=x"] + common + list(overrides))
+        assert config.model.attention_impl == "cudnn"
+    smoke = demo.with_attention(demo.SETTINGS["smoke"], "xla_chunked")  # a budget without its own: added
+    assert smoke.pretrain_overrides == smoke.distill_overrides == ("model.attention_impl=xla_chunked",)
+    with pytest.raises(ValueError, match="differentiable attention, one of xla, xla_chunked, cudnn"):
+        demo.with_attention(demo.SETTINGS["gpu"], "mosaic")
+    assert demo.parser().parse_args(["--budget", "gpu", "--attention", "cudnn"]).attention == "cudnn"

@@ -1,6 +1,7 @@
 """benchmarks/gpu/pack.py: the wheelhouse check, the runner's records (failure, time-out, not built yet, merging
 calls), installing wheels with no index, and `run --smoke`, the whole step sequence on a CPU, end to end."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -344,7 +345,11 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     assert train_pipeline.parser().parse_args([str(a) for a in c.argv[2:]]).preset == "1b"
     c = by_label["demo.py --budget gpu"]
     args = demo.parser().parse_args([str(a) for a in c.argv[2:]])
-    assert args.budget == "gpu" and c.output == args.results / "results.json"
+    assert args.budget == "gpu" and c.output == args.results / "results.json" and args.attention is None
+    commands.clear()  # --demo-attention reaches demo.py
+    pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo",), demo_attention="cudnn"),
+                            lambda c: commands.append(c) or {"status": "ok"})
+    assert demo.parser().parse_args([str(a) for a in commands[0].argv[2:]]).attention == "cudnn"
     assert pack_steps.parse_distill_parts("8b, demo") == ("8b", "demo")
     with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, dryrun"):
         pack_steps.parse_distill_parts("9b")

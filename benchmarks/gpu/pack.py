@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the distill step's commands, comma-separated, in order ({', '.join(DISTILL_PARTS)}; default "
                         "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, and demo "
                         "each")
+    r.add_argument("--demo-attention", default=None,
+                   help="the distill step's demo part: demo.py --attention (xla, xla_chunked, cudnn; default the gpu "
+                        "budget's xla)")
     r.add_argument("--tune-only", default=None,
                    help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
                         "default every point, the targets' first)")
@@ -131,12 +134,13 @@ def _run(args) -> int:
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
         bench_points=args.bench_points, pytest_parts=args.pytest_parts, serving_parts=args.serving_parts,
         distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts),
-        tune_only=args.tune_only)
+        tune_only=args.tune_only, demo_attention=args.demo_attention)
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
                args.bench_points, "pytest_parts": list(args.pytest_parts), "serving_parts": list(args.serving_parts),
                "distill_parts": list(ctx.distill_parts), "tune_only": args.tune_only,
+               "demo_attention": args.demo_attention,
                "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),

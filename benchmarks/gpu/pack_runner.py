@@ -79,6 +79,7 @@ class Context:
     serving_parts: tuple = ("offline",)              # benchmarks/serving.py --part, one command each
     distill_parts: tuple = ("8b", "1b", "dryrun")    # the distill step's commands (pack_steps.DISTILL_PARTS)
     tune_only: Optional[str] = None                  # tune_kernels.py --only (default: every point, in order)
+    demo_attention: Optional[str] = None             # demo.py --attention (default: the gpu budget's own)
 
 
 @dataclass(frozen=True)

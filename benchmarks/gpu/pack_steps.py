@@ -222,7 +222,8 @@ def _train_pipeline(ctx, run):
 
 def _demo(ctx, run):
     results = ctx.tmp / "demo_results"
-    argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.tmp / "demo", "--results", results)
+    argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.tmp / "demo", "--results", results,
+            *(("--attention", ctx.demo_attention) if ctx.demo_attention else ()))
     if ctx.smoke:  # its GPU budget refuses a CPU and its smoke budget takes minutes: the arguments parse
         run(Command("demo.py --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script="demo.py"))
         return
