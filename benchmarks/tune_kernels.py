@@ -10,11 +10,12 @@ shapes it is timed at; the points run in the order of the issue's targets: the M
 decode over bf16, int8 and FP8 caches (32 sequences x 4K and 32K keys), the Triton paged kernel (what sk.Engine
 runs) over int8 and bf16 pools, Mosaic paged, then the Triton prefill and decode. Every candidate (and the
 kernel's defaults) is timed at each of the point's shapes (compiled, then the median of --repeats samples, as
-benchmarks/kernels.py times); its score is the geometric mean of those times. A candidate that fails to compile,
-launch or fit shared memory is recorded with its error. The winner (the defaults may win: the entry then
-records that they were measured best) is checked against the kernel's jnp reference
-over the same (quantised) cache before it is kept. The results file is rewritten after every point, and points
-not started by --deadline seconds are recorded as such, so a bounded GPU call keeps what it measured. --write
+benchmarks/kernels.py times), the defaults first; its score is the geometric mean of those times. A candidate
+that fails to compile, launch or fit shared memory is recorded with its error. The fastest that agrees with the
+kernel's jnp reference over the same (quantised) cache wins (the defaults may: the entry then records that they
+were measured best; one that disagrees is recorded). The results file is rewritten after every point; no point or
+candidate starts after --deadline seconds (a point cut there keeps the best of the candidates that ran, and says
+so), so a bounded GPU call keeps what it measured. --write
 replaces this device's entries for the tuned points (kernel, cache dtype and token range) in the table
 (`--table`, default the package's), which compiled kernels called without block sizes then use
 (`swiftkv_jax.kernels.tuning`).
@@ -201,18 +202,22 @@ class Kernels:
         return q, k, v, lengths, positions, ks, vs
 
 
-def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, stop_at: float, rows: list):
-    """Time every candidate (and the defaults) at the point's shapes; (winner, its score, the defaults' score,
-    per-shape times of the winner) or a reason there is none. Rows are appended to `rows` as measured."""
+def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, stop_at: float, rows: list,
+               clock=time.monotonic) -> dict:
+    """Time the defaults, then every candidate, at the point's shapes, until the deadline; rows are appended to
+    `rows` as measured. The fastest that agrees with the reference wins (the defaults may: an entry is never slower
+    than no entry). Returns the outcome: status, and the winner's block sizes, score, per-shape times and the
+    defaults' score when there is one."""
     import numpy as np
 
     jnp = kernels.jnp
     inputs = [kernels.inputs(point.kernel, point.cache_dtype, shape) for shape in point.shapes]
     call = kernels.call[point.kernel]
-    scores = []  # (geometric mean s, block sizes, is the default, per-shape s)
-    for fields in candidates + ["default"]:
-        if time.monotonic() > stop_at:
-            return None, "stopped at the deadline before every candidate ran"
+    scores, ran = [], 0  # (geometric mean s, block sizes, is the default, per-shape s)
+    for fields in ["default"] + candidates:
+        if clock() > stop_at:
+            break
+        ran += 1
         sizes = kernels.defaults[point.kernel] if fields == "default" else kernels.sizes[point.kernel](**fields)
         row = dict(kernel=point.kernel, cache_dtype=point.cache_dtype, block_sizes=vars(sizes).copy(),
                    default=fields == "default", shapes=[])
@@ -226,18 +231,24 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
             row["error"] = _error(e)
         print("measured", row, file=sys.stderr, flush=True)
         rows.append(row)
-    ranked = sorted(scores, key=lambda s: s[0])  # the defaults too: an entry is never slower than no entry
-    default = next((s[0] for s in scores if s[2]), None)
-    if not ranked:
-        return None, "no candidate ran"
-    best_time, best, _, per_shape = ranked[0]
-    for args in inputs:  # the winner against the reference, over the same (quantised) cache
-        out = np.asarray(call(best, *args), np.float32)
-        wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
-        want = np.asarray(kernels.reference[point.kernel](*wide), np.float32)
-        if not np.allclose(out, want, atol=4e-3, rtol=2e-2):
-            return None, f"the winner {best} disagrees with the reference (max |diff| {np.abs(out - want).max():.3g})"
-    return (best, best_time, default, per_shape), None
+    partial = ran < len(candidates) + 1
+    outcome = dict(candidates_run=ran, candidates=len(candidates) + 1,
+                   default_time_s=next((x[0] for x in scores if x[2]), None), disagreed=[])
+    for best_time, best, _, per_shape in sorted(scores, key=lambda x: x[0]):
+        for args in inputs:  # against the reference, over the same (quantised) cache
+            out = np.asarray(call(best, *args), np.float32)
+            wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
+            want = np.asarray(kernels.reference[point.kernel](*wide), np.float32)
+            if not np.allclose(out, want, atol=4e-3, rtol=2e-2):
+                outcome["disagreed"].append(dict(block_sizes=vars(best).copy(),
+                                                 max_abs_diff=float(np.abs(out - want).max())))
+                break
+        else:
+            status = f"tuned over {ran} of {len(candidates) + 1} (the deadline)" if partial else "tuned"
+            return dict(outcome, status=status, block_sizes=best, time_s=best_time, shape_times_s=per_shape)
+    status = ("stopped at the deadline" if partial and not scores else "no candidate ran" if not scores
+              else "every candidate that ran disagrees with the reference")
+    return dict(outcome, status=status)
 
 
 def main(argv=None) -> int:
@@ -288,24 +299,25 @@ def main(argv=None) -> int:
             outcomes.append(dict(point._asdict(), status="not started (deadline)"))
             continue
         candidates = (SMOKE_CANDIDATES if args.smoke else CANDIDATES)[point.kernel]
-        found, why = tune_point(kernels, point, candidates, repeats, stop_at, rows)
-        if found is None:
-            print(f"{label}: {why}; nothing kept", flush=True)
-            outcomes.append(dict(point._asdict(), status=why))
+        outcome = tune_point(kernels, point, candidates, repeats, stop_at, rows)
+        best, default_time = outcome.pop("block_sizes", None), outcome["default_time_s"]
+        if best is None:
+            print(f"{label}: {outcome['status']}; nothing kept", flush=True)
         else:
-            best, best_time, default_time, per_shape = found
-            print(f"{label}: {best} {best_time * 1e3:.3f} ms (defaults "
+            print(f"{label}: {best} {outcome['time_s'] * 1e3:.3f} ms (defaults "
                   f"{'failed' if default_time is None else f'{default_time * 1e3:.3f} ms'})", flush=True)
             entry = dict(kernel=point.kernel, device=device.device_kind, head_dim=kernels.head_dim,
                          group=kernels.heads // kernels.kv_heads, cache_dtype=point.cache_dtype,
                          min_tokens=point.tokens[0], block_sizes=vars(best).copy(),
-                         measured=dict(shapes=list(point.shapes), time_s=best_time, shape_times_s=per_shape,
-                                       default_time_s=default_time, score="geometric mean over the shapes"))
+                         measured=dict(shapes=list(point.shapes), time_s=outcome["time_s"],
+                                       shape_times_s=outcome["shape_times_s"], default_time_s=default_time,
+                                       candidates_run=outcome["candidates_run"], candidates=outcome["candidates"],
+                                       score="geometric mean over the shapes"))
             if point.tokens[1] is not None:
                 entry["max_tokens"] = point.tokens[1]
             entries.append(entry)
-            outcomes.append(dict(point._asdict(), status="tuned",
-                                 speedup_over_default=None if default_time is None else default_time / best_time))
+            outcome["speedup_over_default"] = None if default_time is None else default_time / outcome["time_s"]
+        outcomes.append(dict(point._asdict(), **outcome))
         save()
     save()
     if args.write:

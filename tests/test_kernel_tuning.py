@@ -135,6 +135,25 @@ def test_a_deadline_keeps_what_was_measured(tmp_path):
     assert [p["status"] for p in result["points"]] == ["not started (deadline)"] * 3
 
 
+def test_a_point_cut_by_the_deadline_keeps_the_best_that_ran():
+    """The defaults run first; a deadline after them leaves an entry of the defaults, marked as cut."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    kernels = tune_kernels.Kernels(smoke=True, interpret=True)
+    point = tune_kernels.SMOKE_POINTS[1]  # the Triton decode kernel, bf16
+    clock = iter([0.0, 10.0])  # the first candidate (the defaults) starts before the deadline, the next after
+    rows = []
+    outcome = tune_kernels.tune_point(kernels, point, tune_kernels.SMOKE_CANDIDATES["decode"], 1, 5.0, rows,
+                                      clock=lambda: next(clock))
+    assert outcome["status"] == "tuned over 1 of 3 (the deadline)" and outcome["block_sizes"] == DecodeBlockSizes()
+    assert [r["default"] for r in rows] == [True] and outcome["default_time_s"] == outcome["time_s"]
+    assert tune_kernels.tune_point(kernels, point, [], 1, 5.0, [], clock=lambda: 10.0)["status"] == (
+        "stopped at the deadline")
+
+
 def test_only_naming_no_point_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--smoke", "--only", "mosaic_decode:fp4"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -381,7 +381,7 @@ def _headline(record: dict) -> str:
         return f"{done} of {len(points)} points measured, {skipped} skipped"
     if name == "tune" and results:
         points = [p for result in results for p in result.get("points", [])]
-        return f"{sum(p['status'] == 'tuned' for p in points)} of {len(points)} points tuned"
+        return f"{sum(p['status'].startswith('tuned') for p in points)} of {len(points)} points tuned"
     if name == "kernels" and results:
         rows = {part: [r for result in results for r in result.get(part, [])]
                 for part in ("decode", "paged", "prefill")}
@@ -469,7 +469,7 @@ def _tune_rows(result: dict) -> list:
     entries = {(e["kernel"], e["cache_dtype"], e["min_tokens"]): e for e in result.get("entries", [])}
     rows = []
     for p in result["points"]:
-        e = entries.get((p["kernel"], p["cache_dtype"], p["tokens"][0])) if p["status"] == "tuned" else None
+        e = entries.get((p["kernel"], p["cache_dtype"], p["tokens"][0])) if p["status"].startswith("tuned") else None
         shapes = "; ".join(",".join(str(v) for v in shape.values()) for shape in p["shapes"])
         gain = p.get("speedup_over_default")
         rows.append([p["kernel"], p["cache_dtype"], shapes, _first_line(p["status"])[:60],
