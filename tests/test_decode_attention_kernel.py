@@ -250,6 +250,9 @@ def test_merge_ignores_empty_partials():
         np.testing.assert_array_equal(a, b, err_msg=name)
     both_empty = merge_partials(*(jnp.stack(pair) for pair in zip(empty, empty)))
     np.testing.assert_array_equal(normalize(both_empty, jnp.float32), jnp.zeros_like(out))
+    # one partial (a launch of one split) is itself, as two where the other is empty
+    for name, a, b in zip(AttentionResiduals._fields, merge_partials(out[None], maxes[None], sums[None]), merged):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("field, value, message", [

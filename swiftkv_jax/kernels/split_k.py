@@ -111,8 +111,11 @@ def merge_partials(outs: jax.Array, maxes: jax.Array, sums: jax.Array) -> Attent
     """Merges partial attentions stacked on a leading axis (``[P, ..., H]``, ``[P, ...]``, ``[P, ...]``).
 
     Exact: rescales every partial to the common max. Partials with no visible key (max ``MASK_VALUE``,
-    sum 0) contribute nothing. To merge two segments: ``merge_partials(*map(jnp.stack, zip(r1, r2)))``.
+    sum 0) contribute nothing. To merge two segments: ``merge_partials(*map(jnp.stack, zip(r1, r2)))``. One
+    partial is itself (no work: a launch of one split merges nothing).
     """
+    if outs.shape[0] == 1:
+        return AttentionResiduals(outs[0], maxes[0], sums[0])
     m = jnp.max(maxes, axis=0)
     # jax's bundled decode kernel needs this barrier to avoid invalid values after jit (b/389925439).
     m = lax.optimization_barrier(m)
