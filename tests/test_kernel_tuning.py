@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -87,6 +88,14 @@ def test_the_packages_table_is_valid():
         SIZES[entry["kernel"]](**entry["block_sizes"])  # validates
 
 
+def benchmark_module(name: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
 def tune(tmp_path, *args, timeout=600):
     proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
@@ -119,12 +128,19 @@ def test_the_tuning_script_writes_a_table_the_kernels_read(tmp_path):
 
 
 def test_a_second_run_replaces_only_its_own_points(tmp_path):
-    """Two bounded GPU calls tune different points: writing the second keeps the first's entries."""
+    """Two bounded GPU calls tune different points: writing the second keeps the first's entries, and a point tuned
+    again replaces its own entry."""
+    tune_kernels = benchmark_module("tune_kernels")
     table = tmp_path / "tuned.json"
-    for only in ("decode", "paged:int8", "decode"):
-        tune(tmp_path, "--smoke", "--write", "--table", table, "--out", tmp_path / "rows.json", "--only", only)
+    entry = lambda kernel, dtype, block_k: dict(  # noqa: E731
+        kernel=kernel, device="H200", head_dim=128, group=4, cache_dtype=dtype, min_tokens=1, max_tokens=16,
+        block_sizes=dict(block_k=block_k), measured={})
+    tune_kernels.write_table(table, [entry("decode", "bfloat16", 32)], "first")
+    tune_kernels.write_table(table, [entry("paged", "int8", 64)], "second")
+    tune_kernels.write_table(table, [entry("decode", "bfloat16", 128)], "third")
     entries = json.loads(table.read_text())["entries"]
-    assert sorted((e["kernel"], e["cache_dtype"]) for e in entries) == [("decode", "bfloat16"), ("paged", "int8")]
+    assert sorted((e["kernel"], e["cache_dtype"], e["block_sizes"]["block_k"], e["measured"]["commit"])
+                  for e in entries) == [("decode", "bfloat16", 128, "third"), ("paged", "int8", 64, "second")]
 
 
 def test_a_deadline_keeps_what_was_measured(tmp_path):
@@ -137,11 +153,7 @@ def test_a_deadline_keeps_what_was_measured(tmp_path):
 
 def test_a_point_cut_by_the_deadline_keeps_the_best_that_ran():
     """The defaults run first; a deadline after them leaves an entry of the defaults, marked as cut."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import tune_kernels
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    tune_kernels = benchmark_module("tune_kernels")
     kernels = tune_kernels.Kernels(smoke=True, interpret=True)
     point = tune_kernels.SMOKE_POINTS[1]  # the Triton decode kernel, bf16
     clock = iter([0.0, 10.0])  # the first candidate (the defaults) starts before the deadline, the next after

@@ -21,12 +21,12 @@
             transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
             Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer, and
             prefix: --workload shared-prefix, prefix caching on against off; one call of under 10 minutes each)
-            (smoke: its --smoke, every configuration on a tiny model)
+            (smoke: its arguments checked; its --smoke runs in tests/test_serving_bench.py)
  6 peers    benchmarks/peers.py --shape 1b (smoke: its arguments checked)
  7 tune     benchmarks/tune_kernels.py: block sizes of the Mosaic and Triton kernels per point (kernel, cache dtype),
             the targets' points first, under its own --deadline, the results rewritten after every point; bring them
             into the table with `tune_kernels.py --from-results <results>/tune.json` (--tune-only picks points)
-            (smoke: two Triton points interpreted)
+            (smoke: the Triton decode point interpreted)
 Standard library only, like the runner.
 """
 
@@ -272,10 +272,10 @@ def parse_parts(text: str, choices: tuple = SERVING_PARTS, what: str = "serving"
 
 
 def serving_step(ctx, run):
-    if ctx.smoke:  # every configuration, on a tiny model
-        out = ctx.tmp / "serving.json"
-        run(Command("benchmarks/serving.py --smoke", (ctx.python, "benchmarks/serving.py", "--smoke", "--out", out),
-                    600, output=out, script="benchmarks/serving.py"))
+    if ctx.smoke:  # its --smoke (every configuration, on a tiny model) runs in tests/test_serving_bench.py
+        run(Command("benchmarks/serving.py --preset 8b (smoke: arguments checked only)",
+                    (ctx.python, "benchmarks/serving.py", "--preset", "8b", "--part", "offline", "--help"), 60,
+                    script="benchmarks/serving.py"))
         return
     for part in ctx.serving_parts:  # each under serving.py's own deadline (500 s), well inside the step's limit
         out = ctx.tmp / f"serving_{part}.json"
@@ -295,7 +295,7 @@ def peers_step(ctx, run):
         run(Command("benchmarks/peers.py --shape 1b", argv, 540, output=out, script="benchmarks/peers.py"))
 
 
-TUNE_SMOKE_POINTS = "decode,paged:int8"  # the Mosaic points' smoke runs in tests/test_kernel_tuning.py
+TUNE_SMOKE_POINTS = "decode"  # the other points' smoke runs in tests/test_kernel_tuning.py
 TUNE_DEADLINE_S = 480
 
 
