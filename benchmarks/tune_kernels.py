@@ -210,7 +210,7 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
     defaults' score when there is one."""
     import numpy as np
 
-    jnp = kernels.jnp
+    jax, jnp = kernels.jax, kernels.jnp
     inputs = [kernels.inputs(point.kernel, point.cache_dtype, shape) for shape in point.shapes]
     call = kernels.call[point.kernel]
     scores, ran = [], 0  # (geometric mean s, block sizes, is the default, per-shape s)
@@ -234,12 +234,17 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
     partial = ran < len(candidates) + 1
     outcome = dict(candidates_run=ran, candidates=len(candidates) + 1,
                    default_time_s=next((x[0] for x in scores if x[2]), None), disagreed=[])
-    for best_time, best, _, per_shape in sorted(scores, key=lambda x: x[0]):
-        for args in inputs:  # against the reference, over the same (quantised) cache
-            out = np.asarray(call(best, *args), np.float32)
+    wanted = []  # the reference at each shape, over the same (quantised) cache, fp32 products (no TF32)
+    with jax.default_matmul_precision("highest"):
+        for args in inputs:
             wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
-            want = np.asarray(kernels.reference[point.kernel](*wide), np.float32)
-            if not np.allclose(out, want, atol=4e-3, rtol=2e-2):
+            wanted.append(np.asarray(kernels.reference[point.kernel](*wide), np.float32))
+    for best_time, best, _, per_shape in sorted(scores, key=lambda x: x[0]):
+        for args, want in zip(inputs, wanted):
+            out = np.asarray(call(best, *args), np.float32)
+            # Tolerances on the output's own scale: over 32K random keys an output is ~0.006, so a fixed atol of
+            # a few 1e-3 would pass a block of keys missed or read twice; bf16 P and output rounding stay < 1%.
+            if not np.allclose(out, want, rtol=1e-2, atol=1e-2 * float(np.sqrt(np.mean(want ** 2)))):
                 outcome["disagreed"].append(dict(block_sizes=vars(best).copy(),
                                                  max_abs_diff=float(np.abs(out - want).max())))
                 break
