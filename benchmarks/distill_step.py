@@ -2,6 +2,7 @@
 
     python benchmarks/distill_step.py [--preset cpu|1b|8b] [--variants ours,naive] [--out JSON]
     python benchmarks/distill_step.py --preset 8b --plan      # XLA's peak memory of every remat policy, no weights
+    python benchmarks/distill_step.py --preset 1b --profile 2 # and where each step's device time goes
 
 ours  = swiftkv_jax.distill.step.train_step: layers < l once, teacher's later layers without gradients,
         backward through the student's later layers only, optimizer state for the trainable 5-7% only,
@@ -22,6 +23,10 @@ method's work, causal attention at half, no recomputation; the same numerator fo
 --peak-tflops, the accelerator's dense bf16 peak; HFU from XLA's cost analysis of the compiled step, which counts a
 loop's body once (the layers run in a scan), so it undercounts: on the cpu preset 0.030 TFLOP against 0.087 of model
 FLOPs. MFU is the figure to read; earlier results' "mfu" came from that cost analysis.
+
+Profile (--profile N, default 2 on a GPU): N more steps of the same executable under jax's profiler, after the timed
+ones; benchmarks/op_profile.py splits their device time into matmuls (with their TFLOP/s, counted from the HLO's
+dots), cuDNN attention, Pallas kernels, fusions and copies, and names the costliest ops.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import subprocess
 import sys
 import time
 
+import op_profile
 from results_file import write_results
 
 from swiftkv_jax.distill.model_flops import FORMULA
@@ -101,8 +107,9 @@ def model_config(preset: dict, remat: str):
 
 
 def _build(preset: dict, variant: str, remat: str, abstract: bool):
-    """(jitted step, its arguments, run: args -> next args, student config, counts). abstract: the arguments are
-    ShapeDtypeStructs (nothing allocated; for compiling the step to read its memory)."""
+    """(jitted step, its arguments, run: (step, args) -> next args, student config, counts); `step` is the jitted
+    step or its compiled executable. abstract: the arguments are ShapeDtypeStructs (nothing allocated; for compiling
+    the step to read its memory)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -141,7 +148,7 @@ def _build(preset: dict, variant: str, remat: str, abstract: bool):
         state = init(lambda t: step_lib.TrainState(jnp.zeros((), jnp.int32), t, optimizer.init(t)), trainable)
         fn = jax.jit(functools.partial(step_lib.train_step, config=config, loss=loss_cfg, optimizer=optimizer,
                                        schedule=step_lib.learning_rate_schedule(optim, 1000)), donate_argnums=(0,))
-        return fn, (state, frozen, batch), lambda args: (fn(*args)[0], args[1], args[2]), config, counts
+        return fn, (state, frozen, batch), lambda step, args: (step(*args)[0], args[1], args[2]), config, counts
 
     if preset.get("naive_adam", "all") == "all":  # one fp32 master tree, AdamW state for every weight
         params = fp32(params)
@@ -171,7 +178,8 @@ def _build(preset: dict, variant: str, remat: str, abstract: bool):
         return optax.apply_updates(params, updates), opt_state, loss
 
     fn = jax.jit(naive_step, donate_argnums=(0, 1))
-    return fn, (params, init(naive_opt.init, params), batch), lambda args: (*fn(*args)[:2], args[2]), config, counts
+    return (fn, (params, init(naive_opt.init, params), batch), lambda step, args: (*step(*args)[:2], args[2]), config,
+            counts)
 
 
 def memory_record(compiled) -> dict:
@@ -263,7 +271,7 @@ def resolve_remat(preset: dict, variant: str) -> tuple[str, list]:
     return chosen, rows
 
 
-def _child(preset_name: str, variant: str, attention_impl: str) -> dict:
+def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0) -> dict:
     import jax
 
     from swiftkv_jax.distill.model_flops import distill_step_flops
@@ -275,14 +283,25 @@ def _child(preset_name: str, variant: str, attention_impl: str) -> dict:
     memory = memory_record(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    args = run(args)  # warm-up (includes nothing compiled twice: same shapes)
+    args = run(compiled, args)  # warm-up: the executable compiled above runs every step
     jax.block_until_ready(args)
     times = []
     for _ in range(preset["steps"]):
         start = time.perf_counter()
-        args = run(args)
+        args = run(compiled, args)
         jax.block_until_ready(args)
         times.append(time.perf_counter() - start)
+    profiled = {}
+    if profile:  # after the timed steps, so tracing costs them nothing
+        state = [args]
+
+        def one_step():
+            state[0] = run(compiled, state[0])
+            return state[0]
+        try:
+            profiled["profile"] = op_profile.profile_steps(one_step, profile, compiled.as_text())
+        except Exception as e:  # recorded and printed: the timed rows stand without it
+            profiled["profile_error"] = f"{type(e).__name__}: {e}"
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     b, t = preset["batch"], preset["seq_len"]
@@ -295,6 +314,7 @@ def _child(preset_name: str, variant: str, attention_impl: str) -> dict:
         "flops_per_step": float(cost.get("flops", 0.0)),
         "model_flops_per_step": distill_step_flops(config, t).total * b * t,
         "platform": device.platform, "device_kind": device.device_kind, **counts, "remat_plan": plan_rows,
+        **profiled,
     }
 
 
@@ -387,7 +407,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H100/H200: 989)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/distill_step_<preset>_<platform>.json, "
                                       "with --plan distill_step_plan_<preset>_<platform>.json)")
-    parser.add_argument(CHILD_FLAG, nargs=3, metavar=("PRESET", "VARIANT", "ATTENTION"), help=argparse.SUPPRESS)
+    parser.add_argument("--profile", type=int, default=None, metavar="STEPS",
+                        help="after the timed steps, trace this many more under jax's profiler and print where each "
+                             "step's device time goes (benchmarks/op_profile.py: matmul TFLOP/s, attention, fusions); "
+                             "default 2 on a GPU, 0 elsewhere")
+    parser.add_argument(CHILD_FLAG, nargs=4, metavar=("PRESET", "VARIANT", "ATTENTION", "PROFILE"),
+                        help=argparse.SUPPRESS)
     return parser
 
 
@@ -395,7 +420,8 @@ def main(argv=None) -> int:
     parser_ = parser()
     args = parser_.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(*args.child)))
+        preset_name, variant, attention, profile = args.child
+        print(json.dumps(_child(preset_name, variant, attention, int(profile))))
         return 0
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if not variants or set(variants) - set(VARIANTS):
@@ -411,10 +437,11 @@ def main(argv=None) -> int:
 
     platform = backend_platform()
     attentions = attention_impls(args.preset, args.attention, platform)
+    profile = (2 if platform == "gpu" else 0) if args.profile is None else args.profile
     rows, failed = [], []
     out_path = args.out or f"benchmarks/results/distill_step_{args.preset}_{platform}.json"
     for variant, attention in [(v, a) for a in attentions for v in variants if v == "ours" or a == attentions[0]]:
-        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant, attention],
+        out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant, attention, str(profile)],
                              capture_output=True, text=True, env=os.environ)
         if out.returncode != 0:  # recorded; the other steps still run (each is its own process)
             sys.stderr.write(out.stderr[-5000:])
@@ -428,6 +455,11 @@ def main(argv=None) -> int:
     if not rows:
         raise SystemExit("every step failed; the errors are above")
     ratios = _print_rows(rows, args.preset, args.peak_tflops)
+    for r in rows:
+        if "profile" in r:
+            op_profile.print_profile(r["profile"], f"{r['variant']} ({r['attention_impl']} attention)")
+        elif "profile_error" in r:
+            print(f"profile of {r['variant']} ({r['attention_impl']} attention) failed: {r['profile_error']}")
     payload = {"preset": args.preset, "config": PRESETS[args.preset], "results": rows, "failed": failed,
                "ratios": ratios}
     if args.preset == "8b" and rows[0]["platform"] == "gpu":

@@ -97,3 +97,13 @@ def test_train_pipeline_tiny_preset_end_to_end(tmp_path):
     assert result["end_to_end_over_bare"] > 0 and result["pass"] is None  # judged on a GPU only
     checkpoints = sorted(p.name for p in (tmp_path / "work" / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert checkpoints == ["2", "4"]
+
+
+@pytest.mark.slow
+def test_profiled_step_of_the_tiny_preset(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert distill_step.main(["--preset", "test", "--variants", "ours", "--profile", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    cats = {c["category"]: c for c in row["profile"]["categories"]}
+    assert cats["matmul"]["gflop"] > 0 and "not in the HLO" not in cats
+    assert "profile of ours (xla attention)" in capsys.readouterr().out

@@ -418,3 +418,17 @@ def test_distill_summary_names_each_rows_attention_and_the_failed_steps():
     assert "| ours | cudnn | none | 0.8000 |" in text and "| ours | xla_chunked |" in text
     assert "cudnn:8 attention: **failed** (exit 1)" in text and "does not support this case" in text
     assert "mfu 0.3 vs 0.4 FAIL (cudnn)" in text
+
+
+def test_distill_summary_says_where_each_profiled_steps_time_went():
+    profile = {"busy_ms_per_step": 780.0, "wall_ms_per_step": 800.0,
+               "categories": [{"category": "matmul", "ms": 500.0, "share": 0.64, "tflops": 520.0},
+                              {"category": "attention (cuDNN)", "ms": 200.0, "share": 0.26, "tflops": None}],
+               "ops": [{"op": "custom-call.7", "ms": 40.0}, {"op": "fusion.3", "ms": 12.5}]}
+    row = {"variant": "ours", "attention_impl": "cudnn", "remat": "none", "step_s": 0.8, "tokens_per_s": 10240,
+           "mfu": 0.35, "xla_peak_bytes": 2**30, "device_peak_bytes": None, "profile": profile}
+    failed_row = dict(row, attention_impl="xla_chunked", profile=None, profile_error="RuntimeError: no trace\nmore")
+    text = "\n".join(pack_steps._distill_lines("distill_step.py --preset 8b", {"results": [row, failed_row]}))
+    assert ("profile of ours (cudnn): 780 ms of device ops in a 800 ms step: matmul 500 ms (64%, 520 TFLOP/s), "
+            "attention (cuDNN) 200 ms (26%); costliest ops custom-call.7 40.0 ms, fusion.3 12.5 ms") in text
+    assert "profile of ours (xla_chunked): **failed** RuntimeError: no trace" in text

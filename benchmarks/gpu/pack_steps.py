@@ -435,6 +435,8 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                   f"{_first_line(_last(f.get('stderr_tail', '')))}" for f in result.get("failed", [])]
         if result.get("ratios"):
             lines.append("naive / ours: " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()))
+        for r in result["results"]:
+            lines += _profile_lines(r)
         if result.get("targets"):
             lines.append("targets: " + ", ".join(f"{k} {t['measured']:.3g} vs {t['target']:g} "
                                                  f"{'PASS' if t['pass'] else 'FAIL'}"
@@ -462,6 +464,21 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                      + (f" (target {checks['gap_closed_target']:.0%}: "
                         f"{'PASS' if checks['gap_closed_pass'] else 'FAIL'})" if "gap_closed_pass" in checks else ""))
     return lines
+
+
+def _profile_lines(row: dict) -> list[str]:
+    """Where a distill step's device time went (benchmarks/op_profile.py), one line a variant."""
+    title = f"{row['variant']} ({row.get('attention_impl', '-')})"
+    if row.get("profile_error"):
+        return [f"- profile of {title}: **failed** {_first_line(row['profile_error'])}"]
+    prof = row.get("profile")
+    if not prof:
+        return []
+    cats = ", ".join(f"{c['category']} {c['ms']:.0f} ms ({c['share']:.0%}"
+                     + (f", {c['tflops']:.0f} TFLOP/s)" if c.get("tflops") else ")") for c in prof["categories"])
+    top = ", ".join(f"{o['op']} {o['ms']:.1f} ms" for o in prof["ops"][:3])
+    return [f"- profile of {title}: {prof['busy_ms_per_step']:.0f} ms of device ops in a {prof['wall_ms_per_step']:.0f} ms "
+            f"step: {cats}; costliest ops {top}"]
 
 
 def _tune_rows(result: dict) -> list:
