@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from swiftkv_jax.model.kv_quant import dequantize
+from swiftkv_jax.model.precision import einsum_fp32
 from swiftkv_jax.sharding import map_over_heads
 
 
@@ -34,7 +35,7 @@ def xla_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+    logits = einsum_fp32("BTKGH,BSKH->BKGTS", q, k) * (h ** -0.5)
     mask = attention_mask(q_positions, kv_positions, q_segment_ids, kv_segment_ids)[:, None, None]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)

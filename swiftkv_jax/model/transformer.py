@@ -22,6 +22,7 @@ from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.layers import RMSNorm, kv_projection, logical_param, scanned_layers
+from swiftkv_jax.model.precision import einsum_fp32
 from swiftkv_jax.model.rope import apply_rope, rope_angles
 
 
@@ -41,8 +42,8 @@ class Embedder(nn.Module):
         return sharding.constrain(h, ("batch", "length", "act_embed"))
 
     def attend(self, x):
-        """Tied output head: fp32 logits."""
-        logits = jnp.einsum("BTD,VD->BTV", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+        """Tied output head: fp32 logits (backward in x's dtype: `einsum_fp32`)."""
+        logits = einsum_fp32("BTD,VD->BTV", x, self.embedding.astype(x.dtype))
         return sharding.constrain(logits, LOGIT_AXES)
 
 
@@ -54,7 +55,7 @@ class LMHead(nn.Module):
         cfg = self.config
         init = nn.initializers.normal(cfg.initializer_range)
         kernel = logical_param(self, "kernel", init, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
-        logits = jnp.einsum("BTD,DV->BTV", x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = einsum_fp32("BTD,DV->BTV", x, kernel.astype(x.dtype))
         return sharding.constrain(logits, LOGIT_AXES)
 
 
