@@ -271,7 +271,9 @@ def resolve_remat(preset: dict, variant: str) -> tuple[str, list]:
     return chosen, rows
 
 
-def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0) -> dict:
+def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0, emit=lambda row: None) -> dict:
+    """Time one variant; `emit(row)` the row as soon as it is timed and again with its profile (a profiler that
+    takes the process down leaves the timed row behind)."""
     import jax
 
     from swiftkv_jax.distill.model_flops import distill_step_flops
@@ -291,21 +293,10 @@ def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0
         args = run(compiled, args)
         jax.block_until_ready(args)
         times.append(time.perf_counter() - start)
-    profiled = {}
-    if profile:  # after the timed steps, so tracing costs them nothing
-        state = [args]
-
-        def one_step():
-            state[0] = run(compiled, state[0])
-            return state[0]
-        try:
-            profiled["profile"] = op_profile.profile_steps(one_step, profile, compiled.as_text())
-        except Exception as e:  # recorded and printed: the timed rows stand without it
-            profiled["profile_error"] = f"{type(e).__name__}: {e}"
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     b, t = preset["batch"], preset["seq_len"]
-    return {
+    row = {
         "variant": variant, "remat": config.remat, "attention_impl": attention_impl,
         "max_segments_per_row": config.max_segments_per_row,
         "step_s": statistics.median(times), "step_times_s": times, "tokens_per_step": b * t,
@@ -314,8 +305,32 @@ def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0
         "flops_per_step": float(cost.get("flops", 0.0)),
         "model_flops_per_step": distill_step_flops(config, t).total * b * t,
         "platform": device.platform, "device_kind": device.device_kind, **counts, "remat_plan": plan_rows,
-        **profiled,
     }
+    emit(row)
+    if profile:  # after the timed steps, so tracing costs them nothing
+        state = [args]
+
+        def one_step():
+            state[0] = run(compiled, state[0])
+            return state[0]
+        try:
+            row["profile"] = op_profile.profile_steps(one_step, profile, compiled.as_text())
+        except Exception as e:  # recorded and printed: the timed row stands without it
+            row["profile_error"] = f"{type(e).__name__}: {e}"
+        emit(row)
+    return row
+
+
+def child_rows(stdout: str) -> list:
+    """The rows a child emitted (JSON lines), last the most complete."""
+    rows = []
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut short by the process's death
+                pass
+    return rows
 
 
 def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
@@ -421,7 +436,7 @@ def main(argv=None) -> int:
     args = parser_.parse_args(argv)
     if args.child:
         preset_name, variant, attention, profile = args.child
-        print(json.dumps(_child(preset_name, variant, attention, int(profile))))
+        _child(preset_name, variant, attention, int(profile), emit=lambda row: print(json.dumps(row), flush=True))
         return 0
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if not variants or set(variants) - set(VARIANTS):
@@ -443,13 +458,18 @@ def main(argv=None) -> int:
     for variant, attention in [(v, a) for a in attentions for v in variants if v == "ours" or a == attentions[0]]:
         out = subprocess.run([sys.executable, __file__, CHILD_FLAG, args.preset, variant, attention, str(profile)],
                              capture_output=True, text=True, env=os.environ)
-        if out.returncode != 0:  # recorded; the other steps still run (each is its own process)
+        emitted = child_rows(out.stdout)
+        if out.returncode != 0 and emitted:  # timed, then died profiling: the row stands, the profile is the failure
+            sys.stderr.write(out.stderr[-5000:])
+            emitted[-1]["profile_error"] = (f"the process died after its steps were timed (exit {out.returncode}): "
+                                            + (out.stderr.strip().splitlines() or [""])[-1][-300:])
+        elif out.returncode != 0:  # recorded; the other steps still run (each is its own process)
             sys.stderr.write(out.stderr[-5000:])
             print(f"the {variant} step ({attention} attention) failed (exit {out.returncode}); its error is above")
             failed.append({"variant": variant, "attention_impl": attention, "returncode": out.returncode,
                            "stderr_tail": out.stderr[-3000:]})
-        else:
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if emitted:
+            rows.append(emitted[-1])
         write_results(out_path, "benchmarks/distill_step.py", argv, {  # as measured: a killed run keeps its rows
             "preset": args.preset, "config": PRESETS[args.preset], "results": rows, "failed": failed, "partial": True})
     if not rows:

@@ -107,3 +107,21 @@ def test_profiled_step_of_the_tiny_preset(tmp_path, capsys):
     cats = {c["category"]: c for c in row["profile"]["categories"]}
     assert cats["matmul"]["gflop"] > 0 and "not in the HLO" not in cats
     assert "profile of ours (xla attention)" in capsys.readouterr().out
+
+
+def test_a_child_that_dies_profiling_keeps_its_timed_row(monkeypatch, tmp_path):
+    """The child emits its row when timed and again with the profile; the parent keeps the last whole one."""
+    timed = {"variant": "ours", "attention_impl": "xla", "step_s": 1.0}
+    assert distill_step.child_rows("warning\n" + json.dumps(timed) + '\n{"variant": "ou') == [timed]
+
+    class Died:
+        returncode, stdout, stderr = -11, json.dumps(timed) + "\n", "Fatal Python error: Segmentation fault"
+
+    monkeypatch.setattr(distill_step.subprocess, "run", lambda *a, **k: Died)
+    monkeypatch.setattr(distill_step, "backend_platform", lambda: "cpu")
+    monkeypatch.setattr(distill_step, "_print_rows", lambda rows, *a: {})
+    out = tmp_path / "step.json"
+    assert distill_step.main(["--preset", "test", "--variants", "ours", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["step_s"] == 1.0
+    assert row["profile_error"] == "the process died after its steps were timed (exit -11): Fatal Python error: Segmentation fault"
