@@ -43,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 # MASK_VALUE: the kernels' finite "minus infinity": masked logits never give inf - inf = NaN; exp2 of it is 0.
+from swiftkv_jax.kernels.call_settings import block_sizes_for, interpret_mode
 from swiftkv_jax.kernels.split_k import MASK_VALUE, is_power_of_two
-from swiftkv_jax.kernels.tuning import tuned
 
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's dot needs every matrix dimension >= 16
@@ -274,18 +274,10 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     masked). interpret=None: interpret mode on CPU, compiled on GPU; another backend raises (no fallback).
     """
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
-    if interpret is None:
-        backend = jax.default_backend()
-        if backend not in ("cpu", "gpu"):
-            raise NotImplementedError(f"flash_attention is a Pallas Triton (GPU) kernel; backend {backend!r} "
-                                      "is not supported (pass interpret=True to emulate it)")
-        interpret = backend == "cpu"
-    if block_sizes is None:  # measured ones for this GPU (tuning.py), else the defaults
-        tuned_sizes = None if interpret else tuned("flash", FlashBlockSizes, head_dim=q.shape[3],
-                                                   group=q.shape[2] // k.shape[2], tokens=q.shape[1],
-                                                   cache_dtype=k.dtype)
-        block_sizes = tuned_sizes or FlashBlockSizes.for_head_dim(q.shape[3])
-    elif not isinstance(block_sizes, FlashBlockSizes):
-        raise TypeError(f"block_sizes must be a FlashBlockSizes, got {type(block_sizes).__name__}")
+    interpret = interpret_mode(interpret, "flash_attention", "Pallas Triton", cross_lowering=True)
+    tune = dict(kernel="flash", head_dim=q.shape[3], group=q.shape[2] // k.shape[2], tokens=q.shape[1],
+                cache_dtype=k.dtype)
+    block_sizes = block_sizes_for(block_sizes, FlashBlockSizes, interpret, tune,
+                                  FlashBlockSizes.for_head_dim(q.shape[3]))
     return _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths,
                             block_sizes=block_sizes, interpret=bool(interpret))

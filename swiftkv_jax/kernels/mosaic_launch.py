@@ -20,6 +20,8 @@ import threading
 import jax
 import numpy as np
 
+from swiftkv_jax.kernels.call_settings import block_sizes_for, interpret_mode
+
 __all__ = ["SMEM_BYTES", "accumulate_pv", "interpret_params", "launch", "reset_interpreter", "settings"]
 
 SMEM_BYTES = 227 * 1024  # H100 / H200 shared memory per block (opt-in maximum)
@@ -47,26 +49,13 @@ def settings(what: str, interpret, interpreter_safe, block_sizes, block_sizes_ty
     interpreter runs (P V through SMEM) when interpreting, FA3's (P in registers) compiled. block_sizes None:
     compiled, the ones measured best on this GPU for `tune` (`tuning.tuned`'s kernel and shapes) if the table has
     them, else the type's defaults."""
-    if interpret is None:
-        backend = jax.default_backend()
-        if backend not in ("cpu", "gpu"):
-            raise NotImplementedError(f"{what} is a Mosaic GPU (Hopper) kernel; backend {backend!r} is not "
-                                      "supported (pass interpret=True to emulate it)")
-        interpret = backend == "cpu"
+    interpret = interpret_mode(interpret, what, "Mosaic GPU (Hopper)", cross_lowering=True)
     if interpreter_safe is None:
         interpreter_safe = bool(interpret)
     elif interpret and not interpreter_safe:
         raise ValueError("interpreter_safe=False (P V from registers, pl.run_state) cannot run in jax's GPU "
                          "interpret mode: it has no rule for run_state")
-    if block_sizes is None:
-        if not interpret and tune:
-            from swiftkv_jax.kernels.tuning import tuned
-
-            block_sizes = tuned(cls=block_sizes_type, **tune)
-        block_sizes = block_sizes or block_sizes_type()
-    elif not isinstance(block_sizes, block_sizes_type):
-        raise TypeError(f"block_sizes must be a {block_sizes_type.__name__}, got {type(block_sizes).__name__}")
-    return bool(interpret), bool(interpreter_safe), block_sizes
+    return interpret, bool(interpreter_safe), block_sizes_for(block_sizes, block_sizes_type, interpret, tune)
 
 
 def accumulate_pv(acc, p, v_tile, p_smem=None):

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from swiftkv_jax.kernels.call_settings import block_sizes_for, interpret_mode
+
 try:  # JAX 0.10 and 0.11 (deprecated there, still present); the masked load and the Triton compiler params.
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backend
@@ -334,24 +336,13 @@ def kernel_settings(block_sizes: DecodeBlockSizes | None, interpret: bool | None
         raise NotImplementedError(
             f"{what} needs the Pallas Triton backend (jax.experimental.pallas.triton), which JAX "
             f"{jax.__version__} does not have; use {what}_reference")
-    if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
-        raise TypeError(f"block_sizes must be a DecodeBlockSizes, got {type(block_sizes).__name__}")
-    backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if not interpret and backend != "gpu":
-        raise NotImplementedError(f"the compiled {what.replace('_', '-')} kernel needs a GPU (backend is "
-                                  f"{backend!r}); pass interpret=True or use {what}_reference")
+    interpret = interpret_mode(interpret, what, "Pallas Triton", reference=f"{what}_reference")
     if not interpret and any(jnp.dtype(dtype) == jnp.float8_e4m3fn for dtype in cache_dtypes):
         capability = getattr(jax.devices()[0], "compute_capability", None)
         if capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9):
             raise NotImplementedError(f"a float8_e4m3fn cache needs compute capability >= 8.9 for Triton (this GPU "
                                       f"is {capability}); use an int8 cache or {what}_reference")
-    if block_sizes is None and not interpret and tune:
-        from swiftkv_jax.kernels.tuning import tuned
-
-        block_sizes = tuned(cls=DecodeBlockSizes, **tune)
-    return block_sizes or DecodeBlockSizes(), bool(interpret)
+    return block_sizes_for(block_sizes, DecodeBlockSizes, interpret, tune), interpret
 
 
 def no_keys(q) -> AttentionResiduals:
