@@ -14,7 +14,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   (`pallas.ops.gpu.decode_attention.gqa`; its API takes K/V as [B, K, S, H], so it transposes the cache on every
   call, and that copy is part of its time), and ours on Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense
   cache read in place by TMA, wgmma, FA3's P V form; `mosaic_smem`: the form jax's interpreter runs, compiled;
-  paged: paged_attention_mgpu, one TMA copy per page).
+  paged: paged_attention_mgpu, one TMA copy per page). Paged `pallas_f16_<fmt>`: our Triton kernel over a 1-byte
+  pool with its values converted straight to fp16 (`DecodeBlockSizes.dequant_dtype`) beside `pallas_<fmt>` (to
+  bf16 through fp32).
 - Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
     from swiftkv_jax.kernels.decode_attention_mgpu import decode_attention_mgpu
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
+    from swiftkv_jax.kernels.paged_attention import paged_attention
+    from swiftkv_jax.kernels.split_k import DecodeBlockSizes
     from swiftkv_jax.model.attention import attend, attend_cache, xla_attention
     from swiftkv_jax.model.kv_quant import dequantize_pair, quantize
     from swiftkv_jax.model.paged import paged_attend
@@ -333,8 +337,13 @@ def main(argv=None) -> int:
 
     paged_impls = {name: (lambda q, k, v, t, n, p, name=name: paged_attend(name, q, k, v, t, n, p))
                    for name in ("pallas", "xla", "mosaic")}
-    # The same pools quantised per token and head, as sk.Engine stores them (above)
-    add_quantized(paged_impls, ("pallas", "xla", "mosaic"), paged_attend)
+    # The same pools quantised per token and head, as sk.Engine stores them (above); pallas_f16: the Triton kernel
+    # with the pool's values converted straight to fp16 (`DecodeBlockSizes.dequant_dtype`, a tuning knob)
+    f16_sizes = DecodeBlockSizes(dequant_dtype="float16")
+    add_quantized(paged_impls, ("pallas", "pallas_f16", "xla", "mosaic"),
+                  lambda impl, q, k, v, t, n, p, ks, vs: (
+                      paged_attention(q, k, v, t, n, p, block_sizes=f16_sizes, k_scale=ks, v_scale=vs)
+                      if impl == "pallas_f16" else paged_attend(impl, q, k, v, t, n, p, ks, vs)))
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     if "paged" in parts:
         decode_table("paged", paged_impls, paged_reference,
@@ -407,10 +416,10 @@ def main(argv=None) -> int:
             continue
         paged = table == "paged"
         print(f"\n{title}: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
-        print(f"{'impl':<22}" + (f"{'page':>6}" if paged else "") +
+        print(f"{'impl':<26}" + (f"{'page':>6}" if paged else "") +
               f"{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of measured':>13}")
         for r in tables[table]:
-            print(f"{r['impl']:<22}" + (f"{r['page_size']:>6}" if paged else "") +
+            print(f"{r['impl']:<26}" + (f"{r['page_size']:>6}" if paged else "") +
                   f"{r.get('batch', '-'):>6}{r.get('context', '-'):>9}" + (
                       f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
                                                              f"{r['of_measured_bandwidth']:>13.1%}"))

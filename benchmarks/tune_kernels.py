@@ -89,6 +89,16 @@ SMOKE_CANDIDATES = {"flash": [dict(block_q=16, block_k=16, num_warps=4, num_stag
                     "decode": _SMOKE_SPLIT_K, "paged": _SMOKE_SPLIT_K,
                     "mosaic_flash": [dict(block_q=64, block_kv=64, max_concurrent_steps=2)],
                     "mosaic_decode": _SMOKE_MOSAIC_SPLIT_K, "mosaic_paged": _SMOKE_MOSAIC_SPLIT_K}
+ONE_BYTE_CACHES = ("int8", "float8_e4m3fn")
+
+
+def candidates_for(point: Point, smoke: bool = False) -> list:
+    """The block sizes a point tries after the defaults. The Triton split-K kernels over a 1-byte cache also try
+    converting its values straight to fp16 (`DecodeBlockSizes.dequant_dtype`), each shape with and without."""
+    candidates = (SMOKE_CANDIDATES if smoke else CANDIDATES)[point.kernel]
+    if point.kernel in ("decode", "paged") and point.cache_dtype in ONE_BYTE_CACHES:
+        candidates = [c for fields in candidates for c in (dict(fields, dequant_dtype="float16"), fields)]
+    return candidates
 
 
 def parse_only(text: str | None, points) -> tuple:
@@ -303,7 +313,7 @@ def main(argv=None) -> int:
         if time.monotonic() > stop_at:
             outcomes.append(dict(point._asdict(), status="not started (deadline)"))
             continue
-        candidates = (SMOKE_CANDIDATES if args.smoke else CANDIDATES)[point.kernel]
+        candidates = candidates_for(point, args.smoke)
         outcome = tune_point(kernels, point, candidates, repeats, stop_at, rows)
         best, default_time = outcome.pop("block_sizes", None), outcome["default_time_s"]
         if best is None:

@@ -63,6 +63,9 @@ def is_power_of_two(x: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
 
 
+DEQUANT_DTYPES = (None, "float16")  # DecodeBlockSizes.dequant_dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
     """Block sizes of the decode kernel (hashable: a static jit argument).
@@ -75,6 +78,10 @@ class DecodeBlockSizes:
     block_q: query rows (tokens x the G heads of a KV head) per program at most; a power of two >= 16. T*G rows
       that fit are one row block padded to a power of two >= 16 (decode); more are cut into ceil(T*G / block_q)
       blocks, each its own program, which reads keys only up to its own rows' positions.
+    dequant_dtype: what a quantised (int8 / float8_e4m3fn) cache's values become in registers when q is 16-bit:
+      None, q's dtype; "float16": one conversion a value (Hopper converts int8 and e4m3 to fp16 directly, to bf16
+      through fp32), the 16-bit q and P cast to fp16 for the two products (exact for 1-byte values; P in [0, 1] keeps
+      more bits than in bf16). A tuning knob: which is faster is the GPU's to say.
     """
 
     block_k: int = 64
@@ -82,6 +89,7 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     block_q: int = 64
+    dequant_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("block_k", "block_q"):
@@ -94,6 +102,9 @@ class DecodeBlockSizes:
             raise ValueError(f"DecodeBlockSizes.num_warps must be a power of two in [1, 32], got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
             raise ValueError(f"DecodeBlockSizes.num_stages must be an integer >= 1, got {self.num_stages!r}")
+        if self.dequant_dtype not in DEQUANT_DTYPES:
+            raise ValueError(f"DecodeBlockSizes.dequant_dtype must be one of {DEQUANT_DTYPES}, got "
+                             f"{self.dequant_dtype!r}")
 
 
 class AttentionResiduals(NamedTuple):
@@ -155,7 +166,7 @@ def check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
 
 
 def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
-                  dequantize: bool = False):
+                  dequantize=None):
     """One (b, kv head, row block, split) program, for any layout of the keys. limit_ref [R]: row r of this block
     sees keys < limit[r]; the program iterates key blocks only up to its rows' largest limit (none if it is 0).
 
@@ -163,18 +174,17 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
     as k_ref minus H) for per-token-head scales. ``key_index(i, idx, in_range)`` gives the indexers of block i's
     keys (global indices ``idx [block_k]`` of this sequence, ``in_range`` those to load): into k_ref and v_ref,
     which they must turn into ``[block_k, H]``, and into the scale refs (``[block_k]``). The dense cache and the
-    paged pool differ only there. dequantize: K and V are a quantised cache, cast to q's dtype as they are read
-    (fp32 if q is), with their per-key scales (if given) on the columns of the scores and of P; see the module.
+    paged pool differ only there. dequantize: None, or K and V are a quantised cache converted to this dtype as they
+    are read (`dequant_dtype`), with their per-key scales (if given) on the columns of the scores and of P; see
+    the module.
     """
     *scale_refs, o_ref, m_ref, l_ref = refs
     rows, head_dim = q_ref.shape
     split_start = pl.program_id(3) * split_len
     limit = limit_ref[...]
     # One dtype for the q.k product (Triton's dot needs it; fp32 q over a bf16 cache is a serving case). A quantised
-    # cache reads as q's dtype: its 1-byte values are exact in bf16 and fp16.
-    sixteen_bit = q_ref.dtype in (jnp.bfloat16, jnp.float16)
-    dot_dtype = ((q_ref.dtype if sixteen_bit else jnp.float32) if dequantize
-                 else jnp.promote_types(q_ref.dtype, k_ref.dtype))
+    # cache reads as `dequantize`: its 1-byte values are exact in bf16 and fp16.
+    dot_dtype = dequantize if dequantize is not None else jnp.promote_types(q_ref.dtype, k_ref.dtype)
     q = q_ref[...].astype(dot_dtype)
     # Keys past every row's limit are neither loaded nor computed (limit <= S, so no load runs past S): a row
     # block of rows that see nothing runs no iteration.
@@ -189,7 +199,10 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
 
         def read(ref):  # [block_k, H]: K or V, in its storage dtype, or a quantised cache's values as dot_dtype
             x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
-            return x.astype(jnp.float32).astype(dot_dtype) if dequantize else x  # (e4m3 -> bf16 goes through fp32)
+            if dequantize is None:
+                return x
+            # int8 and e4m3 convert to fp16 in one step; to bf16 through fp32 (Triton has no e4m3 -> bf16)
+            return x.astype(dot_dtype) if dot_dtype == jnp.float16 else x.astype(jnp.float32).astype(dot_dtype)
 
         def key_scales(which):  # [1, block_k]: each key's K (0) or V (1) scale, on its column
             return pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[None, :]
@@ -275,8 +288,10 @@ def split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, n
     ``num_splits`` pieces of a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see
     ``scale_inputs``.
     """
-    if dequantize:
-        kernel = functools.partial(kernel, dequantize=True)
+    if dequantize:  # the 16-bit q's dtype unless the block sizes name another (fp32 for an fp32 q)
+        sixteen_bit = q.dtype in (jnp.bfloat16, jnp.float16)
+        kernel = functools.partial(kernel, dequantize=jnp.dtype(
+            (block_sizes.dequant_dtype or q.dtype) if sixteen_bit else jnp.float32))
     if static_scales is not None:  # K's per-layer scale on the queries (rounded back to a 16-bit q's dtype)
         scaled = q.astype(jnp.float32) * static_scales[0]
         q = scaled.astype(q.dtype) if q.dtype in (jnp.bfloat16, jnp.float16) else scaled
