@@ -201,8 +201,11 @@ def _tree_bytes(tree) -> int:
     return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
-def plan_row(preset: dict, variant: str, remat: str, budget: int = H100_BYTES) -> dict:
-    """XLA's memory accounting of one step compiled on abstract arguments (nothing allocated).
+def plan_row(preset: dict, variant: str, remat: str, budget: int = H100_BYTES,
+             executables: dict | None = None) -> dict:
+    """XLA's memory accounting of one step compiled on abstract arguments (nothing allocated). executables: where
+    the compiled step is kept by remat policy when it is the one that runs (not the CPU's fp32 proxy), so that the
+    step measured under this policy is not compiled twice (8b on a GPU: 25 s a compile).
 
     On a GPU the step is compiled as it runs: the figure is XLA's own. On a CPU a bf16 step is no guide (the CPU
     converts bf16 weights to fp32 for its matmuls, whole stacked weights at a time: 3.8 GB each of 8B's MLP), so the
@@ -221,7 +224,10 @@ def plan_row(preset: dict, variant: str, remat: str, budget: int = H100_BYTES) -
         memory["xla_peak_bytes"] = (memory["argument_bytes"] + memory["temp_bytes"] + memory["output_bytes"]
                                     - memory["alias_bytes"])
     else:
-        memory = memory_record(fn.lower(*args).compile())
+        compiled = fn.lower(*args).compile()
+        memory = memory_record(compiled)
+        if executables is not None:
+            executables[remat] = compiled
     return {"variant": variant, "remat": remat, "compile_s": round(time.perf_counter() - start, 1),
             "estimate": "cpu: arguments + fp32 temporaries (upper bound)" if proxy else "xla",
             **counts, **memory, "fits": memory["xla_peak_bytes"] <= PLAN_MARGIN * budget}
@@ -258,13 +264,15 @@ def plan(preset_name: str, remats=REMATS, variants=VARIANTS, budget: int = H100_
             "preset_remat": preset.get("remat", "full")}
 
 
-def resolve_remat(preset: dict, variant: str) -> tuple[str, list]:
-    """(the remat policy a variant runs with, the plan rows behind an "auto" choice)."""
+def resolve_remat(preset: dict, variant: str, executables: dict | None = None) -> tuple[str, list]:
+    """(the remat policy a variant runs with, the plan rows behind an "auto" choice); `executables` as plan_row."""
     remat = preset.get("remat", "full") if variant == "ours" else preset.get("naive_remat", "full")
     if remat != "auto":
         return remat, []
-    rows = [plan_row(preset, variant, r) for r in REMATS]
+    rows = [plan_row(preset, variant, r, executables=executables) for r in REMATS]
     chosen = choose_remat(rows)
+    for other in set(executables or ()) - {chosen}:  # only the one that runs stays alive
+        del executables[other]
     if chosen is None:
         raise SystemExit(f"no remat policy fits the {variant} step within {PLAN_MARGIN:.0%} of {H100_BYTES / 1e9:.0f} "
                          f"GB: " + ", ".join(f"{r['remat']} {r['xla_peak_bytes'] / 2**30:.1f} GiB" for r in rows))
@@ -279,9 +287,10 @@ def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0
     from swiftkv_jax.distill.model_flops import distill_step_flops
 
     preset = dict(PRESETS[preset_name], attention_impl=attention_impl)
-    remat, plan_rows = resolve_remat(preset, variant)
+    executables = {}
+    remat, plan_rows = resolve_remat(preset, variant, executables)
     fn, args, run, config, counts = _build(preset, variant, remat, abstract=False)
-    compiled = fn.lower(*args).compile()
+    compiled = executables.get(remat) or fn.lower(*args).compile()
     memory = memory_record(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -125,3 +125,21 @@ def test_a_child_that_dies_profiling_keeps_its_timed_row(monkeypatch, tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["step_s"] == 1.0
     assert row["profile_error"] == "the process died after its steps were timed (exit -11): Fatal Python error: Segmentation fault"
+
+
+def test_an_auto_remat_step_runs_the_executable_its_plan_compiled(monkeypatch):
+    """remat "auto" compiles each policy on abstract arguments; the chosen one's executable runs the timed steps
+    with the concrete arguments, and nothing is compiled again (on a GPU, 25 s a compile of the 8b step)."""
+    import jax
+
+    monkeypatch.setitem(distill_step.PRESETS, "test", dict(distill_step.PRESETS["test"], remat="auto", steps=1))
+    compiles = []
+    real = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or real(self, *a, **k))
+    executables = {}
+    remat, rows = distill_step.resolve_remat(distill_step.PRESETS["test"], "ours", executables)
+    assert len(compiles) == len(distill_step.REMATS) and list(executables) == [remat] == ["none"]
+    compiles.clear()
+    row = distill_step._child("test", "ours", "xla")
+    assert len(compiles) == len(distill_step.REMATS)  # the plan's; the steps ran the chosen one
+    assert row["remat"] == "none" and row["step_s"] > 0 and len(row["step_times_s"]) == 1
