@@ -26,8 +26,9 @@ FLOPs. MFU is the figure to read; earlier results' "mfu" came from that cost ana
 
 Profile (--profile N, default 2 on a GPU): N more steps of the same executable under jax's profiler, after the timed
 ones; benchmarks/op_profile.py splits their device time into matmuls (with their TFLOP/s, counted from the HLO's
-dots), cuDNN attention, Pallas kernels, fusions and copies, and names the costliest ops. "dot HFU": the FLOPs those
-dots executed a step (every loop trip and recomputation counted; cuDNN's attention not) over the timed step time.
+dots), cuDNN attention, Pallas kernels, fusions and copies, and names the costliest ops. "prof. HFU": the FLOPs
+the profiled step's matmuls and cuDNN attention executed (every loop trip and recomputation counted) over the timed
+step time.
 """
 
 from __future__ import annotations
@@ -353,21 +354,21 @@ def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
     print(f"model FLOPs (the method's work, no recomputation): {FORMULA}")
     print(f"{'variant':<8}{'attention':>12}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}"
           f"{'device peak GiB':>17}{'model TFLOP':>12}{'XLA TFLOP':>11}"
-          + (f"{'MFU':>8}{'HFU':>8}{'dot HFU':>9}" if gpu else ""))
+          + (f"{'MFU':>8}{'HFU':>8}{'prof. HFU':>11}" if gpu else ""))
     for r in rows:
         r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
         peak = peak_tflops * 1e12
         # MFU: model FLOPs (the same work for both variants) / time; HFU: what XLA says the compiled step executes
         r["mfu"] = r["model_flops_per_step"] / r["step_s"] / peak if gpu else None
         r["hfu"] = r["flops_per_step"] / r["step_s"] / peak if gpu else None
-        # dot HFU: the FLOPs the profiled step's dots executed (recomputation included; op_profile) / the timed step
-        dots = sum(c["gflop"] for c in r["profile"]["categories"]) * 1e9 if r.get("profile") else None
-        r["dot_hfu"] = dots / r["step_s"] / peak if gpu and dots else None
-        dot_hfu = f"{r['dot_hfu']:>9.1%}" if r["dot_hfu"] is not None else f"{'-':>9}"
+        # prof. HFU: the FLOPs the profiled step's matmuls and cuDNN attention executed (op_profile) / the timed step
+        executed = sum(c["gflop"] for c in r["profile"]["categories"]) * 1e9 if r.get("profile") else None
+        r["profiled_hfu"] = executed / r["step_s"] / peak if gpu and executed else None
+        profiled_hfu = f"{r['profiled_hfu']:>11.1%}" if r["profiled_hfu"] is not None else f"{'-':>11}"
         print(f"{r['variant']:<8}{r['attention_impl']:>12}{r['remat']:>6}{r['step_s']:>10.4f}{r['tokens_per_s']:>12,.0f}"
               f"{gib(r['xla_peak_bytes']):>14}{gib(r['xla_temp_bytes']):>10}{gib(r['device_peak_bytes']):>17}"
               f"{r['model_flops_per_step'] / 1e12:>12.3f}{r['flops_per_step'] / 1e12:>11.3f}"
-              + (f"{r['mfu']:>8.1%}{r['hfu']:>8.1%}{dot_hfu}" if gpu else ""))
+              + (f"{r['mfu']:>8.1%}{r['hfu']:>8.1%}{profiled_hfu}" if gpu else ""))
     by = {}
     for r in rows:  # the first attention's rows: naive runs only with it
         by.setdefault(r["variant"], r)

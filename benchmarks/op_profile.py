@@ -33,6 +33,8 @@ _DIMS = re.compile(r"^\(?\s*\w+\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _LHS_CONTRACTING = re.compile(r'(?:lhs_contracting_dims=\{([\d,]*)\}|"lhs_contracting_dimensions":\[([^\]]*)\])')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{"element_type":\s*"\w+",\s*"dimensions":\s*\[([^\]]*)\]')
+_MASK = re.compile(r'"mask_type":\s*"(\w+)"')
 
 COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce-start",
                "all-gather-start", "collective-permute-start", "all-reduce-done", "all-gather-done",
@@ -141,6 +143,20 @@ class HloIndex:
             return 0.0
         return 2.0 * math.prod(_dims(inst.shape)) * math.prod(lhs[d] for d in contracting)
 
+    @staticmethod
+    def _attention_flops(inst: Instruction, comp: dict, target: str) -> float:
+        """cuDNN's fused attention: 2 x scores x head_dim a product, two forward (Q K^T, P V), five backward (the
+        scores again, dP, dV, dQ, dK); causal masks half the scores. The scores' [B, N, T, S] is in its backend
+        config, head_dim is q's (operand 0) last dimension."""
+        scores = _SCORES.search(inst.attrs)
+        if not scores or not inst.operands or inst.operands[0] not in comp:
+            return 0.0
+        elements = math.prod(int(d.strip().strip('"')) for d in scores.group(1).split(",") if d.strip())
+        head_dim = (_dims(comp[inst.operands[0]].shape) or [0])[-1]
+        mask = _MASK.search(inst.attrs)
+        causal = 0.5 if mask and "CAUSAL" in mask.group(1) else 1.0
+        return 2.0 * elements * head_dim * (5 if "Backward" in target else 2) * causal
+
     def _computation_summary(self, name: str) -> tuple[float, frozenset]:
         """(dot FLOPs, opcodes and custom-call targets) of a computation and what it calls, recursively."""
         if name in self._flops:
@@ -159,8 +175,9 @@ class HloIndex:
         target = _TARGET.search(inst.attrs)
         if target:
             opcodes.add("custom-call:" + target.group(1))
-        flops = self._dot_flops(inst, comp) if inst.opcode == "dot" or "cublas" in (target and target.group(1) or "") \
-            else 0.0
+        name = target.group(1) if target else ""
+        flops = (self._dot_flops(inst, comp) if inst.opcode == "dot" or "cublas" in name
+                 else self._attention_flops(inst, comp, name) if name.startswith("__cudnn$fmha") else 0.0)
         if inst.opcode in ("fusion", "call", "async-start"):  # a loop's body runs many times: its own ops are timed
             for c in inst.called:
                 f, ops = self._computation_summary(c)

@@ -145,7 +145,7 @@ def test_an_auto_remat_step_runs_the_executable_its_plan_compiled(monkeypatch):
     assert row["remat"] == "none" and row["step_s"] > 0 and len(row["step_times_s"]) == 1
 
 
-def test_dot_hfu_is_the_profiled_dots_over_the_timed_step(capsys):
+def test_profiled_hfu_is_the_profiled_dots_over_the_timed_step(capsys):
     row = dict(variant="ours", attention_impl="cudnn", remat="none", step_s=0.5, tokens_per_step=8192,
                xla_peak_bytes=2**30, xla_temp_bytes=2**29, device_peak_bytes=None, model_flops_per_step=2e14,
                flops_per_step=1e11, platform="gpu", device_kind="H200", trainable_params=1, params=2,
@@ -153,6 +153,6 @@ def test_dot_hfu_is_the_profiled_dots_over_the_timed_step(capsys):
                                        {"category": "attention (cuDNN)", "gflop": 0.0}]})
     unprofiled = dict(row, profile=None, attention_impl="xla_chunked")
     distill_step._print_rows([row, unprofiled], "8b", 1000.0)
-    assert row["dot_hfu"] == pytest.approx(2e14 / 0.5 / 1e15) and row["mfu"] == pytest.approx(0.4)
-    assert unprofiled["dot_hfu"] is None
-    assert "dot HFU" in capsys.readouterr().out
+    assert row["profiled_hfu"] == pytest.approx(2e14 / 0.5 / 1e15) and row["mfu"] == pytest.approx(0.4)
+    assert unprofiled["profiled_hfu"] is None
+    assert "prof. HFU" in capsys.readouterr().out

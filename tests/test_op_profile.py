@@ -67,7 +67,8 @@ ENTRY %main.9 (p.1: bf16[8192,4096]) -> bf16[8192,4096] {
   %w.2 = bf16[4096,1024]{1,0} constant({...})
   %gemm_fusion_dot.1 = bf16[8192,1024]{1,0} fusion(%p.1, %w.2), kind=kCustom, calls=%gemm_fusion_dot.1_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %q.1 = bf16[1,32,8192,128]{3,2,1,0} bitcast(%p.1)
-  %custom-call.2 = (bf16[1,32,8192,128]{3,2,1,0}, u8[0]{0}) custom-call(%q.1, %q.1, %q.1), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  %custom-call.2 = (bf16[1,32,8192,128]{3,2,1,0}, u8[0]{0}) custom-call(%q.1, %q.1, %q.1), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"fmha_scale":0.088,"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["1","32","8192","8192"],"tuple_shapes":[]},"is_flash_attention":true,"mask_type":"CAUSAL","bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","1"],"rhs_batch_dimensions":["0","1"]}}}
+  %custom-call.3 = (bf16[1,32,8192,128]{3,2,1,0}, bf16[1,32,8192,128]{3,2,1,0}, bf16[1,32,8192,128]{3,2,1,0}, u8[0]{0}) custom-call(%q.1, %q.1, %q.1, %q.1), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"element_type":"BF16","dimensions":["1","32","8192","8192"]},"mask_type":"NO_MASK"}}
   %f.1 = f32[8192,4096]{1,0} convert(%p.1)
   %reduce_fusion.1 = f32[8192]{0} fusion(%f.1), kind=kInput, calls=%fused_reduce
   %loop_add_fusion.3 = bf16[8192,4096]{1,0} fusion(%p.1, %p.1), kind=kLoop, calls=%fused_add
@@ -96,7 +97,7 @@ def _gpu_xspace(events: list, kernel_names: list) -> ProfileData:
 
 def test_gpu_trace_is_categorised_and_flop_counted_from_the_hlo():
     names = ["sm90_xmma_gemm_bf16bf16", "gemm_fusion_dot_1", "cudnn_fmha_fwd", "cudnn_fmha_fwd_reduce",
-             "reduce_fusion_1", "loop_add_fusion_3", "other_module_kernel"]
+             "reduce_fusion_1", "loop_add_fusion_3", "other_module_kernel", "cudnn_fmha_bwd"]
     m = dict(hlo_module="jit_step")
     events = [  # two steps: each op once a step; cuDNN's attention launches two kernels per run
         _event(1, 0, 1000, hlo_op="custom-call.1", **m), _event(2, 1000, 100, hlo_op="gemm_fusion_dot.1", **m),
@@ -107,22 +108,27 @@ def test_gpu_trace_is_categorised_and_flop_counted_from_the_hlo():
         _event(1, 2000, 1000, hlo_op="custom-call.1", **m), _event(2, 3000, 100, hlo_op="gemm_fusion_dot.1", **m),
         _event(3, 3100, 300, hlo_op="custom-call.2", **m), _event(4, 3400, 50, hlo_op="custom-call.2", **m),
         _event(5, 3450, 40, kernel_annotation="reduce:#hlo_op=reduce_fusion.1,hlo_module=jit_step#", **m),
-        _event(6, 3490, 10, **m),
+        _event(6, 3490, 10, **m), _event(8, 3500, 500, hlo_op="custom-call.3", **m),  # once in the two steps
     ]
     summary = op_profile.summarize(_gpu_xspace(events, names), op_profile.HloIndex(GPU_HLO), steps=2, wall_s=0.005)
     assert summary["source"] == "gpu-kernels" and summary["module"] == "jit_step"
     ops = {r["op"]: r for r in summary["ops"]}
-    assert set(ops) == {"custom-call.1", "gemm_fusion_dot.1", "custom-call.2", "reduce_fusion.1", "loop_add_fusion.3"}
+    assert set(ops) == {"custom-call.1", "gemm_fusion_dot.1", "custom-call.2", "reduce_fusion.1", "loop_add_fusion.3",
+                        "custom-call.3"}
     cublas, triton, attention = ops["custom-call.1"], ops["gemm_fusion_dot.1"], ops["custom-call.2"]
     assert cublas["category"] == triton["category"] == "matmul"
     assert cublas["gflop"] == pytest.approx(2 * 8192 * 14336 * 4096 / 1e9)
     assert cublas["tflops"] == pytest.approx(cublas["gflop"] / 1.0)  # 1 ms a step
     assert triton["gflop"] == pytest.approx(2 * 8192 * 1024 * 4096 / 1e9)
-    assert attention["category"] == "attention (cuDNN)"
+    assert attention["category"] == ops["custom-call.3"]["category"] == "attention (cuDNN)"
+    # cuDNN's attention: 2 x scores x head_dim a product; 2 products forward, causal half; 5 backward, no mask
+    scores = 32 * 8192 * 8192
+    assert attention["gflop"] == pytest.approx(2 * scores * 128 * 2 * 0.5 / 1e9)
+    assert ops["custom-call.3"]["gflop"] == pytest.approx(2 * scores * 128 * 5 / 1e9 / 2)  # one run in two steps
     assert (attention["executions"], attention["kernels"], attention["ms"]) == (1, 2, pytest.approx(0.35))
     assert ops["reduce_fusion.1"]["category"] == "reduction fusion" and ops["reduce_fusion.1"]["executions"] == 1
     assert ops["loop_add_fusion.3"]["category"] == "elementwise fusion"
-    assert summary["busy_ms_per_step"] == pytest.approx(1.0 + 0.1 + 0.35 + 0.04 + 0.01)
+    assert summary["busy_ms_per_step"] == pytest.approx(1.0 + 0.1 + 0.35 + 0.04 + 0.01 + 0.25)
     assert summary["wall_ms_per_step"] == pytest.approx(2.5)
     cats = {c["category"]: c for c in summary["categories"]}
     assert cats["matmul"]["tflops"] == pytest.approx((cublas["gflop"] + triton["gflop"]) / 1.1)

@@ -427,12 +427,12 @@ def _distill_lines(label: str, result: dict) -> list[str]:
     if result.get("results"):
         lines += ["", f"`{label}`", ""] + _table(
             ["variant", "attention", "remat", "step s", "tokens/s", "MFU", "XLA peak GiB", "device peak GiB",
-             "dot HFU"],
+             "prof. HFU"],
             [[r["variant"], r.get("attention_impl", "-"), r.get("remat", "-"), f"{r['step_s']:.4f}",
               f"{r.get('tokens_per_s', 0):,.0f}",
               f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", gib(r["xla_peak_bytes"]),
               gib(r["device_peak_bytes"]) if r.get("device_peak_bytes") else "-",
-              f"{r['dot_hfu']:.1%}" if r.get("dot_hfu") is not None else "-"] for r in result["results"]])
+              f"{r['profiled_hfu']:.1%}" if r.get("profiled_hfu") is not None else "-"] for r in result["results"]])
         lines += [f"- {f['variant']} step with {f['attention_impl']} attention: **failed** (exit {f['returncode']}) "
                   f"{_first_line(_last(f.get('stderr_tail', '')))}" for f in result.get("failed", [])]
         if result.get("ratios"):
