@@ -15,8 +15,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   call, and that copy is part of its time), and ours on Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense
   cache read in place by TMA, wgmma, FA3's P V form; `mosaic_smem`: the form jax's interpreter runs, compiled;
   paged: paged_attention_mgpu, one TMA copy per page). Paged `pallas_f16_<fmt>`: our Triton kernel over a 1-byte
-  pool with its values converted straight to fp16 (`DecodeBlockSizes.dequant_dtype`) beside `pallas_<fmt>` (to
-  bf16 through fp32).
+  pool with its values converted straight to fp16 (`DecodeBlockSizes.dequant_dtype`), at the default block sizes,
+  beside `pallas_<fmt>` (to bf16 through fp32, at the tuning table's block sizes where it has some: until a GPU
+  run fills the table, the same defaults).
 - Prefill: causal self-attention, batch 1..4 x 2K..32K tokens, in TFLOP/s of causal FLOPs
   4 * B * N * T * T * H / 2, and packed (documents of 2K tokens with segment ids: each its own triangle). Rivals:
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path

@@ -220,13 +220,6 @@ class _OpTime:
     kernel: str = ""
 
 
-def _stat_dict(event) -> dict:
-    try:
-        return dict(event.stats)
-    except Exception:  # a stat the binding cannot render
-        return {}
-
-
 def _annotated_op(stats: dict) -> str | None:
     """The op named in a kernel's annotation ("...#hlo_op=fusion.3,...#") when the trace kept no hlo_op stat."""
     for value in stats.values():
@@ -257,7 +250,7 @@ def device_op_times(xspace, module: str | None) -> tuple[dict, str]:
         for line in lines:
             previous = None
             for event in sorted(line.events, key=lambda e: e.start_ns):
-                stats = _stat_dict(event)
+                stats = dict(event.stats)
                 if module and stats.get("hlo_module", module) != module:
                     previous = None
                     continue

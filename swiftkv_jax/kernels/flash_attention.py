@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-# MASK_VALUE: the kernels' finite "minus infinity": masked logits never give inf - inf = NaN; exp2 of it is 0.
 from swiftkv_jax.kernels.call_settings import block_sizes_for, interpret_mode
+# MASK_VALUE: the kernels' finite "minus infinity": masked logits never give inf - inf = NaN; exp2 of it is 0.
 from swiftkv_jax.kernels.split_k import MASK_VALUE, is_power_of_two
 
 _LOG2_E = math.log2(math.e)
@@ -280,4 +280,4 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     block_sizes = block_sizes_for(block_sizes, FlashBlockSizes, interpret, tune,
                                   FlashBlockSizes.for_head_dim(q.shape[3]))
     return _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths,
-                            block_sizes=block_sizes, interpret=bool(interpret))
+                            block_sizes=block_sizes, interpret=interpret)

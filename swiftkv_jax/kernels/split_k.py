@@ -288,13 +288,13 @@ def split_k_attention(kernel, q, lengths, q_positions, kv_inputs, kv_specs, *, n
     ``num_splits`` pieces of a multiple of block_k keys. static_scales: per-layer (k_scale, v_scale), see
     ``scale_inputs``.
     """
+    sixteen_bit = q.dtype in (jnp.bfloat16, jnp.float16)
     if dequantize:  # the 16-bit q's dtype unless the block sizes name another (fp32 for an fp32 q)
-        sixteen_bit = q.dtype in (jnp.bfloat16, jnp.float16)
         kernel = functools.partial(kernel, dequantize=jnp.dtype(
             (block_sizes.dequant_dtype or q.dtype) if sixteen_bit else jnp.float32))
     if static_scales is not None:  # K's per-layer scale on the queries (rounded back to a 16-bit q's dtype)
         scaled = q.astype(jnp.float32) * static_scales[0]
-        q = scaled.astype(q.dtype) if q.dtype in (jnp.bfloat16, jnp.float16) else scaled
+        q = scaled.astype(q.dtype) if sixteen_bit else scaled
     B, T, N, H = q.shape
     K = num_kv_heads
     G = N // K
