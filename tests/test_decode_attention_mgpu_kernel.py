@@ -341,6 +341,28 @@ def test_model_picks_them_by_name():
                                              v_scale=v_scale)), atol=TOLERANCE, rtol=TOLERANCE)
 
 
+def test_shared_memory_counts_the_p_tile_only_in_the_form_that_has_it():
+    """Three slots of 128 int8 keys at head dim 128 fit a Hopper block's shared memory with P in registers (the
+    compiled form) but not with P's tile in SMEM (the interpreter's form): the compiled form lowers, the other is
+    refused before launching."""
+    from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES
+
+    blocks = MosaicDecodeBlockSizes(block_kv=128, max_concurrent_steps=3)
+    assert blocks.smem_bytes(128, 1, p_in_smem=False) <= SMEM_BYTES < blocks.smem_bytes(128, 1, p_in_smem=True)
+    S, b, k, keys, h = jax.ShapeDtypeStruct, 4, 2, 1024, 128
+    args = (S((b, 1, 4 * k, h), jnp.bfloat16), S((b, k, keys, h), jnp.int8), S((b, k, keys, h), jnp.int8),
+            S((b,), jnp.int32), S((b, 1), jnp.int32), S((b, k, keys), jnp.float32), S((b, k, keys), jnp.float32))
+    for interpreter_safe in (False, True):
+        traced = lambda: jax.jit(lambda q, kc, vc, lengths, positions, ks, vs: decode_attention_mgpu(  # noqa: E731
+            q, kc, vc, lengths, positions, block_sizes=blocks, interpret=False, interpreter_safe=interpreter_safe,
+            k_scale=ks, v_scale=vs)).trace(*args)
+        if interpreter_safe:
+            with pytest.raises(ValueError, match="shared memory"):
+                traced()
+        else:
+            assert "mosaic_gpu" in traced().lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("interpreter_safe", [False, True], ids=["fa3_form", "interpreter_form"])
 @pytest.mark.parametrize("cache", ["bfloat16", "int8-token", "int8-layer", "float8_e4m3fn-token",
                                    "float8_e4m3fn-layer"])

@@ -237,6 +237,26 @@ def test_model_picks_it_by_name():
                                                            for a in args]), BF16_TOL)
 
 
+def test_shared_memory_counts_p_tiles_only_in_the_form_that_has_them():
+    """FA3's tile at head dim 128 (two warpgroups of 128 queries, 128 keys, two slots) fits a Hopper block's shared
+    memory with P in registers (the compiled form) but not with P's tiles in SMEM (the interpreter's form): the
+    compiled form lowers, the other is refused before launching."""
+    from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES
+
+    blocks = MosaicFlashBlockSizes(128, 128, 2)
+    assert blocks.smem_bytes(128, p_in_smem=False) <= SMEM_BYTES < blocks.smem_bytes(128, p_in_smem=True)
+    inputs = {key: x if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for key, x in
+              make_inputs(Case("causal_1k", b=1, t=1024, s=1024, n=4, kv_heads=1, h=128), jnp.bfloat16).items()}
+    for interpreter_safe in (False, True):
+        traced = lambda: jax.jit(lambda **kw: flash_attention_mgpu(  # noqa: E731
+            **kw, block_sizes=blocks, interpret=False, interpreter_safe=interpreter_safe)).trace(**inputs)
+        if interpreter_safe:
+            with pytest.raises(ValueError, match="shared memory"):
+                traced()
+        else:
+            assert "mosaic_gpu" in traced().lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("interpreter_safe", [False, True], ids=["fa3_form", "interpreter_form"])
 @pytest.mark.parametrize("blocks", [MosaicFlashBlockSizes(), MosaicFlashBlockSizes(64, 64, 3)], ids=str)
 @pytest.mark.parametrize("case", [

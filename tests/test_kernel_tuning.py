@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from swiftkv_jax.kernels import DecodeBlockSizes, FlashBlockSizes, MosaicDecodeBlockSizes, MosaicFlashBlockSizes
-from swiftkv_jax.kernels.tuning import TABLE, _entries, lookup
+from swiftkv_jax.kernels.tuning import TABLE, _entries, call_shapes, lookup
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,6 +23,15 @@ def write(tmp_path, entries) -> Path:
     path = tmp_path / "table.json"
     path.write_text(json.dumps({"entries": entries}))
     return path
+
+
+def test_a_call_is_looked_up_by_its_head_dim_group_and_tokens():
+    """Llama-3.1-8B heads: 32 query heads over 8 KV heads of 128; [B, T, N, H] and the ragged kernel's [T, N, H]."""
+    q = jax.ShapeDtypeStruct((2, 512, 32, 128), jnp.bfloat16)
+    assert call_shapes("flash", q, 8, jnp.bfloat16) == dict(kernel="flash", head_dim=128, group=4, tokens=512,
+                                                            cache_dtype=jnp.bfloat16)
+    ragged = jax.ShapeDtypeStruct((700, 32, 128), jnp.bfloat16)
+    assert call_shapes("paged", ragged, 8, jnp.int8, tokens=1)["tokens"] == 1
 
 
 def test_the_narrowest_matching_entry_wins(tmp_path):

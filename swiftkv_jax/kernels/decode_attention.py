@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, DecodeBlockSizes, attend_split,
                                          check_queries, check_scales, dequantize, kernel_settings, merge_partials,
                                          no_keys, normalize, scale_inputs, split_k_attention)
+from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "decode_attention", "decode_attention_reference",
@@ -124,8 +125,7 @@ def decode_attention(q, k_cache, v_cache, lengths, q_positions, *, block_sizes: 
     """
     _check_shapes(q, k_cache, v_cache, lengths, q_positions)
     check_scales(k_cache, v_cache, k_scale, v_scale, k_cache.shape[:3], "[B, S, K]")
-    tune = dict(kernel="decode", head_dim=q.shape[3], group=q.shape[2] // k_cache.shape[2], tokens=q.shape[1],
-                cache_dtype=k_cache.dtype)
+    tune = call_shapes("decode", q, k_cache.shape[2], k_cache.dtype)
     block_sizes, interpret = kernel_settings(block_sizes, interpret, "decode_attention",
                                              (k_cache.dtype, v_cache.dtype), tune)
     if k_cache.shape[1] == 0:  # no cache at all: nothing to attend to

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
 from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, check_scales, merge_partials,
                                          no_keys, normalize)
+from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu"]
 
@@ -106,12 +107,12 @@ class MosaicDecodeBlockSizes:
         if not _is_int(self.ctas_per_sm) or self.ctas_per_sm < 1:
             raise ValueError(f"MosaicDecodeBlockSizes.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, p_in_smem: bool = True) -> int:
         """Shared memory of one CTA over a cache of `itemsize` bytes an element: the Q tile, K and V slots, P's
-        tile, the fp32 output tile and row vectors; for an 8-bit cache also the converted K and V tiles and the
-        slots' per-token scales."""
+        tile (only the `interpreter_safe` form has one: `p_in_smem`), the fp32 output tile and row vectors; for an
+        8-bit cache also the converted K and V tiles and the slots' per-token scales."""
         slots = 2 * self.max_concurrent_steps * self.block_kv
-        tiles = 2 * (_ROWS * head_dim + _ROWS * self.block_kv) + itemsize * slots * head_dim
+        tiles = 2 * (_ROWS * head_dim + p_in_smem * _ROWS * self.block_kv) + itemsize * slots * head_dim
         if itemsize == 1:
             tiles += 2 * 2 * self.block_kv * head_dim + 4 * slots
         return tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)
@@ -523,10 +524,10 @@ def _settings(what: str, kernel: str, q, k, v, lengths, q_positions, kv_heads: i
     h = q.shape[3]
     if h % _HEAD_ALIGN:
         raise ValueError(f"{what} needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
-    tune = dict(kernel=kernel, head_dim=h, group=q.shape[2] // kv_heads, tokens=q.shape[1], cache_dtype=k.dtype)
+    tune = call_shapes(kernel, q, kv_heads, k.dtype)
     interpret, interpreter_safe, block_sizes = settings(what, interpret, interpreter_safe, block_sizes,
                                                         MosaicDecodeBlockSizes, tune)
-    smem = block_sizes.smem_bytes(h, k.dtype.itemsize)
+    smem = block_sizes.smem_bytes(h, k.dtype.itemsize, p_in_smem=interpreter_safe)
     if smem > SMEM_BYTES:
         raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h}, more than the "
                          f"{SMEM_BYTES} an H100/H200 block has: use a smaller block_kv or fewer steps")

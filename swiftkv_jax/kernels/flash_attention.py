@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from swiftkv_jax.kernels.call_settings import block_sizes_for, interpret_mode
 # MASK_VALUE: the kernels' finite "minus infinity": masked logits never give inf - inf = NaN; exp2 of it is 0.
 from swiftkv_jax.kernels.split_k import MASK_VALUE, is_power_of_two
+from swiftkv_jax.kernels.tuning import call_shapes
 
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's dot needs every matrix dimension >= 16
@@ -275,8 +276,7 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     """
     _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
     interpret = interpret_mode(interpret, "flash_attention", "Pallas Triton", cross_lowering=True)
-    tune = dict(kernel="flash", head_dim=q.shape[3], group=q.shape[2] // k.shape[2], tokens=q.shape[1],
-                cache_dtype=k.dtype)
+    tune = call_shapes("flash", q, k.shape[2], k.dtype)
     block_sizes = block_sizes_for(block_sizes, FlashBlockSizes, interpret, tune,
                                   FlashBlockSizes.for_head_dim(q.shape[3]))
     return _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths,

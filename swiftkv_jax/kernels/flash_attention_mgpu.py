@@ -78,6 +78,7 @@ from swiftkv_jax.kernels.flash_attention import (_blockwise, _check_shapes, _kv_
                                                  flash_attention_reference)
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
 from swiftkv_jax.kernels.split_k import MASK_VALUE
+from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = ["MosaicFlashBlockSizes", "flash_attention_mgpu", "flash_attention_mgpu_reference"]
 
@@ -119,10 +120,11 @@ class MosaicFlashBlockSizes:
             raise ValueError(f"MosaicFlashBlockSizes.max_concurrent_steps must be an int >= 2, "
                              f"got {self.max_concurrent_steps!r}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory of one CTA: Q/O tiles, the K and V slots, and P's tiles when it goes through SMEM."""
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, p_in_smem: bool = True) -> int:
+        """Shared memory of one CTA: Q/O tiles, the K and V slots, and P's tiles when it goes through SMEM (the
+        `interpreter_safe` form: `p_in_smem`)."""
         tiles = _COMPUTE_WGS * self.block_q * head_dim + 2 * self.max_concurrent_steps * self.block_kv * head_dim
-        p_tiles = _COMPUTE_WGS * self.block_q * self.block_kv
+        p_tiles = p_in_smem * _COMPUTE_WGS * self.block_q * self.block_kv
         meta = 4 * (2 * _COMPUTE_WGS * self.block_q + 2 * self.max_concurrent_steps * self.block_kv)
         return itemsize * (tiles + p_tiles) + meta
 
@@ -328,7 +330,7 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     block_q, block_kv, stages = block_sizes.block_q, block_sizes.block_kv, block_sizes.max_concurrent_steps
     tile_q = _COMPUTE_WGS * block_q
     t_pad, s_pad, h_pad = (pl.cdiv(x, m) * m for x, m in ((t, tile_q), (s, block_kv), (h, _HEAD_ALIGN)))
-    smem = block_sizes.smem_bytes(h_pad, q.dtype.itemsize)
+    smem = block_sizes.smem_bytes(h_pad, q.dtype.itemsize, p_in_smem=interpreter_safe)
     if smem > SMEM_BYTES:
         raise ValueError(f"{block_sizes} needs {smem} bytes of shared memory at head dim {h_pad}, more than "
                          f"the {SMEM_BYTES} an H100/H200 block has: use smaller blocks or fewer steps")
@@ -399,8 +401,7 @@ def flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     if q.dtype not in _DTYPES:
         raise ValueError(f"flash_attention_mgpu takes bfloat16 or float16 q, k, v (wgmma's operand types), got "
                          f"{q.dtype}: cast them, or use flash_attention")
-    tune = dict(kernel="mosaic_flash", head_dim=q.shape[3], group=q.shape[2] // k.shape[2], tokens=q.shape[1],
-                cache_dtype=k.dtype)
+    tune = call_shapes("mosaic_flash", q, k.shape[2], k.dtype)
     interpret, interpreter_safe, block_sizes = settings("flash_attention_mgpu", interpret, interpreter_safe,
                                                         block_sizes, MosaicFlashBlockSizes, tune)
     args = (q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)

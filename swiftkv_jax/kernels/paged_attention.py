@@ -37,6 +37,7 @@ from swiftkv_jax.kernels.decode_attention import decode_attention_reference
 from swiftkv_jax.kernels.split_k import (DecodeBlockSizes, attend_split, check_queries, check_scales, dequantize,
                                          kernel_settings, no_keys, normalize, pltriton, scale_inputs,
                                          split_k_attention)
+from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = ["paged_attention", "paged_attention_reference"]
 
@@ -145,8 +146,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
     """
     _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions)
     check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
-    tune = dict(kernel="paged", head_dim=q.shape[3], group=q.shape[2] // k_pages.shape[0], tokens=q.shape[1],
-                cache_dtype=k_pages.dtype)
+    tune = call_shapes("paged", q, k_pages.shape[0], k_pages.dtype)
     block_sizes, interpret = kernel_settings(block_sizes, interpret, "paged_attention", (k_pages.dtype,), tune)
     if block_tables.shape[1] == 0:  # a table of no pages: nothing to attend to
         residuals = no_keys(q)

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.paged_attention import paged_attention, paged_attention_reference
 from swiftkv_jax.kernels.split_k import DecodeBlockSizes, kernel_settings
+from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = ["RaggedBlocks", "ragged_blocks", "ragged_layout", "ragged_paged_attention",
            "ragged_paged_attention_reference"]
@@ -130,8 +131,7 @@ def ragged_paged_attention(q, k_pages, v_pages, block_tables, slots, positions, 
                          f"{positions.shape}")
     if not 0 <= num_single <= q.shape[0]:
         raise ValueError(f"num_single must be in [0, T={q.shape[0]}], got {num_single}")
-    tune = dict(kernel="paged", head_dim=q.shape[2], group=q.shape[1] // k_pages.shape[0], tokens=1,  # decodes'
-                cache_dtype=k_pages.dtype)
+    tune = call_shapes("paged", q, k_pages.shape[0], k_pages.dtype, tokens=1)  # the decodes' blocks
     block_sizes, interpret = kernel_settings(block_sizes, interpret, "ragged_paged_attention", (k_pages.dtype,), tune)
     prefill_sizes = dataclasses.replace(block_sizes, num_splits=1)
 

@@ -50,6 +50,14 @@ def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: 
     return dict(best["block_sizes"])
 
 
+def call_shapes(kernel: str, q, num_kv_heads: int, cache_dtype, tokens: Optional[int] = None) -> dict:
+    """`lookup`'s kernel and shape arguments for a call with queries ``[..., T, N, H]`` over ``num_kv_heads`` KV
+    heads of ``cache_dtype`` (tokens: T unless given)."""
+    *_, t, n, h = q.shape
+    return dict(kernel=kernel, head_dim=h, group=n // num_kv_heads, tokens=t if tokens is None else tokens,
+                cache_dtype=cache_dtype)
+
+
 def tuned(kernel: str, cls, *, head_dim: int, group: int, tokens: int, cache_dtype=None):
     """`cls(**entry)` for the current device when the table has one, else None (the caller's defaults)."""
     import jax
