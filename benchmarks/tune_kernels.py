@@ -67,8 +67,11 @@ SMOKE_POINTS = (
     Point("mosaic_decode", (1, 16), "int8", (dict(batch=1, context=128), dict(batch=2, context=64))),
     Point("mosaic_paged", (1, 16), "bfloat16", (dict(batch=1, context=128, page_size=32),)),
 )
-_SPLIT_K = [dict(block_k=k, num_splits=n, num_warps=w, num_stages=2, block_q=64)
-            for k, n, w in itertools.product((32, 64, 128), (8, 16, 32), (4, 8))]
+# Deeper pipelines too (more bytes in flight a program: decode is bound by memory latency as much as bandwidth)
+_SPLIT_K = ([dict(block_k=k, num_splits=n, num_warps=w, num_stages=2, block_q=64)
+             for k, n, w in itertools.product((32, 64, 128), (8, 16, 32), (4, 8))]
+            + [dict(block_k=k, num_splits=n, num_warps=4, num_stages=s, block_q=64)
+               for k, n, s in itertools.product((64, 128), (8, 16), (3, 4))])
 _MOSAIC_SPLIT_K = [dict(block_kv=k, max_concurrent_steps=s, ctas_per_sm=c)
                    for k, s, c in itertools.product((64, 128, 256), (2, 3, 4), (1, 2, 4, 8))]
 CANDIDATES = {
