@@ -112,7 +112,8 @@ class MosaicDecodeBlockSizes:
         tile (only the `interpreter_safe` form has one: `p_in_smem`), the fp32 output tile and row vectors; for an
         8-bit cache also the converted K and V tiles and the slots' per-token scales."""
         slots = 2 * self.max_concurrent_steps * self.block_kv
-        tiles = 2 * (_ROWS * head_dim + p_in_smem * _ROWS * self.block_kv) + itemsize * slots * head_dim
+        p_tile = _ROWS * self.block_kv if p_in_smem else 0
+        tiles = 2 * (_ROWS * head_dim + p_tile) + itemsize * slots * head_dim
         if itemsize == 1:
             tiles += 2 * 2 * self.block_kv * head_dim + 4 * slots
         return tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)

@@ -124,7 +124,7 @@ class MosaicFlashBlockSizes:
         """Shared memory of one CTA: Q/O tiles, the K and V slots, and P's tiles when it goes through SMEM (the
         `interpreter_safe` form: `p_in_smem`)."""
         tiles = _COMPUTE_WGS * self.block_q * head_dim + 2 * self.max_concurrent_steps * self.block_kv * head_dim
-        p_tiles = p_in_smem * _COMPUTE_WGS * self.block_q * self.block_kv
+        p_tiles = _COMPUTE_WGS * self.block_q * self.block_kv if p_in_smem else 0
         meta = 4 * (2 * _COMPUTE_WGS * self.block_q + 2 * self.max_concurrent_steps * self.block_kv)
         return itemsize * (tiles + p_tiles) + meta
 
