@@ -20,12 +20,13 @@ teacher_dir = out / "teacher" / "model_hf"
 teacher = sk.load(teacher_dir)
 batches, _ = demo.held_out(out, base, AutoTokenizer.from_pretrained(out / "corpus" / "tokenizer"))
 t = held_out_scores(teacher, teacher, batches)["val_loss"]
-u = held_out_scores(teacher, sk.to_swiftkv(teacher, 4, 1), batches)["val_loss"]
+l = teacher.config.num_hidden_layers // 2  # the 50% student
+u = held_out_scores(teacher, sk.to_swiftkv(teacher, l, 1), batches)["val_loss"]
 print("teacher", t, "undistilled", u, flush=True)
 for name, steps, overrides in (r.split("|") for r in recipes):
     settings = dataclasses.replace(base, distill_steps=int(steps),
                                    distill_overrides=tuple(overrides.split(";")) if overrides else ())
-    student = sk.load(demo.distill(out, settings, teacher_dir, demo.Variant(f"exp-{name}", 4)))
+    student = sk.load(demo.distill(out, settings, teacher_dir, demo.Variant(f"exp-{name}", l)))
     s = held_out_scores(teacher, student, batches)["val_loss"]
     print(json.dumps(dict(name=name, steps=int(steps), overrides=settings.distill_overrides, val_loss=s,
                           gap_closed=(u - s) / (u - t))), flush=True)
