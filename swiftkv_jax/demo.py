@@ -6,7 +6,8 @@ build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs
 when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped, and 50% + 2-way AcrossKV ->
 distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
 print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
-settings left in --out, so a rerun only evaluates. The gpu budget pretrains a 247M-parameter teacher in bf16 on one
+settings left in --out, so a rerun only evaluates. SIGTERM/SIGINT in a training stage save its checkpoint and stop
+the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget pretrains a 247M-parameter teacher in bf16 on one
 GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the table, JSON and plots to a folder of their own.
 """
 
@@ -181,6 +182,14 @@ def teacher_init(out: Path, settings: DemoSettings, tokenizer) -> Path:
     return path
 
 
+class Stopped(RuntimeError):
+    """A training stage was stopped by a signal (its checkpoint saved); `status` is train()'s exit status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 def _train(recipe: str, overrides: list[str], export: Path) -> None:
     """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted."""
     from swiftkv_jax import configuration
@@ -194,7 +203,10 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     resume = ["train.resume=true"] if (run_dir / trainer.CHECKPOINT_DIR).is_dir() else []
     config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
     start = time.perf_counter()
-    trainer.train(config)
+    status = trainer.train(config)
+    if status:  # a signal stopped it, its checkpoint saved: the later stages need its export
+        raise Stopped(status, f"{recipe} stopped in {run_dir} (status {status}), its checkpoint saved: run the same "
+                              f"command again to continue from it")
     _say(f"{recipe} -> {export} in {time.perf_counter() - start:.0f} s")
 
 
@@ -439,6 +451,9 @@ def main(argv=None) -> int:
     except (ValueError, ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        _say(str(e))
+        return e.status
     return 0
 
 

@@ -19,16 +19,24 @@ from swiftkv_jax import demo
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_demo(out: Path, name: str) -> str:
+def run_demo(out: Path, name: str, stop_at_step: int = 0) -> str:
     """demo.run(out, name) in a subprocess on one device; "quick" trains for minutes, so it is compiled optimised
-    as users run it (the smoke budget is mostly compiling: it keeps the suite's setting, see conftest.py)."""
+    as users run it (the smoke budget is mostly compiling: it keeps the suite's setting, see conftest.py).
+    stop_at_step: the first training stage is asked to stop after that step, as SIGTERM asks it; the process must
+    then exit with the shell's status of SIGTERM, 143."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if name != "smoke":
         env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
     code = f"import sys; from pathlib import Path; from swiftkv_jax import demo; demo.run(Path(sys.argv[1]), {name!r})"
+    if stop_at_step:
+        code = ("import itertools, signal, sys; from pathlib import Path; from swiftkv_jax import demo; "
+                "from swiftkv_jax.distill import trainer; steps = itertools.count(1); "
+                f"trainer._StopRequest.requested = lambda self: signal.SIGTERM if next(steps) == {stop_at_step} else 0\n"
+                f"try: demo.run(Path(sys.argv[1]), {name!r})\n"
+                "except demo.Stopped as e: print(e); sys.exit(e.status)")
     proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == (143 if stop_at_step else 0), proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -58,8 +66,16 @@ def check_table(out: Path, stdout: str) -> dict:
 
 
 def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
+    """First stopped in its pretraining as SIGTERM stops it (a checkpoint saved, no later stage run, status 143);
+    then the same call continues from that checkpoint to the whole table."""
     out = tmp_path / "smoke"
-    check_table(out, run_demo(out, "smoke"))
+    stopped = run_demo(out, "smoke", stop_at_step=3)
+    assert "SIGTERM received: checkpoint saved at step 3" in stopped and "run the same command again" in stopped
+    assert (out / "teacher" / "checkpoints").is_dir() and not (out / "teacher" / "model_hf").exists()
+    assert not (out / "distill").exists()
+    stdout = run_demo(out, "smoke")
+    assert "resumed from step 3" in stdout
+    check_table(out, stdout)
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
 
 

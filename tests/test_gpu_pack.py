@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -191,6 +192,24 @@ def test_runner_records_every_outcome_and_goes_on(tmp_path):
     assert "fails failed" in (merged / "summary.md").read_text()
 
 
+def test_a_command_past_its_limit_is_stopped_by_sigterm_within_the_deadline(tmp_path):
+    """At its limit a command gets SIGTERM and stop_grace_s to end (the demo's training saves a checkpoint then),
+    taken from the time left, so that its stopping too ends by the deadline; a command that would not get
+    MIN_COMMAND_S besides its grace is not started."""
+    saved = tmp_path / "saved"
+    code = ("import signal, sys, time\n"
+            "def stop(*_): time.sleep(0.5); open(sys.argv[1], 'w').write('saved'); sys.exit(143)\n"
+            "signal.signal(signal.SIGTERM, stop); print('training', flush=True); time.sleep(60)")
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    start = time.monotonic()
+    runner = pack_runner.StepRun(Step(1, "stops", "fake", 300, lambda ctx, run: None), ctx, start + 9)
+    record = runner.run(Command("stops", (sys.executable, "-c", code, saved), 300, stop_grace_s=3))
+    assert record["status"] == "timeout" and record["returncode"] == 143 and saved.read_text() == "saved"
+    assert record["limit_s"] <= 6 and time.monotonic() - start < 9
+    late = runner.run(Command("late", (sys.executable, "-c", "pass"), 300, stop_grace_s=3))
+    assert late["status"] == "not run"
+
+
 def test_a_step_past_the_deadline_is_not_started(tmp_path):
     steps = fake_steps(tmp_path)[3:4]
     ctx = Context(smoke=True, python=sys.executable, repo=REPO, tmp=tmp_path, env={"PATH": "/usr/bin:/bin"})
@@ -346,6 +365,9 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     c = by_label["demo.py --budget gpu"]
     args = demo.parser().parse_args([str(a) for a in c.argv[2:]])
     assert args.budget == "gpu" and c.output == args.results / "results.json" and args.attention is None
+    # in the checkout (kept between the calls of a warm machine), given time to save a checkpoint when stopped
+    assert Path(args.out) == REPO / pack_steps.DEMO_DIR and c.stop_grace_s == pack_steps.DEMO_STOP_GRACE_S
+    assert subprocess.run(["git", "check-ignore", "-q", pack_steps.DEMO_DIR], cwd=REPO).returncode == 0
     commands.clear()  # --demo-attention reaches demo.py
     pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo",), demo_attention="cudnn"),
                             lambda c: commands.append(c) or {"status": "ok"})

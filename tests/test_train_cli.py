@@ -237,10 +237,11 @@ def test_resume_equals_uninterrupted_run(capsys, assets, tmp_path, monkeypatch):
     rc, _, _ = main(capsys, recipe(assets, tmp_path / "a", *steps))
     assert rc == 0
     calls = itertools.count(1)
-    with monkeypatch.context() as m:  # a stop request after the 5th step, as SIGTERM would make
-        m.setattr(trainer._StopRequest, "requested", lambda self: next(calls) == 5)
+    with monkeypatch.context() as m:  # a stop request after the 5th step, as SIGINT would make
+        m.setattr(trainer._StopRequest, "requested", lambda self: signal.SIGINT if next(calls) == 5 else 0)
         rc, stdout, _ = main(capsys, recipe(assets, tmp_path / "b", *steps))
-    assert rc == 0 and "checkpoint saved at step 5" in stdout and "train.resume=true" in stdout
+    # not finished: the shell's status of a run stopped by SIGINT (128 + 2), its checkpoint saved
+    assert rc == 130 and "SIGINT received: checkpoint saved at step 5" in stdout and "train.resume=true" in stdout
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == list(range(1, 6))
     assert not (tmp_path / "b" / "student_hf").exists()
     rc, stdout, _ = main(capsys, recipe(assets, tmp_path / "b", *steps, "train.resume=true"))
@@ -252,7 +253,9 @@ def test_resume_equals_uninterrupted_run(capsys, assets, tmp_path, monkeypatch):
                        sk.load(tmp_path / "a" / "student_orbax").params)
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_0(assets, tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_143(assets, tmp_path):
+    """A signal saves and stops; the exit status is the shell's for SIGTERM (128 + 15), so that a scheduler or
+    `train.py && ...` does not take the unfinished run for a finished one."""
     out = tmp_path / "run"
     args = recipe(assets, out, "train.max_steps=5000", "checkpoint.every=1000")
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
@@ -270,7 +273,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(assets, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+    assert proc.returncode == 143, (tmp_path / "stderr").read_text()[-3000:]
     printed = (tmp_path / "stdout").read_text()
     match = re.search(r"SIGTERM received: checkpoint saved at step (\d+) in (\S+); continue with train.resume=true",
                       printed)

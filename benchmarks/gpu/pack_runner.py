@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 LOG_TAIL_CHARS = 3000
 MIN_COMMAND_S = 5.0     # a command is not started with less time left than this
+STOP_GRACE_S = 10.0     # a command past its limit: SIGTERM, then SIGKILL after this (a Command may set more)
 MIN_STEP_S = 20.0       # nor a step
 STATUSES = ("ok", "failed", "timeout", "skipped", "not run", "running")
 # Device memory bandwidth by GPU name (first match), bytes/s, for the TPOT roofline.
@@ -62,6 +63,7 @@ class Command:
     skip: Optional[str] = None
     env: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)   # kept in the record as it is (e.g. a memory estimate)
+    stop_grace_s: float = STOP_GRACE_S         # at its limit: SIGTERM, this long to stop, then SIGKILL
 
 
 @dataclass
@@ -96,8 +98,10 @@ def _tail(text: str, n: int = LOG_TAIL_CHARS) -> str:
     return text if len(text) <= n else "[...]" + text[-n:]
 
 
-def run_process(argv, limit_s: float, cwd, env, echo: Callable[[str], None] = None) -> tuple[str, Optional[int], str]:
-    """(status, returncode, output tail): "ok", "failed" or "timeout" (the process group is then terminated)."""
+def run_process(argv, limit_s: float, cwd, env, echo: Callable[[str], None] = None,
+                stop_grace_s: float = STOP_GRACE_S) -> tuple[str, Optional[int], str]:
+    """(status, returncode, output tail): "ok", "failed" or "timeout" (the process group is then sent SIGTERM, and
+    SIGKILL if it has not ended stop_grace_s later)."""
     proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             text=True, errors="replace", bufsize=1)
@@ -116,7 +120,7 @@ def run_process(argv, limit_s: float, cwd, env, echo: Callable[[str], None] = No
         status = "ok" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
         status = "timeout"
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        for sig, grace in ((signal.SIGTERM, stop_grace_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -146,14 +150,15 @@ class StepRun:
             record.update(status="skipped", reason=cmd.skip)
         elif cmd.script and not (self.ctx.repo / cmd.script).exists():
             record.update(status="skipped", reason=f"not built yet ({cmd.script} does not exist)")
-        elif left < MIN_COMMAND_S:
+        elif left - cmd.stop_grace_s < MIN_COMMAND_S:
             record.update(status="not run", reason="the step's time limit was reached")
         else:
-            limit = min(cmd.limit_s, left)
+            limit = min(cmd.limit_s, left - cmd.stop_grace_s)  # its stopping, too, ends by the deadline
             if self.echo:
                 self.echo(f"--- {cmd.label}: {' '.join(record['argv'])} (limit {limit:.0f} s)\n")
             start = time.monotonic()
-            status, rc, log = run_process(cmd.argv, limit, self.ctx.repo, {**self.ctx.env, **cmd.env}, self.echo)
+            status, rc, log = run_process(cmd.argv, limit, self.ctx.repo, {**self.ctx.env, **cmd.env}, self.echo,
+                                          cmd.stop_grace_s)
             record.update(status=status, returncode=rc, seconds=round(time.monotonic() - start, 2),
                           limit_s=round(limit, 1), log_tail=log)
             if status == "timeout":

@@ -220,15 +220,22 @@ def _train_pipeline(ctx, run):
     run(Command(f"{script} --preset 1b", argv, DISTILL_LIMITS["train"], output=out, script=script))
 
 
+DEMO_DIR = "artifacts/gpu-pack-demo"  # the gpu demo's working folder in the checkout (git-ignored)
+DEMO_STOP_GRACE_S = 60  # past its limit the demo's training saves a checkpoint (a 247M model with AdamW: ~3 GB)
+
+
 def _demo(ctx, run):
+    """demo.py --budget gpu in a folder of the checkout, not the step's temporary one: a warm machine keeps it
+    between calls, so a demo stopped at its limit (SIGTERM: its training saves a checkpoint and it exits 143) is
+    continued by the same call made at once."""
     results = ctx.tmp / "demo_results"
-    argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.tmp / "demo", "--results", results,
+    argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.repo / DEMO_DIR, "--results", results,
             *(("--attention", ctx.demo_attention) if ctx.demo_attention else ()))
     if ctx.smoke:  # its GPU budget refuses a CPU and its smoke budget takes minutes: the arguments parse
         run(Command("demo.py --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script="demo.py"))
         return
     run(Command("demo.py --budget gpu", argv, DISTILL_LIMITS["demo"], output=results / "results.json",
-                script="demo.py"))
+                script="demo.py", stop_grace_s=DEMO_STOP_GRACE_S))
 
 
 def _dry_run_command(ctx, run):

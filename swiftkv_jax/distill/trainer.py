@@ -39,6 +39,7 @@ CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 EXPORT_DIRS = {"distill": {"hf": "student_hf", "orbax": "student_orbax"},
                "pretrain": {"hf": "model_hf", "orbax": "model_orbax"}}
+STOPPED_BY_SIGNAL = 128  # train()'s exit status when a signal stopped it: this plus the signal's number
 # Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
 RESUME_INVARIANTS = ("stage", "model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
 
@@ -186,13 +187,15 @@ class _StopRequest:
     def _handle(self, signum, frame):
         if self.signal is not None:  # a second signal: stop now
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
+        self.signal = signal.Signals(signum)
 
-    def requested(self) -> bool:
-        flag = self.signal is not None
-        if jax.process_count() > 1:  # every process must stop at the same step
-            flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
-        return flag
+    def requested(self) -> int:
+        """The number of the signal that asks this run to stop (0: none). Several processes: any one's, so that
+        every process stops at the same step."""
+        signum = int(self.signal or 0)
+        if jax.process_count() > 1:
+            signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        return signum
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -285,7 +288,9 @@ def sized_for_rows(model_config: ModelConfig, dataset, print_fn=print, packed_la
 
 
 def train(config: TrainConfig, print_fn=print) -> int:
-    """Run (or resume) a distillation; 0 when finished or stopped cleanly by a signal.
+    """Run (or resume) a distillation; returns the exit status: 0 when finished, 128 + the signal's number when a
+    signal stopped it cleanly (a checkpoint saved; 143 for SIGTERM, 130 for SIGINT, the shell's convention, so that a
+    scheduler or `train.py && ...` does not take an unfinished run for a finished one).
 
     Raises ConfigError/DataError on bad input before anything is written, TrainingStopped on a
     non-finite loss (the last good checkpoint stays intact).
@@ -377,14 +382,15 @@ def train(config: TrainConfig, print_fn=print) -> int:
                 log.write(record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             progress.update(1)
-            if stop.requested():
+            signum = stop.requested()
+            if signum:
                 _save(manager, step + 1, state, position, config, force=True)
                 manager.wait_until_finished()
                 progress.close()
-                say(f"{stop.signal or 'stop'} received: checkpoint saved at step {step + 1} in {out / CHECKPOINT_DIR}; "
-                    f"continue with train.resume=true")
+                say(f"{signal.Signals(signum).name} received: checkpoint saved at step {step + 1} in "
+                    f"{out / CHECKPOINT_DIR}; continue with train.resume=true")
                 manager.close()
-                return 0
+                return STOPPED_BY_SIGNAL + signum
             _save(manager, step + 1, state, position, config)
         progress.close()
     if manager.latest_step() != total_steps:
