@@ -193,9 +193,11 @@ def _load_model(path: str, args, mesh=None):
 
 
 def _tokenizer(args, path: Optional[str] = None):
+    from swiftkv_jax.checkpoints import detect_format
     from swiftkv_jax.data import DataError
     from swiftkv_jax.data.chat import load_tokenizer
 
+    detect_format(path or args.model)  # a missing checkpoint is named as such, not as a tokenizer it lacks
     try:
         return load_tokenizer(args.tokenizer or path or args.model)
     except DataError as e:

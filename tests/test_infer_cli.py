@@ -74,6 +74,12 @@ def test_checkpoint_without_a_tokenizer_is_a_clear_error(checkpoints, capsys, tm
     assert code == 2 and "no tokenizer in" in err and "or pass --tokenizer DIR" in err
 
 
+def test_a_missing_checkpoint_is_named_as_such_not_as_a_missing_tokenizer(capsys, tmp_path):
+    for command in (("generate", "--prompt", "hi"), ("serve",)):
+        code, _, err = run(capsys, command[0], "--model", tmp_path / "nowhere", *command[1:])
+        assert code == 2 and f"{tmp_path / 'nowhere'}: no such checkpoint directory" in err and "tokenizer" not in err
+
+
 def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
     out_json = tmp_path / "eval.json"
     code, out, _ = run(capsys, "eval", "--model", checkpoints / "student", "--compare", checkpoints / "teacher",
