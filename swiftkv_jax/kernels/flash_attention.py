@@ -17,7 +17,11 @@ and one-past-last KV block that can hold a visible key (some valid key with posi
 query position and a segment id inside the block's range of query segment ids). The kernel loops over that
 range only. This is a conservative bound computed from the data, so it never depends on positions being
 monotone; the per-element mask inside the loop keeps the result exact. With monotone positions the range is
-tight: causal prefill reads about half the KV blocks, packed documents read only their own.
+tight: causal prefill reads about half the KV blocks, packed documents read only their own. Inside it,
+`_block_ranges` also gives the run of blocks whose every key every query of the block sees (the same segment,
+every position <= the block's smallest query position, every index < kv_lengths): those skip the mask (causal
+prefill: every block but the diagonal; a chunk over its cached context: the whole context), as the Mosaic kernel
+does. Query blocks run last first (longest first under a causal mask), so that short programs fill the last wave.
 
 Backend: a Triton-style `pl.pallas_call` (BlockSpecs, `fori_loop`, `jnp` ops; no Mosaic-GPU-only features).
 - It runs in `interpret=True` mode on CPU, so CI checks the very kernel code that runs on the GPU.
@@ -25,8 +29,10 @@ Backend: a Triton-style `pl.pallas_call` (BlockSpecs, `fori_loop`, `jnp` ops; no
   with Mosaic GPU, so the params are always passed (`_triton_compiler_params`, guarded for naming changes).
   The Triton backend is deprecated as of JAX 0.11; Mosaic GPU (warpgroup MMA, TMA) is Hopper's native
   path and a later kernel may move there.
-- Not yet measured on a GPU: speed and shared-memory fit of the default blocks must be checked on the H200
-  (compiled variant of tests/test_flash_attention_kernel.py is marked `gpu`).
+- On an H200 (benchmarks/results/gpu-2026-11-24, before the unmasked run and the longest-first order): 98-106
+  TFLOP/s causal bf16 at 8K-32K against cuDNN's 429-577; Hopper's default is the Mosaic kernel
+  (flash_attention_mgpu.py), this one serves other GPUs. Its block sizes are `benchmarks/tune_kernels.py`'s to
+  pick (the `gpu`-marked tests run it compiled).
 
 Forward only (serving prefill): `pl.program_id` is not differentiable; training uses the XLA paths.
 """
@@ -122,38 +128,44 @@ def flash_attention_reference(q, k, v, q_positions, kv_positions, q_segment_ids,
     return out.reshape(b, t, n, h)
 
 
-def _flash_kernel(lo_ref, hi_ref, kv_len_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, q_ref, k_ref, v_ref,
-                  o_ref, *, block_k: int, qk_scale: float):
-    """One (query head, query block, sequence): online softmax over KV blocks [lo, hi)."""
+def _flash_kernel(ranges_ref, kv_len_ref, q_pos_ref, q_seg_ref, kv_pos_ref, kv_seg_ref, q_ref, k_ref, v_ref, o_ref, *,
+                  block_k: int, qk_scale: float):
+    """One (query head, query block, sequence): online softmax over KV blocks [lo, hi), the mask computed only
+    outside the run [full_lo, full_hi) of blocks whose every key every query of the block sees."""
     q = q_ref[...]  # [block_q, D]
     q_pos = q_pos_ref[...]  # [block_q]
     q_seg = q_seg_ref[...]
     kv_len = kv_len_ref[()]
     block_q = q.shape[0]
 
-    def body(j, carry):
+    def body(j, carry, masked: bool):
         acc, m_prev, l_prev = carry
         keys = pl.ds(j * block_k, block_k)
         k = k_ref[keys, :]  # [block_k, D]
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         logits = logits * qk_scale  # base-2 logits: exp2(x * log2 e) = exp(x)
-        kv_index = j * block_k + jnp.arange(block_k)
-        mask = ((kv_pos_ref[keys][None, :] <= q_pos[:, None])
-                & (kv_seg_ref[keys][None, :] == q_seg[:, None])
-                & (kv_index < kv_len)[None, :])
-        logits = jnp.where(mask, logits, MASK_VALUE)
+        if masked:
+            kv_index = j * block_k + jnp.arange(block_k)
+            mask = ((kv_pos_ref[keys][None, :] <= q_pos[:, None])
+                    & (kv_seg_ref[keys][None, :] == q_seg[:, None])
+                    & (kv_index < kv_len)[None, :])
+            logits = jnp.where(mask, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
-        # The where keeps a row whose keys so far are all masked at exactly zero weight.
-        p = jnp.where(mask, jnp.exp2(logits - m_next[:, None]), 0.0)
+        p = jnp.exp2(logits - m_next[:, None])
+        if masked:  # a row whose keys so far are all masked keeps exactly zero weight
+            p = jnp.where(mask, p, 0.0)
         correction = jnp.exp2(m_prev - m_next)
         v = v_ref[keys, :]
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc * correction[:, None] + pv, m_next, l_prev * correction + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((block_q, q.shape[1]), jnp.float32),
-            jnp.full((block_q,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32))
-    acc, _, denom = lax.fori_loop(lo_ref[()], hi_ref[()], body, init)
+    carry = (jnp.zeros((block_q, q.shape[1]), jnp.float32),
+             jnp.full((block_q,), MASK_VALUE, jnp.float32),
+             jnp.zeros((block_q,), jnp.float32))
+    lo, full_lo, full_hi, hi = (ranges_ref[i] for i in range(4))
+    carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    acc, _, denom = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
     o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
 
 
@@ -195,6 +207,42 @@ def _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, k
             jnp.where(any_needed, hi, 0).astype(jnp.int32))
 
 
+def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q: int,
+                  block_q: int, block_kv: int):
+    """Per (sequence, query block of block_q): lo, full_lo, full_hi, hi (KV block indices, [B, nq] int32 each)
+    with lo <= full_lo <= full_hi <= hi. [lo, hi) holds every KV block with a key some query of the block may see
+    (flash_attention's bound); [full_lo, full_hi) is a run of blocks every key of which every query of the block
+    sees. A block with no real query gets lo = hi = 0. Inputs are padded to the blocks."""
+    lo, hi = _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q,
+                              block_q, block_kv)
+    int_max, int_min = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+    real_q = _blockwise(jnp.arange(q_positions.shape[1])[None, :] < num_real_q, block_q)
+    q_pos_min = jnp.min(jnp.where(real_q, _blockwise(q_positions, block_q), int_max), axis=2)
+    q_seg = _blockwise(q_segment_ids, block_q)
+    q_seg_min = jnp.min(jnp.where(real_q, q_seg, int_max), axis=2)
+    q_seg_max = jnp.max(jnp.where(real_q, q_seg, int_min), axis=2)
+    valid_k = _blockwise(jnp.arange(kv_positions.shape[1])[None, :] < kv_len[:, None], block_kv)
+    k_pos_max = jnp.max(_blockwise(kv_positions, block_kv), axis=2)
+    k_seg = _blockwise(kv_segment_ids, block_kv)
+    k_seg_min, k_seg_max = jnp.min(k_seg, axis=2), jnp.max(k_seg, axis=2)
+    full = (jnp.all(valid_k, axis=2)[:, None, :]  # [B, nq, nk]
+            & (k_pos_max[:, None, :] <= q_pos_min[:, :, None])
+            & (k_seg_min == k_seg_max)[:, None, :] & (q_seg_min == q_seg_max)[:, :, None]
+            & (k_seg_min[:, None, :] == q_seg_min[:, :, None]))
+    num_k = full.shape[2]
+    blocks = jnp.arange(num_k)
+    in_range = (blocks[None, None, :] >= lo[:, :, None]) & (blocks[None, None, :] < hi[:, :, None])
+    full &= in_range
+    any_full = jnp.any(full, axis=2)
+    full_lo = jnp.where(any_full, jnp.argmax(full, axis=2), hi)
+    # the run starting at full_lo: up to the first block after it that is not full
+    not_full_after = (~full) & (blocks[None, None, :] > full_lo[:, :, None])
+    full_hi = jnp.where(any_full, jnp.where(jnp.any(not_full_after, axis=2), jnp.argmax(not_full_after, axis=2),
+                                            num_k), hi)
+    full_hi = jnp.minimum(full_hi, hi)
+    return lo, full_lo.astype(jnp.int32), full_hi.astype(jnp.int32), hi
+
+
 def _pad_axis(x, axis: int, size: int, value=0):
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
@@ -221,27 +269,30 @@ def _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     q_positions, q_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, t_pad) for x in (q_positions, q_segment_ids))
     kv_positions, kv_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, s_pad) for x in (kv_positions, kv_segment_ids))
     kv_len = jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths.astype(jnp.int32), 0, s)
-    lo, hi = _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
-                              block_q, block_k)
+    ranges = jnp.stack(_block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
+                                     block_q, block_k), axis=2)  # [B, nq, 4]: lo, full_lo, full_hi, hi
 
     # Grid (query head, query block, sequence); the head axis varies fastest so a KV head's G readers run together.
-    per_q_block = pl.BlockSpec((None, None), lambda hq, i, bi: (bi, i))
-    q_rows = pl.BlockSpec((None, block_q), lambda hq, i, bi: (bi, i))
+    # Query blocks run last first: the GPU starts programs in grid order and under a causal mask the last queries
+    # see the most keys, so the longest programs start first and the short ones fill the last wave's tail.
+    nq = t_pad // block_q
+    per_q_block = pl.BlockSpec((None, None, 4), lambda hq, i, bi: (bi, nq - 1 - i, 0))
+    q_rows = pl.BlockSpec((None, block_q), lambda hq, i, bi: (bi, nq - 1 - i))
     kv_rows = pl.BlockSpec((None, s_pad), lambda hq, i, bi: (bi, 0))
     kv_tile = pl.BlockSpec((None, s_pad, None, h_pad), lambda hq, i, bi: (bi, 0, hq // group, 0))
-    q_tile = pl.BlockSpec((None, block_q, None, h_pad), lambda hq, i, bi: (bi, i, hq, 0))
+    q_tile = pl.BlockSpec((None, block_q, None, h_pad), lambda hq, i, bi: (bi, nq - 1 - i, hq, 0))
     kernel = functools.partial(_flash_kernel, block_k=block_k, qk_scale=_LOG2_E / math.sqrt(h))
     out = pl.pallas_call(
         kernel,
-        grid=(n, t_pad // block_q, b),
-        in_specs=[per_q_block, per_q_block, pl.BlockSpec((None,), lambda hq, i, bi: (bi,)),
+        grid=(n, nq, b),
+        in_specs=[per_q_block, pl.BlockSpec((None,), lambda hq, i, bi: (bi,)),
                   q_rows, q_rows, kv_rows, kv_rows, q_tile, kv_tile, kv_tile],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_triton_compiler_params(block_sizes),
         interpret=interpret,
         name="swiftkv_flash_attention",
-    )(lo, hi, kv_len, q_positions, q_segment_ids, kv_positions, kv_segment_ids, q, k, v)
+    )(ranges, kv_len, q_positions, q_segment_ids, kv_positions, kv_segment_ids, q, k, v)
     return out[:, :t, :, :h]
 
 

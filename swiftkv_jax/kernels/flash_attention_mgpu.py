@@ -74,7 +74,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.kernels.flash_attention import (_blockwise, _check_shapes, _kv_block_bounds, _pad_axis,
+from swiftkv_jax.kernels.flash_attention import (_block_ranges, _check_shapes, _pad_axis,
                                                  flash_attention_reference)
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
 from swiftkv_jax.kernels.split_k import MASK_VALUE
@@ -127,42 +127,6 @@ class MosaicFlashBlockSizes:
         p_tiles = _COMPUTE_WGS * self.block_q * self.block_kv if p_in_smem else 0
         meta = 4 * (2 * _COMPUTE_WGS * self.block_q + 2 * self.max_concurrent_steps * self.block_kv)
         return itemsize * (tiles + p_tiles) + meta
-
-
-def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q: int,
-                  block_q: int, block_kv: int):
-    """Per (sequence, query block of block_q): lo, full_lo, full_hi, hi (KV block indices, [B, nq] int32 each)
-    with lo <= full_lo <= full_hi <= hi. [lo, hi) holds every KV block with a key some query of the block may see
-    (flash_attention's bound); [full_lo, full_hi) is a run of blocks every key of which every query of the block
-    sees. A block with no real query gets lo = hi = 0. Inputs are padded to the blocks."""
-    lo, hi = _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q,
-                              block_q, block_kv)
-    int_max, int_min = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-    real_q = _blockwise(jnp.arange(q_positions.shape[1])[None, :] < num_real_q, block_q)
-    q_pos_min = jnp.min(jnp.where(real_q, _blockwise(q_positions, block_q), int_max), axis=2)
-    q_seg = _blockwise(q_segment_ids, block_q)
-    q_seg_min = jnp.min(jnp.where(real_q, q_seg, int_max), axis=2)
-    q_seg_max = jnp.max(jnp.where(real_q, q_seg, int_min), axis=2)
-    valid_k = _blockwise(jnp.arange(kv_positions.shape[1])[None, :] < kv_len[:, None], block_kv)
-    k_pos_max = jnp.max(_blockwise(kv_positions, block_kv), axis=2)
-    k_seg = _blockwise(kv_segment_ids, block_kv)
-    k_seg_min, k_seg_max = jnp.min(k_seg, axis=2), jnp.max(k_seg, axis=2)
-    full = (jnp.all(valid_k, axis=2)[:, None, :]  # [B, nq, nk]
-            & (k_pos_max[:, None, :] <= q_pos_min[:, :, None])
-            & (k_seg_min == k_seg_max)[:, None, :] & (q_seg_min == q_seg_max)[:, :, None]
-            & (k_seg_min[:, None, :] == q_seg_min[:, :, None]))
-    num_k = full.shape[2]
-    blocks = jnp.arange(num_k)
-    in_range = (blocks[None, None, :] >= lo[:, :, None]) & (blocks[None, None, :] < hi[:, :, None])
-    full &= in_range
-    any_full = jnp.any(full, axis=2)
-    full_lo = jnp.where(any_full, jnp.argmax(full, axis=2), hi)
-    # the run starting at full_lo: up to the first block after it that is not full
-    not_full_after = (~full) & (blocks[None, None, :] > full_lo[:, :, None])
-    full_hi = jnp.where(any_full, jnp.where(jnp.any(not_full_after, axis=2), jnp.argmax(not_full_after, axis=2),
-                                            num_k), hi)
-    full_hi = jnp.minimum(full_hi, hi)
-    return lo, full_lo.astype(jnp.int32), full_hi.astype(jnp.int32), hi
 
 
 def _kernel(ranges_ref, tiles_ref, q_meta_ref, kv_meta_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
