@@ -174,6 +174,16 @@ def _blockwise(x, block: int):
     return x.reshape(x.shape[0], -1, block)
 
 
+def _query_block_extremes(q_positions, q_segment_ids, num_real_q: int, block_q: int):
+    """Per (sequence, query block): the smallest and largest position and segment id of its real queries (index <
+    num_real_q), [B, nq] each; a block of padding only gets int max / int min."""
+    int_max, int_min = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+    real_q = _blockwise(jnp.arange(q_positions.shape[1])[None, :] < num_real_q, block_q)
+    q_pos, q_seg = _blockwise(q_positions, block_q), _blockwise(q_segment_ids, block_q)
+    return (jnp.min(jnp.where(real_q, q_pos, int_max), axis=2), jnp.max(jnp.where(real_q, q_pos, int_min), axis=2),
+            jnp.min(jnp.where(real_q, q_seg, int_max), axis=2), jnp.max(jnp.where(real_q, q_seg, int_min), axis=2))
+
+
 def _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q: int,
                      block_q: int, block_k: int):
     """Per (sequence, query block): [lo, hi) of the KV blocks that may hold a visible key, [B, nq] int32 each.
@@ -183,11 +193,7 @@ def _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, k
     already padded to multiples of the blocks; padded queries (index >= num_real_q) are left out.
     """
     int_max, int_min = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-    real_q = _blockwise(jnp.arange(q_positions.shape[1])[None, :] < num_real_q, block_q)
-    q_pos_max = jnp.max(jnp.where(real_q, _blockwise(q_positions, block_q), int_min), axis=2)
-    q_seg = _blockwise(q_segment_ids, block_q)
-    q_seg_min = jnp.min(jnp.where(real_q, q_seg, int_max), axis=2)
-    q_seg_max = jnp.max(jnp.where(real_q, q_seg, int_min), axis=2)
+    _, q_pos_max, q_seg_min, q_seg_max = _query_block_extremes(q_positions, q_segment_ids, num_real_q, block_q)
 
     valid_k = _blockwise(jnp.arange(kv_positions.shape[1])[None, :] < kv_len[:, None], block_k)
     k_pos_min = jnp.min(jnp.where(valid_k, _blockwise(kv_positions, block_k), int_max), axis=2)
@@ -215,12 +221,7 @@ def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_l
     sees. A block with no real query gets lo = hi = 0. Inputs are padded to the blocks."""
     lo, hi = _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q,
                               block_q, block_kv)
-    int_max, int_min = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-    real_q = _blockwise(jnp.arange(q_positions.shape[1])[None, :] < num_real_q, block_q)
-    q_pos_min = jnp.min(jnp.where(real_q, _blockwise(q_positions, block_q), int_max), axis=2)
-    q_seg = _blockwise(q_segment_ids, block_q)
-    q_seg_min = jnp.min(jnp.where(real_q, q_seg, int_max), axis=2)
-    q_seg_max = jnp.max(jnp.where(real_q, q_seg, int_min), axis=2)
+    q_pos_min, _, q_seg_min, q_seg_max = _query_block_extremes(q_positions, q_segment_ids, num_real_q, block_q)
     valid_k = _blockwise(jnp.arange(kv_positions.shape[1])[None, :] < kv_len[:, None], block_kv)
     k_pos_max = jnp.max(_blockwise(kv_positions, block_kv), axis=2)
     k_seg = _blockwise(kv_segment_ids, block_kv)
