@@ -96,11 +96,13 @@ ONE_BYTE_CACHES = ("int8", "float8_e4m3fn")
 
 
 def candidates_for(point: Point, smoke: bool = False) -> list:
-    """The block sizes a point tries after the defaults. The Triton split-K kernels over a 1-byte cache also try
-    converting its values straight to fp16 (`DecodeBlockSizes.dequant_dtype`), each shape with and without."""
+    """The block sizes a point tries after the defaults. The Triton split-K kernels over a 1-byte cache try each shape
+    three ways (`DecodeBlockSizes.dequant_dtype`): its values converted straight to fp16, to fp32 (TF32 products),
+    and to q's dtype."""
     candidates = (SMOKE_CANDIDATES if smoke else CANDIDATES)[point.kernel]
     if point.kernel in ("decode", "paged") and point.cache_dtype in ONE_BYTE_CACHES:
-        candidates = [c for fields in candidates for c in (dict(fields, dequant_dtype="float16"), fields)]
+        candidates = [c for fields in candidates for c in (dict(fields, dequant_dtype="float16"),
+                                                            dict(fields, dequant_dtype="float32"), fields)]
     return candidates
 
 

@@ -240,6 +240,16 @@ class TestDecodeAttentionCompiled(DecodeAttentionChecks):
     interpret = False
 
 
+def test_int8_reaches_float32_exactly_by_integer_arithmetic():
+    """Every int8 value, against numpy's conversion (the `dequant_dtype="float32"` read of an int8 cache)."""
+    from swiftkv_jax.kernels.split_k import int8_to_float32
+
+    values = np.arange(-128, 128).astype(np.int8).reshape(16, 16)
+    out = int8_to_float32(jnp.asarray(values))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), values.astype(np.float32))
+
+
 def test_merge_ignores_empty_partials():
     out = jnp.arange(8.0).reshape(1, 2, 4)
     maxes = jnp.array([[0.5, -1.0]])

@@ -189,14 +189,15 @@ def test_the_tuning_script_tunes_the_mosaic_prefill(tmp_path):
     assert entry["kernel"] == "mosaic_flash" and MosaicFlashBlockSizes(**entry["block_sizes"])
 
 
-def test_one_byte_caches_also_try_fp16_conversion():
-    """The Triton split-K kernels over an int8 / FP8 cache try each shape with its values converted straight to fp16
-    (`DecodeBlockSizes.dequant_dtype`); a 16-bit cache and the Mosaic kernels do not have that knob."""
+def test_one_byte_caches_also_try_fp16_and_fp32_conversion():
+    """The Triton split-K kernels over an int8 / FP8 cache try each shape with its values converted straight to fp16,
+    to fp32 and to q's dtype (`DecodeBlockSizes.dequant_dtype`); a 16-bit cache and the Mosaic kernels do not have
+    that knob."""
     tk = benchmark_module("tune_kernels")
     by = {(p.kernel, p.cache_dtype): p for p in tk.POINTS}
     int8, bf16 = tk.candidates_for(by["paged", "int8"]), tk.candidates_for(by["paged", "bfloat16"])
-    assert len(int8) == 2 * len(bf16) and all("dequant_dtype" not in c for c in bf16)
-    assert int8[0] == dict(bf16[0], dequant_dtype="float16") and int8[1] == bf16[0]
+    assert len(int8) == 3 * len(bf16) and all("dequant_dtype" not in c for c in bf16)
+    assert int8[:3] == [dict(bf16[0], dequant_dtype="float16"), dict(bf16[0], dequant_dtype="float32"), bf16[0]]
     for c in int8:
         DecodeBlockSizes(**c)  # every candidate is valid block sizes
     assert all("dequant_dtype" not in c for c in tk.candidates_for(by["mosaic_decode", "int8"]))

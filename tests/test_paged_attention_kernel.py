@@ -205,14 +205,16 @@ class PagedAttentionChecks:
         np.testing.assert_allclose(out, expected, atol=tol, rtol=tol)
         assert not out[np.asarray(lengths) == 0].any(), "an empty sequence must give zeros"
 
+    @pytest.mark.parametrize("dequant_dtype", ["float16", "float32"])
     @pytest.mark.parametrize("dtype, per_token", QUANTIZED, ids=lambda x: getattr(x, "__name__", str(x)))
-    def test_fp16_dequantisation_matches_numpy(self, dtype, per_token):
-        """`dequant_dtype="float16"` (a tuning knob): a bf16 q over an int8 / FP8 pool, the pool's values, q and P in
-        fp16 for the two products; the same results within bf16's tolerance, on both bf16 cases."""
+    def test_fp16_and_fp32_dequantisation_match_numpy(self, dtype, per_token, dequant_dtype):
+        """`dequant_dtype` (a tuning knob): a bf16 q over an int8 / FP8 pool, the pool's values, q and P in fp16, or
+        in fp32 (int8 by integer arithmetic), for the two products; the same results within bf16's tolerance, on
+        both bf16 cases."""
         for case in (CASES[2], CASES[3]):
             q, k, v, table, lengths, positions = make_inputs(case, seed=5)
             (k, k_scale, k64), (v, v_scale, v64) = (quantize(x, dtype, per_token) for x in (k, v))
-            sizes = dataclasses.replace(case.block_sizes, dequant_dtype="float16")
+            sizes = dataclasses.replace(case.block_sizes, dequant_dtype=dequant_dtype)
             out = self.attention(q, k, v, table, lengths, positions, sizes, k_scale=k_scale, v_scale=v_scale)
             assert out.dtype == q.dtype == jnp.bfloat16
             out = np.asarray(out, np.float32)
@@ -379,11 +381,12 @@ def test_compiled_lowers_to_a_triton_kernel(q_dtype, num_queries):
     assert "triton" in text and "num_warps = 4" in text
 
 
-@pytest.mark.parametrize("dequant_dtype", [None, "float16"])
+@pytest.mark.parametrize("dequant_dtype", [None, "float16", "float32"])
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 def test_compiled_quantized_pool_lowers_to_a_triton_kernel(dtype, dequant_dtype):
     """Without a GPU: an int8 / FP8 pool with per-token-head scales (gathered through the table) lowers for CUDA to
-    a Triton custom call, its values converted to bf16 or (the tuning knob) straight to fp16."""
+    a Triton custom call, its values converted to bf16 or (the tuning knob) straight to fp16 or to fp32, int8 to
+    fp32 by integer arithmetic (no int-to-float conversion of the tile)."""
     from swiftkv_jax.kernels.paged_attention import _paged_attention
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -397,7 +400,11 @@ def test_compiled_quantized_pool_lowers_to_a_triton_kernel(dtype, dequant_dtype)
     # the conversions of a [block_k, H] = [32, 128] tile of K or V: straight to fp16, or to bf16 through fp32
     kernel = str(jax.make_jaxpr(lambda *a: _paged_attention(*a[:6], sizes, False, *a[6:]))(*args))
     tiles = set(re.findall(r"(\w+)\[32,128\] = convert_element_type", kernel))
-    assert tiles == ({"f16"} if dequant_dtype else {"f32", "bf16"})
+    if dequant_dtype == "float32":
+        assert tiles == ({"i32"} if dtype == jnp.int8 else {"f32"})
+        assert ("bitcast_convert_type" in kernel) == (dtype == jnp.int8)
+    else:
+        assert tiles == ({"f16"} if dequant_dtype else {"f32", "bf16"})
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU defaults")

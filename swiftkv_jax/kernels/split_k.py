@@ -24,7 +24,10 @@ products run on the tensor cores as over a 16-bit cache (fp32 queries: in fp32).
 KV head, loaded beside the block, multiplies that key's column of the scores (K's) and of the softmax weights
 before P V (V's): [rows, block_k] products where scaling the block would take [block_k, H], and no dequantised
 copy of the cache is made. Softmax and accumulation stay fp32. A per-layer (``()``) scale is not loaded at all: K's
-multiplies the queries and V's the unnormalised output (attention is linear in each).
+multiplies the queries and V's the unnormalised output (attention is linear in each). `DecodeBlockSizes.dequant_dtype`
+may convert the values to fp16 or fp32 instead (tuning knobs; the H200 run of 2026-11-24 found the int8 pool slower
+than bf16 with the default, by arithmetic the int-to-float conversions, which the fp32 knob replaces with integer
+arithmetic).
 FP8 needs a GPU of compute capability >= 8.9 under Triton (checked before the launch).
 
 Nothing here imports the model: the kernels stand alone, and the model picks them by name.
@@ -51,7 +54,8 @@ except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backen
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "Launch", "attend_split", "check_queries",
-    "check_scales", "dequantize", "kernel_settings", "launch", "merge_partials", "no_keys", "normalize",
+    "check_scales", "dequantize", "int8_to_float32", "kernel_settings", "launch", "merge_partials", "no_keys",
+    "normalize",
     "scale_inputs", "split_k_attention",
 ]
 
@@ -63,7 +67,7 @@ def is_power_of_two(x: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
 
 
-DEQUANT_DTYPES = (None, "float16")  # DecodeBlockSizes.dequant_dtype
+DEQUANT_DTYPES = (None, "float16", "float32")  # DecodeBlockSizes.dequant_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,10 @@ class DecodeBlockSizes:
     dequant_dtype: what a quantised (int8 / float8_e4m3fn) cache's values become in registers when q is 16-bit:
       None, q's dtype; "float16": one conversion a value (Hopper converts int8 and e4m3 to fp16 directly, to bf16
       through fp32), the 16-bit q and P cast to fp16 for the two products (exact for 1-byte values; P in [0, 1] keeps
-      more bits than in bf16). A tuning knob: which is faster is the GPU's to say.
+      more bits than in bf16); "float32": fp32 operands, so the products run in TF32 (Triton's default for fp32 dots:
+      exact for a bf16 q and 1-byte values, P rounded to 10 mantissa bits, more than bf16's 7) and P is not
+      converted, and an int8 cache reaches fp32 by integer arithmetic (`int8_to_float32`), not by a conversion
+      instruction. A tuning knob: which is faster is the GPU's to say.
     """
 
     block_k: int = 64
@@ -165,6 +172,17 @@ def check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
         raise ValueError(f"k_scale and v_scale must have one shape, got {k_scale.shape} and {v_scale.shape}")
 
 
+_INT8_IN_MANTISSA = 0x4B000080  # the bits of the fp32 2^23 + 128: an int8 added to them lands in the low byte
+
+
+def int8_to_float32(x):
+    """int8 values as fp32, exactly, by integer arithmetic: the bits of 2^23 + 128 + x are those of 2^23 + 128 plus
+    x (sign-extended), so a 32-bit integer add, a bitcast and an fp32 subtraction replace the int-to-float
+    conversion, an instruction Hopper issues at a quarter of the rate of integer and fp32 arithmetic."""
+    bits = x.astype(jnp.int32) + _INT8_IN_MANTISSA
+    return lax.bitcast_convert_type(bits, jnp.float32) - float(2**23 + 128)
+
+
 def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
                   dequantize=None):
     """One (b, kv head, row block, split) program, for any layout of the keys. limit_ref [R]: row r of this block
@@ -201,8 +219,11 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
             x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
             if dequantize is None:
                 return x
-            # int8 and e4m3 convert to fp16 in one step; to bf16 through fp32 (Triton has no e4m3 -> bf16)
-            return x.astype(dot_dtype) if dot_dtype == jnp.float16 else x.astype(jnp.float32).astype(dot_dtype)
+            if dot_dtype == jnp.float16:  # int8 and e4m3 convert to fp16 in one step
+                return x.astype(dot_dtype)
+            if dot_dtype == jnp.float32 and x.dtype == jnp.int8:
+                return int8_to_float32(x)
+            return x.astype(jnp.float32).astype(dot_dtype)  # to bf16 through fp32 (Triton has no e4m3 -> bf16)
 
         def key_scales(which):  # [1, block_k]: each key's K (0) or V (1) scale, on its column
             return pltriton.load(scale_refs[which].at[scale_keys], mask=in_range, other=0.0)[None, :]
