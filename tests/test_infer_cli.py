@@ -173,7 +173,7 @@ def test_tensor_parallel_from_the_command_line(checkpoints, capsys, tmp_path):
     assert code == 2 and "--tensor-parallel 16 needs 16 devices, but JAX sees 8" in err
     code, _, err = run(capsys, "generate", "--model", tmp_path / "missing", "--tokenizer", student, "--prompt", "hi",
                        "--tensor-parallel", 3)
-    assert code == 2 and "no config.json" in err  # the plan reads config.json first: nothing else is touched
+    assert code == 2 and "missing: no such checkpoint directory" in err  # named before anything is loaded
     code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--tensor-parallel", 3)
     assert code == 2 and "does not divide the model's num_attention_heads (4); sizes that work" in err
 
