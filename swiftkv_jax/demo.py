@@ -7,8 +7,9 @@ when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped,
 distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
 print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
 settings left in --out, so a rerun only evaluates. SIGTERM/SIGINT in a training stage save its checkpoint and stop
-the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget pretrains a 247M-parameter teacher in bf16 on one
-GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the table, JSON and plots to a folder of their own.
+the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget pretrains a
+247M-parameter teacher in bf16 on one GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the
+table, JSON and plots to a folder of their own.
 """
 
 from __future__ import annotations

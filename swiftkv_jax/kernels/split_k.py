@@ -55,8 +55,7 @@ except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backen
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "Launch", "attend_split", "check_queries",
     "check_scales", "dequantize", "int8_to_float32", "kernel_settings", "launch", "merge_partials", "no_keys",
-    "normalize",
-    "scale_inputs", "split_k_attention",
+    "normalize", "scale_inputs", "split_k_attention",
 ]
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
