@@ -1,6 +1,6 @@
 """Typed, frozen run configs: YAML recipes plus `section.key=value` overrides, validated.
 
-A config is a tree of frozen dataclasses. Every leaf is addressed by its dotted key (`optim.lr`); unknown
+A config is a tree of frozen dataclasses. Every leaf is addressed by its dotted key (`optim.learning_rate`); unknown
 keys fail with the nearest valid key, values are coerced to the field's type or rejected, and
 `describe` lists every key with its type, default and help for `--help`.
 """
@@ -112,10 +112,23 @@ def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
     raise TypeError(f"{key}: unsupported field type {tp!r}")
 
 
+# Names other trainers give our keys (Hugging Face TrainingArguments, optax, MaxText): "did you mean" follows these
+# before spelling, which would offer optim.b2 for optim.lr.
+KEY_ALIASES = {"lr": "learning_rate", "beta1": "b1", "adam_beta1": "b1", "beta2": "b2", "adam_beta2": "b2",
+               "epsilon": "eps", "adam_epsilon": "eps", "adam_eps": "eps", "max_grad_norm": "grad_clip",
+               "gradient_clipping": "grad_clip", "clip_grad_norm": "grad_clip",
+               "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs",
+               "max_train_steps": "max_steps", "steps": "max_steps", "logging_steps": "log_every",
+               "save_steps": "every", "save_total_limit": "keep", "batch_size": "global_batch_size"}
+
+
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     section, _, leaf = key.rpartition(".")
     siblings = [k for k in valid if k.rpartition(".")[0] == section]
-    close = [f"{section}.{m}" if section else m for m in difflib.get_close_matches(
+    alias = KEY_ALIASES.get(leaf.lower())
+    close = [k for k in siblings if alias and k.rpartition(".")[2] == alias]
+    close = close or [k for k in valid if alias and k.rpartition(".")[2] == alias]
+    close = close or [f"{section}.{m}" if section else m for m in difflib.get_close_matches(
         leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)]
     close = close or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys here: {', '.join(siblings or valid)}"

@@ -359,6 +359,11 @@ def load(*overrides, path=None):
     ("optimm.learning_rate=1e-3", "optim.learning_rate"),
     ("train.grad_acum=2", "train.grad_accum"),
     ("loss.hiden_loss_mult=1", "loss.hidden_loss_mult"),
+    # other trainers' names for our keys, before spelling (which offers optim.b2 for optim.lr)
+    ("optim.lr=1e-3", "optim.learning_rate"),
+    ("optim.max_grad_norm=1", "optim.grad_clip"),
+    ("train.gradient_accumulation_steps=2", "train.grad_accum"),
+    ("optim.save_steps=10", "checkpoint.every"),
 ])
 def test_unknown_key_suggests_the_nearest(assignment, suggestion):
     with pytest.raises(ConfigError, match=f"did you mean '{suggestion}'"):
