@@ -144,6 +144,10 @@ def from_dict(cls, values: dict, prefix: str = "", where: str = ""):
         if name not in hints:
             raise _unknown_key(prefix + str(name), [prefix + n for n in names], where)
         kwargs[name] = _coerce(value, hints[name], prefix + name, False, where)
+    required = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise ConfigError(f"{', '.join(prefix + n for n in required)} is required{where} (see --help)")
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required field without a value

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
+from swiftkv_jax.checkpoints.hf import parse_size
 from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 
 
@@ -25,9 +26,14 @@ def main(argv=None) -> int:
     parser.add_argument("dst", help="directory to write; must not exist or be empty (see --overwrite)")
     parser.add_argument("--to", required=True, choices=FORMATS, help="output format")
     parser.add_argument("--dtype", default=None, help="parameter dtype to write: bf16 | fp32 | fp16 (default: as stored)")
-    parser.add_argument("--max-shard-size", default="5GB", help="HF only: split safetensors above this size")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="HF only: split safetensors above this size (a number and a unit: KB, MB, GB, TB)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the new one is complete")
     args = parser.parse_args(argv)
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as e:
+        parser.error(f"--max-shard-size: {e}")
 
     start = time.perf_counter()
     try:

@@ -155,6 +155,33 @@ def test_bad_arguments_are_usage_errors(src, tmp_path, capsys):
     assert "--to" in capsys.readouterr().err
 
 
+def test_a_shard_size_without_a_unit_names_the_flag(src, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(src[0]), str(tmp_path / "dst"), "--to", "hf", "--max-shard-size", "5"])
+    assert exit_info.value.code == 2
+    assert "--max-shard-size: '5' is not a size: give a number and a unit" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_damaged_orbax_checkpoints_are_one_clear_error(src, tmp_path, capsys):
+    """Data files cut short (e.g. a copy that ran out of space), or params/ gone: one line naming the directory and
+    the fix, instead of Orbax's tracebacks from its reading threads."""
+    rc, _, err = run([src[0], tmp_path / "orbax", "--to", "orbax"], capsys)
+    assert rc == 0, err
+    params = tmp_path / "orbax" / "params"
+    for data in (params.glob("ocdbt.process_*/d/*"), params.glob("d/*")):  # the arrays' data, then the metadata
+        for file in data:
+            with open(file, "r+b") as f:
+                f.truncate(100)
+        rc, _, err = run([tmp_path / "orbax", tmp_path / "dst", "--to", "hf"], capsys)
+        assert rc == 2 and err.startswith(f"error: {params}: cannot read this Orbax checkpoint ("), err
+        assert err.rstrip().endswith("it is incomplete or corrupt: re-download or re-export the checkpoint")
+    shutil.rmtree(params)
+    rc, _, err = run([tmp_path / "orbax", tmp_path / "dst", "--to", "hf"], capsys)
+    assert rc == 2 and "no params/" in err and "an incomplete Orbax checkpoint" in err
+    assert not (tmp_path / "dst").exists()
+
+
 def test_existing_dst_needs_overwrite(src, tmp_path, capsys):
     dst = tmp_path / "dst"
     dst.mkdir()

@@ -5,6 +5,7 @@ the tokenizer's decoding, a plain-Python greedy packer, and the model run on eac
 """
 
 import collections
+import dataclasses
 import json
 
 import datasets
@@ -345,6 +346,10 @@ def test_bad_settings(packed, tokenizer, tmp_path):
     ("nan", "weight must be a finite number > 0"),
     ("small", "weight 0.01 of 3 examples keeps none of them; raise the weight"),
     ("none", "no data sources"),
+    ("chat field", r"format 'chat' needs field\(s\) \['messages'\]; fields present: \['conv'\]\. Name the right "
+                   r"field in the source with messages_field \(e\.g\. \{path: \.\.\., format: chat, "
+                   r"messages_field: conv\}\)"),
+    ("split", r"split 'test', but local files are one split, 'train' \(as datasets.load_dataset reads data_files\)"),
 ])
 def test_bad_data_errors(tmp_path, case, match):
     chats = write_jsonl(tmp_path / "chats.jsonl", EXAMPLES[:3])
@@ -363,6 +368,32 @@ def test_bad_data_errors(tmp_path, case, match):
         "weight": DataSource(chats, weight=0),
         "nan": DataSource(chats, weight=float("nan")),
         "small": DataSource(chats, weight=0.01),
+        "chat field": DataSource(write_jsonl(tmp_path / "conv.jsonl", [{"conv": EXAMPLES[0]["messages"]}]),
+                                 format="chat"),
+        "split": DataSource(chats, split="test"),
     }
     with pytest.raises(DataError, match=match):
         mixture(tmp_path, *([sources[case]] if case in sources else []))
+
+
+def test_a_split_of_local_files_is_a_slice_of_train(tmp_path):
+    """As datasets.load_dataset(..., data_files=...) reads a file: one split, train, whose slices work."""
+    chats = write_jsonl(tmp_path / "chats.jsonl", EXAMPLES[:40])
+    part = mixture(tmp_path, DataSource(chats, split="train[:25%]"))
+    assert len(part) == 10 and part[0]["messages"][0]["content"] == EXAMPLES[0]["messages"][0]["content"]
+
+
+def test_no_trained_token_is_an_error(tokenizer, tmp_path):
+    """loss_mask: assistant on chats without assistant turns would train on a loss of exactly 0 at every step."""
+    users = write_jsonl(tmp_path / "users.jsonl", [{"messages": e["messages"][:1]} for e in EXAMPLES[:20]])
+    config = DataConfig(sources=(DataSource(users),), seq_len=64, loss_mask="assistant",
+                        cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=f"data.loss_mask: assistant leaves no token to train on in the data of "
+                                        f"'{users}'.*data.loss_mask: all"):
+        build_dataset(config, tokenizer)
+    assert build_dataset(dataclasses.replace(config, loss_mask="all"), tokenizer)[:]["loss_mask"].sum() > 0
+
+
+def test_a_missing_tokenizer_directory_is_named_as_missing(tmp_path):
+    with pytest.raises(DataError, match=f"the tokenizer directory '{tmp_path / 'nothere'}' does not exist: check"):
+        load_tokenizer(str(tmp_path / "nothere"))

@@ -358,7 +358,9 @@ def test_missing_directory_or_config(llama_copy, tmp_path):
 
 def test_config_without_weights(llama_copy):
     (llama_copy / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+    # the same config.json as an Orbax checkpoint that lost its params/: both named
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors or model.safetensors.index.json \(Hugging Face "
+                                                r"weights\) and no params/ .*incomplete Orbax checkpoint.*re-export"):
         sk.load(llama_copy)
     (llama_copy / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin.*safetensors"):
@@ -423,6 +425,31 @@ def test_swiftkv_tensors_under_a_plain_model_type(swiftkv_bases, tmp_path):
     rewrite_config(out, lambda d: d.update(model_type="llama"))
     with pytest.raises(sk.CheckpointError, match=r"q_proj_swiftkv.*do not belong to a llama model"):
         sk.load(out)
+
+
+def test_malformed_config_json_names_the_file_and_line(llama_copy):
+    config = llama_copy / "config.json"
+    config.write_text('{"model_type": "llama",\n  vocab_size: 320}')
+    with pytest.raises(sk.CheckpointError, match=f"{config}: not valid JSON .* at line 2, column 3.*re-download"):
+        sk.load(llama_copy)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_truncated_safetensors_names_the_file(llama, tmp_path, sharded):
+    out = sk.save(sk.load(llama[0]), tmp_path / "ckpt", format="hf", max_shard_size=SHARD if sharded else "5GB")
+    file = sorted(out.glob("model*.safetensors"))[-1]
+    with open(file, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(sk.CheckpointError, match=f"{file}: not a readable safetensors file .*truncated or corrupt; "
+                                                 f"re-download or re-export"):
+        sk.load(out)
+
+
+@pytest.mark.parametrize("size", ["5", "huge", "0GB", "5GiB"])
+def test_a_shard_size_without_a_unit_is_refused_before_writing(llama, tmp_path, size):
+    with pytest.raises(ValueError, match=f"'{size}' is not a size: give a number and a unit .*e.g. 5GB or 500MB"):
+        sk.save(sk.load(llama[0]), tmp_path / "ckpt", format="hf", max_shard_size=size)
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.glob(".ckpt*"))
 
 
 def test_index_naming_a_missing_shard(llama, tmp_path):

@@ -89,7 +89,7 @@ def full_run(assets, tmp_path_factory):
     return out, proc
 
 
-def test_tiny_recipe_trains_and_the_loss_falls(full_run):
+def test_tiny_recipe_trains_and_the_loss_falls(full_run, assets):
     out, proc = full_run
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 58))  # 157 packed rows / 8, 3 epochs
@@ -108,6 +108,9 @@ def test_tiny_recipe_trains_and_the_loss_falls(full_run):
     assert "trainable 16,448 of 230,016 parameters" in proc.stdout  # 2 x (64^2 + 2 x 64 x 32) + 64
     for name in ("student_hf", "student_orbax", "metrics.jsonl", "loss.png"):
         assert f"{out / name}" in proc.stdout
+    # the teacher's config.json as the run started, for resumes to compare against
+    assert (json.loads((out / trainer.TEACHER_CONFIG_FILE).read_text())
+            == json.loads((assets / "teacher" / "config.json").read_text()))
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "loss.png").stat().st_size > 5000
 
@@ -297,18 +300,59 @@ def test_restart_into_a_run_without_resume_is_refused(capsys, assets, finished_c
     out, digests = finished_copy
     rc, _, err = main(capsys, recipe(assets, out))
     assert rc == 2
-    assert "already holds checkpoints" in err and "latest step 57" in err and "train.resume=true" in err
+    assert "already holds a run's outputs: checkpoints/ (latest step 57)" in err and "train.resume=true" in err
     assert file_digests(out) == digests
 
 
-@pytest.mark.parametrize("change,section", [
-    ("model.num_key_value_layers=1", "model"), ("data.seq_len=128", "data"), ("loss.temperature=1.0", "loss"),
+@pytest.mark.parametrize("kept", [("student_hf",), ("metrics.jsonl", "config.yaml", "teacher_config.json")])
+def test_a_finished_run_without_checkpoints_is_not_overwritten(capsys, assets, finished_copy, kept):
+    """A finished run whose checkpoints were deleted still has its export and metrics: a new run (or a resume,
+    which would find nothing to resume and start again) in its folder is refused before anything is read."""
+    out, _ = finished_copy
+    for path in out.iterdir():
+        if path.name not in kept:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    digests = file_digests(out)
+    rc, _, err = main(capsys, recipe(assets, out))
+    assert rc == 2 and f"train.output_dir {out} already holds a run's outputs: " in err
+    assert all(name in err for name in kept) and "train.resume=true" in err and "another train.output_dir" in err
+    if "student_hf" in kept:
+        rc, _, err = main(capsys, recipe(assets, out, "train.resume=true"))
+        assert rc == 2 and "no checkpoint to resume from, only the export(s) student_hf/" in err
+    assert file_digests(out) == digests
+
+
+def test_resuming_a_finished_run_exports_again(capsys, assets, finished_copy):
+    """Its own earlier export is replaced (the one case an export is)."""
+    out, _ = finished_copy
+    rc, stdout, _ = main(capsys, recipe(assets, out, "train.resume=true", "export.hf=false"))
+    assert rc == 0 and "resumed from step 57" in stdout and f"exported the student to {out / 'student_orbax'}" in stdout
+    assert sk.load(out / "student_orbax").config.num_key_value_layers == LAYER_L
+
+
+@pytest.mark.parametrize("change,changed", [
+    ("model.num_key_value_layers=1", "model.num_key_value_layers: 2 -> 1"),
+    ("data.seq_len=128", "data.seq_len: 256 -> 128"),
+    ("loss.temperature=1.0", "loss.temperature: 2.0 -> 1.0"),
 ])
-def test_resume_with_changed_settings_is_refused(capsys, assets, finished_copy, change, section):
+def test_resume_with_changed_settings_is_refused(capsys, assets, finished_copy, change, changed):
     out, digests = finished_copy
     rc, _, err = main(capsys, recipe(assets, out, "train.resume=true", change))
     assert rc == 2
-    assert f"cannot resume: {section} differ" in err and "config.yaml" in err
+    assert "cannot resume: settings differ" in err and changed in err and "config.yaml" in err
+    assert file_digests(out) == digests
+
+
+def test_resume_onto_a_teacher_of_other_shapes_is_refused(capsys, assets, finished_copy):
+    """The teacher at the same path was replaced by another model since the run started (here: the run's record
+    of it says hidden_size 32): named by the changed fields, before any weight or checkpoint is read."""
+    out, _ = finished_copy
+    saved = out / trainer.TEACHER_CONFIG_FILE
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "hidden_size": 32, "head_dim": 8}))
+    digests = file_digests(out)
+    rc, _, err = main(capsys, recipe(assets, out, "train.resume=true"))
+    assert rc == 2 and f"the teacher at model.teacher={assets / 'teacher'} is not the model" in err
+    assert "hidden_size: 32 -> 64" in err and "num_hidden_layers" not in err and "Traceback" not in err
     assert file_digests(out) == digests
 
 
@@ -356,6 +400,10 @@ BAD_INPUT = {
     "l >= L": (["model.num_key_value_layers=4"], "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
     "bad mesh": (["mesh.fsdp=3"], "mesh:"),
     "batch vs grad_accum": (["train.grad_accum=3"], "must be divisible by train.grad_accum (3)"),
+    "unknown attention": (["model.attention_impl=flash"],
+                          "model.attention_impl='flash' is unknown: training runs one of xla, xla_chunked, cudnn"),
+    "missing tokenizer": (["model.tokenizer=/nonexistent/tok"],
+                          "model.tokenizer: the tokenizer directory '/nonexistent/tok' does not exist"),
 }
 
 
@@ -366,6 +414,19 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, assets, tmp_path, name):
     assert rc == 2
     assert err.startswith("error: ") and message in err, err
     assert "Traceback" not in err
+
+
+def test_a_tokenizer_beyond_the_teachers_vocabulary_is_refused(capsys, assets, tmp_path):
+    """Ids past vocab_size would index no embedding row (NaN losses blamed on the learning rate): refused before
+    tokenising; the reverse, a vocab_size padded past the tokenizer, is normal."""
+    tokenizer = AutoTokenizer.from_pretrained(assets / "teacher")
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(600)])
+    tokenizer.save_pretrained(tmp_path / "tok")
+    rc, _, err = main(capsys, recipe(assets, tmp_path / "run", f"model.tokenizer={tmp_path / 'tok'}"))
+    assert rc == 2
+    assert (f"model.tokenizer={tmp_path / 'tok'} has {len(tokenizer)} tokens, more than the vocab_size 512 of "
+            f"model.teacher={assets / 'teacher'}") in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("name", ["missing data", "l >= L"])

@@ -21,7 +21,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from huggingface_hub import split_state_dict_into_shards_factory
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from swiftkv_jax import sharding
@@ -33,6 +33,10 @@ from swiftkv_jax.model.model import Model, abstract_params, check_params, param_
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's, for max_shard_size
+
+
+REDOWNLOAD = "re-download or re-export the checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -45,8 +49,35 @@ def read_config(path) -> dict:
         raise FileNotFoundError(
             f"{path}: no config.json; expected a Hugging Face model directory or a swiftkv-jax Orbax checkpoint"
         )
-    with open(config_path) as f:
-        return json.load(f)
+    return _read_json(config_path, "fix it, or re-download or re-export the checkpoint")
+
+
+def _read_json(path: Path, fix: str) -> dict:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {fix}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not a text file ({e.reason}); {fix}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}; {fix}")
+    return value
+
+
+def parse_size(size) -> int:
+    """Bytes of a max_shard_size as huggingface_hub reads it: an int, or a number with a unit ("5GB", "500MB")."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip()
+    try:
+        value = float(text[:-2]) * SIZE_UNITS[text[-2:].upper()]
+    except (KeyError, ValueError):
+        value = 0
+    if not value > 0:
+        raise ValueError(f"{size!r} is not a size: give a number and a unit ({', '.join(SIZE_UNITS)}), e.g. 5GB "
+                         f"or 500MB")
+    return int(value)
 
 
 class _SafetensorsFiles(contextlib.ExitStack):
@@ -56,14 +87,19 @@ class _SafetensorsFiles(contextlib.ExitStack):
         super().__init__()
         self.path = path
         if (path / INDEX_FILE).is_file():
-            with open(path / INDEX_FILE) as f:
-                self.file_of = json.load(f)["weight_map"]
+            index = _read_json(path / INDEX_FILE, REDOWNLOAD)
+            if not isinstance(index.get("weight_map"), dict):
+                raise CheckpointError(f"{path / INDEX_FILE}: no \"weight_map\" object; {REDOWNLOAD}")
+            self.file_of = index["weight_map"]
         elif (path / SINGLE_FILE).is_file():
             self.file_of = None
         else:
             other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+            # An Orbax checkpoint without params/ has the same config.json: the weights are missing either way.
             hint = (f" (found {other[:3]}: re-save with transformers' save_pretrained, which writes safetensors)"
-                    if other else "")
+                    if other else f" (Hugging Face weights) and no params/ (swiftkv-jax Orbax weights): an incomplete "
+                                  f"download, or an incomplete Orbax checkpoint whose params/ is missing; "
+                                  f"{REDOWNLOAD}")
             raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
         self._handles = {}
 
@@ -73,7 +109,11 @@ class _SafetensorsFiles(contextlib.ExitStack):
         for name in files:
             if not (self.path / name).is_file():
                 raise FileNotFoundError(f"{self.path}: {INDEX_FILE} lists {name}, which is missing")
-            self._handles[name] = self.enter_context(safe_open(self.path / name, framework="numpy"))
+            try:
+                self._handles[name] = self.enter_context(safe_open(self.path / name, framework="numpy"))
+            except SafetensorError as e:
+                raise CheckpointError(f"{self.path / name}: not a readable safetensors file ({e}): truncated or "
+                                      f"corrupt; {REDOWNLOAD}") from None
         if self.file_of is None:
             self.file_of = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
         return self
@@ -196,7 +236,7 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
         entries,
         get_storage_size=lambda e: int(np.prod(e.hf_shape)) * np_dtype.itemsize,
         filename_pattern="model{suffix}.safetensors",
-        max_shard_size=max_shard_size,
+        max_shard_size=parse_size(max_shard_size),
     )
     params = flatten_dict(model.params)
     with atomic_directory(path, overwrite, extra_files) as tmp:

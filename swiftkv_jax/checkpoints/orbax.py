@@ -6,6 +6,7 @@ device count restores onto any mesh, in any parameter dtype.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from swiftkv_jax import sharding
 from swiftkv_jax.checkpoints.atomic import atomic_directory
-from swiftkv_jax.checkpoints.hf import CheckpointError, read_config
+from swiftkv_jax.checkpoints.hf import REDOWNLOAD, CheckpointError, read_config
 from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf, stored_dtype
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.model import Model, abstract_params, check_params, param_shardings
@@ -63,9 +64,31 @@ def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     directory = (path / PARAMS_DIR).absolute()
     with ocp.StandardCheckpointer() as checkpointer:
+        with unreadable_orbax(directory):
+            stored = _stored_shapes(checkpointer, directory)
+            if not stored:  # Orbax only warns when it cannot read the metadata
+                raise ValueError("no parameter metadata can be read")
         try:
-            check_params(cfg, _stored_shapes(checkpointer, directory))
+            check_params(cfg, stored)
         except ValueError as e:
             raise CheckpointError(f"{path}: the Orbax parameters do not match config.json: {e}") from None
-        params = checkpointer.restore(directory, target)
+        with unreadable_orbax(directory):
+            params = checkpointer.restore(directory, target)
     return Model(cfg, params)
+
+
+@contextlib.contextmanager
+def unreadable_orbax(directory, fix: str = f"it is incomplete or corrupt: {REDOWNLOAD}"):
+    """Orbax's and TensorStore's errors on a damaged checkpoint (many, from its threads) as one CheckpointError
+    naming the directory, the root cause's first sentence (its advice is Orbax's API, not ours) and `fix`."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        first = next((line for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        raise CheckpointError(f"{directory}: cannot read this Orbax checkpoint ({first.split('. ')[0]}); "
+                              f"{fix}") from e

@@ -54,6 +54,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         with _transformers_errors_only():
             return AutoTokenizer.from_pretrained(local, local_files_only=True)
     except (OSError, ValueError) as e:
+        if not os.path.exists(local):  # not a hub id in the local cache either
+            where = "" if os.path.isabs(local) else f" (relative to {os.getcwd()})"
+            raise DataError(f"the tokenizer directory {path!r} does not exist{where}: check the path") from None
         raise DataError(f"no usable tokenizer in {path!r} ({' '.join(str(e).split())}); {fix}") from e
 
 

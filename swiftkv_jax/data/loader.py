@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from swiftkv_jax.data.chat import tokenize
@@ -28,7 +29,20 @@ def build_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> datase
     mixture = load_mixture(cfg.sources, cfg.seed, cfg.cache_dir, cfg.num_proc)
     docs = tokenize(mixture.shuffle(seed=cfg.seed), tokenizer, assistant_mask=cfg.loss_mask == "assistant",
                     num_proc=cfg.num_proc)
-    return pack(docs, cfg.seq_len, cfg.loss_mask, pad_id(tokenizer), cfg.num_proc).with_format("numpy")
+    packed = pack(docs, cfg.seq_len, cfg.loss_mask, pad_id(tokenizer), cfg.num_proc)
+    check_trained_tokens(packed, cfg)
+    return packed.with_format("numpy")
+
+
+def check_trained_tokens(packed: datasets.Dataset, cfg: DataConfig) -> None:
+    """At least one position with loss: without, every step would "train" on a loss and gradient of exactly 0."""
+    for chunk in packed.with_format("arrow")["loss_mask"].chunks:  # usually the first has some
+        if pc.max(chunk.flatten()).as_py():
+            return
+    sources = ", ".join(repr(src.path) for src in cfg.sources)
+    fix = ("it has no assistant turns (chat examples with user turns only?): use data.loss_mask: all, or add "
+           "sources with assistant turns" if cfg.loss_mask == "assistant" else "add data")
+    raise DataError(f"data.loss_mask: {cfg.loss_mask} leaves no token to train on in the data of {sources}; {fix}")
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

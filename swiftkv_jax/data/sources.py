@@ -11,6 +11,7 @@ import dataclasses
 import glob
 import math
 import os
+import re
 from typing import Optional, Sequence
 
 import datasets
@@ -20,6 +21,8 @@ from swiftkv_jax.data.config import FORMATS, DataSource
 from swiftkv_jax.data.errors import DataError
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+FIELD_KEYS = {"chat": ("messages_field",), "prompt_response": ("prompt_field", "response_field"),
+              "text": ("text_field",)}  # the source keys that name each format's fields
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # the json/text builders read these transparently
 
 FEATURES = datasets.Features({
@@ -101,8 +104,10 @@ def detect_format(ds: datasets.Dataset, src: DataSource) -> str:
                 f"response_field / text_field")
     missing = [c for c in needs[fmt] if c not in columns]
     if missing:
+        keys = " / ".join(FIELD_KEYS[fmt])
         raise DataError(f"source {src.path!r}: format {fmt!r} needs field(s) {missing}; fields present: "
-                        f"{columns}. Name the right field in the source (e.g. {fmt.split('_')[0]}_field)")
+                        f"{columns}. Name the right field in the source with {keys} (e.g. {{path: ..., format: "
+                        f"{fmt}, {FIELD_KEYS[fmt][0]}: {columns[0] if columns else 'NAME'}}})")
     if fmt == "chat":
         _check_messages(ds.features[src.messages_field], src)
     return fmt
@@ -188,6 +193,7 @@ def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str], tex
         raise DataError(f"source {src.path!r}: unknown or mixed file extension(s) {extensions}; use one kind "
                         f"of {', '.join(sorted(BUILDERS))} (optionally compressed) per source")
     builder = BUILDERS[extensions[0]]
+    _check_file_split(src)
     if builder == "text":  # the text builder names its one column "text", one example per line
         src = dataclasses.replace(src, text_field="text")
     files = [f for f in files if os.path.getsize(f) > 0]  # the builders fail obscurely on empty files
@@ -195,11 +201,24 @@ def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str], tex
         raise DataError(f"source {src.path!r} has no examples: its file(s) are empty")
     try:
         by_file = {"sample_by": "document"} if builder == "text" and text_by_file else {}
-        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **by_file), src
+        return datasets.load_dataset(builder, data_files=files, split=src.split, cache_dir=cache_dir, **by_file), src
     except datasets.exceptions.DatasetGenerationError as e:
         raise DataError(f"source {src.path!r}: cannot read the file(s) as {builder} ({e.__cause__ or e}); "
                         f"check that they are valid {', '.join(x for x, b in BUILDERS.items() if b == builder)}"
                         ) from e
+    except ValueError as e:  # a slice that datasets cannot read, e.g. train[:200%]
+        raise DataError(f"source {src.path!r}: split {src.split!r}: {e}") from e
+
+
+def _check_file_split(src: DataSource) -> None:
+    """Local files are one split, `train`, as `datasets.load_dataset("json", data_files=...)` reads them: its
+    slices (train[:10%]) work, another name (test) is refused as datasets refuses it, never silently ignored."""
+    names = {re.sub(r"\[.*?\]", "", part).strip() for part in src.split.split("+")}
+    if names != {"train"}:
+        raise DataError(f"source {src.path!r}: split {src.split!r}, but local files are one split, 'train' (as "
+                        f"datasets.load_dataset reads data_files); drop split, take part of the file with a slice "
+                        f"(split: 'train[:10%]') or max_examples, or put the {src.split} examples in their own "
+                        f"file and name that in path")
 
 
 def _load_hub(src: DataSource, cache_dir: Optional[str]) -> datasets.Dataset:

@@ -25,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_intermixed_args(argv)
+    from swiftkv_jax.checkpoints import CheckpointError
     from swiftkv_jax.data import DataError
     from swiftkv_jax.distill import trainer
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
             trainer.dry_run(config)
             return 0
         return trainer.train(config)
-    except (configuration.ConfigError, DataError) as e:
+    except (configuration.ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except trainer.TrainingStopped as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Literal, Optional
 
 from swiftkv_jax.configuration import ConfigError, field
@@ -68,7 +69,8 @@ class ExportSection:
     hf: bool = field(True, help="export the student as a Hugging Face llama_swiftkv/qwen2_swiftkv checkpoint")
     orbax: bool = field(True, help="export the student as an Orbax checkpoint")
     dtype: DType = field("bfloat16", help="dtype of the exported weights")
-    max_shard_size: str = field("5GB", help="largest safetensors file of the HF export")
+    max_shard_size: str = field("5GB", help="largest safetensors file of the HF export: a number and a unit "
+                                                "(KB, MB, GB, TB), e.g. 500MB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +133,22 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_output_dir()
+        self._check_shard_size()
+
+    def _check_output_dir(self) -> None:
+        """A directory, or a path where one can be made: not a file (found before minutes of tokenising)."""
+        path = Path(self.train.output_dir).expanduser().absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir():
+            where = "is" if existing == path else f"lies under {existing}, which is"
+            raise ConfigError(f"train.output_dir={self.train.output_dir!r} {where} a file, not a directory: "
+                              f"choose a directory path for the run's checkpoints and exports")
+
+    def _check_shard_size(self) -> None:
+        from swiftkv_jax.checkpoints.hf import parse_size  # jax: imported only once a recipe is being checked
+
+        try:
+            parse_size(self.export.max_shard_size)
+        except ValueError as e:
+            raise ConfigError(f"export.max_shard_size: {e}") from None

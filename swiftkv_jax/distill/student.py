@@ -10,13 +10,13 @@ import jax
 from jax.sharding import Mesh
 
 from swiftkv_jax import checkpoints, sharding
-from swiftkv_jax.checkpoints.hf import INDEX_FILE, SINGLE_FILE, read_config
+from swiftkv_jax.checkpoints.hf import INDEX_FILE, SINGLE_FILE, CheckpointError, read_config
 from swiftkv_jax.checkpoints.hf_config import config_from_hf
 from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import trainable as trainable_lib
 from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.dtypes import as_dtype
-from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
+from swiftkv_jax.model.attention import ATTENTION_IMPLS, DIFFERENTIABLE_IMPLS
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.checkpoints.orbax import is_orbax_checkpoint
 from swiftkv_jax.model.model import abstract_params, init, param_shardings
@@ -31,6 +31,9 @@ def _runtime(section: ModelSection) -> dict:
 def check_attention(section: ModelSection) -> None:
     """A trainable attention_impl that this machine runs, refused before any data is read."""
     impl = section.attention_impl
+    if impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attention_impl={impl!r} is unknown: training runs one of "
+                          f"{', '.join(DIFFERENTIABLE_IMPLS)}")
     if impl not in DIFFERENTIABLE_IMPLS:
         raise ConfigError(f"model.attention_impl={impl!r} has no backward pass; training needs one of "
                           f"{', '.join(DIFFERENTIABLE_IMPLS)} (xla_chunked bounds memory on long sequences)")
@@ -44,7 +47,6 @@ def check_attention(section: ModelSection) -> None:
 
 def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
     l, g = section.num_key_value_layers, section.key_value_group_size
-    check_attention(section)
     if teacher.is_swiftkv and (teacher.num_key_value_layers, teacher.key_value_group_size) != (l, g):
         raise ConfigError(
             f"{section.teacher} is already a SwiftKV model with l={teacher.num_key_value_layers}, "
@@ -63,10 +65,15 @@ def _student_of(teacher: ModelConfig, section: ModelSection) -> ModelConfig:
 
 
 def _teacher_config(section: ModelSection) -> ModelConfig:
+    check_attention(section)  # before ModelConfig refuses an unknown one without naming the key
     try:
-        return config_from_hf(read_config(section.teacher), **_runtime(section))
-    except FileNotFoundError as e:
+        hf_config = read_config(section.teacher)
+    except (FileNotFoundError, CheckpointError) as e:
         raise ConfigError(f"model.teacher: {e}") from None
+    try:
+        return config_from_hf(hf_config, **_runtime(section))
+    except (ValueError, TypeError) as e:  # an unsupported model_type, a missing or malformed field
+        raise ConfigError(f"model.teacher: {Path(section.teacher) / 'config.json'}: {e}") from None
 
 
 def student_config(section: ModelSection) -> ModelConfig:
@@ -80,7 +87,6 @@ def pretrain_config(section: ModelSection) -> ModelConfig:
     if config.is_swiftkv:
         raise ConfigError(f"stage pretrain trains a plain model, but {section.teacher} is a SwiftKV model: pretrain "
                           f"its base model, then distil (stage distill)")
-    check_attention(section)
     return config.replace(remat=section.remat)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import signal
 import time
@@ -25,23 +26,30 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from swiftkv_jax import checkpoints, distributed, sharding
+from swiftkv_jax.checkpoints.hf import read_config
+from swiftkv_jax.checkpoints.hf_config import config_from_hf
+from swiftkv_jax.checkpoints.orbax import unreadable_orbax
 from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 from swiftkv_jax.configuration import ConfigError, to_dict
 from swiftkv_jax.distill import step as step_lib
 from swiftkv_jax.distill import student as student_lib
 from swiftkv_jax.distill.config import TrainConfig
-from swiftkv_jax.distill.metrics import PLOT_FILE, MetricsLog, plot_losses, read_metrics
+from swiftkv_jax.distill.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses, read_metrics
 from swiftkv_jax.distill.trainable import merge
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.model import Model
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
+TEACHER_CONFIG_FILE = "teacher_config.json"  # model.teacher's config.json as the run started: checked on resume
 EXPORT_DIRS = {"distill": {"hf": "student_hf", "orbax": "student_orbax"},
                "pretrain": {"hf": "model_hf", "orbax": "model_orbax"}}
 STOPPED_BY_SIGNAL = 128  # train()'s exit status when a signal stopped it: this plus the signal's number
 # Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
 RESUME_INVARIANTS = ("stage", "model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
+RESTORE_FIX = ("it was saved for another model (did the checkpoint at model.teacher change?): resume with the run's "
+               "teacher, or start a new run in another train.output_dir; or it is damaged: move that step's directory "
+               "away to resume from an earlier step")
 
 
 class TrainingStopped(RuntimeError):
@@ -202,6 +210,14 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+def _leaf_changes(key: str, before, now) -> list[str]:
+    """`key: old -> new` for every leaf under `key` that differs (lists compared whole, e.g. data.sources)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [change for name in dict.fromkeys([*before, *now])
+                for change in _leaf_changes(f"{key}.{name}", before.get(name), now.get(name))]
+    return [] if before == now else [f"{key}: {before!r} -> {now!r}"]
+
+
 def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
     if not saved_path.is_file():
         return
@@ -211,12 +227,94 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
         a, b = saved, now
         for part in key.split("."):
             a, b = (a or {}).get(part), (b or {}).get(part)
-        if a != b:
-            changed.append(key)
+        changed += _leaf_changes(key, a, b)
     if changed:
         raise ConfigError(
-            f"cannot resume: {', '.join(changed)} differ from the run saved in {saved_path.parent} "
-            f"(see {saved_path}); resume with the same settings, or start a new run in another train.output_dir"
+            f"cannot resume: settings differ from the run saved in {saved_path.parent} (see {saved_path}): "
+            f"{'; '.join(changed)}. Resume with the saved settings, or start a new run in another train.output_dir"
+        )
+
+
+def _teacher_shapes(hf_config: dict) -> dict:
+    """The config.json fields that fix the shapes of the teacher's (and so the trained) parameters, defaults
+    filled in (an absent head_dim equals an explicit hidden_size / heads)."""
+    c = config_from_hf(hf_config)
+    return {"model_type": hf_config.get("model_type"), "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.qkv_bias,
+            "mlp_bias": c.mlp_bias, "num_key_value_layers": c.num_key_value_layers,
+            "key_value_group_size": c.key_value_group_size}
+
+
+def _check_same_teacher(config: TrainConfig, teacher_config: dict, out: Path) -> None:
+    """A resumed run's teacher has the shapes of the one it started from (weights are not hashed: too slow for
+    8B; shapes are what a checkpoint cannot be restored across)."""
+    saved = out / TEACHER_CONFIG_FILE
+    if not saved.is_file():  # a run from before the file was written
+        return
+    before, now = _teacher_shapes(json.loads(saved.read_text())), _teacher_shapes(teacher_config)
+    changed = [f"{key}: {before[key]!r} -> {now[key]!r}" for key in before if before[key] != now[key]]
+    if changed:
+        raise ConfigError(
+            f"cannot resume: the teacher at model.teacher={config.model.teacher} is not the model the run in {out} "
+            f"started from (see {saved}); its config.json differs in {'; '.join(changed)}. Resume with that "
+            f"teacher, or start a new run in another train.output_dir"
+        )
+
+
+def _run_outputs(out: Path, latest: Optional[int]) -> list[str]:
+    """What an earlier run left in `out` that a new one would overwrite."""
+    found = []
+    checkpoints_dir = out / CHECKPOINT_DIR
+    if checkpoints_dir.is_dir() and any(checkpoints_dir.iterdir()):
+        found.append(f"{CHECKPOINT_DIR}/" + (f" (latest step {latest})" if latest is not None else ""))
+    found += [name for name in (CONFIG_FILE, TEACHER_CONFIG_FILE, METRICS_FILE, PLOT_FILE) if (out / name).exists()]
+    return found + _exports(out)
+
+
+def _exports(out: Path) -> list[str]:
+    return [f"{name}/" for dirs in EXPORT_DIRS.values() for name in dirs.values() if (out / name).exists()]
+
+
+def _check_output_dir(config: TrainConfig, out: Path, latest: Optional[int]) -> None:
+    """A new run never overwrites an earlier one's outputs (a finished run's export outlives its checkpoints);
+    train.resume=true continues the run that is there."""
+    if not config.train.resume:
+        found = _run_outputs(out, latest)
+        if found:
+            raise ConfigError(
+                f"train.output_dir {out} already holds a run's outputs: {', '.join(found)}. Continue that run with "
+                f"train.resume=true, or choose another train.output_dir (nothing there was changed)"
+            )
+    elif latest is None and _exports(out):
+        raise ConfigError(
+            f"train.resume=true, but train.output_dir {out} has no checkpoint to resume from, only the export(s) "
+            f"{', '.join(_exports(out))} of a finished run, which a new run would overwrite: choose another "
+            f"train.output_dir"
+        )
+
+
+def _load_tokenizer(section):
+    """The run's tokenizer, its error naming the key it came from."""
+    from swiftkv_jax.data import DataError, load_tokenizer
+
+    try:
+        return load_tokenizer(section.tokenizer or section.teacher)
+    except DataError as e:
+        key = "model.tokenizer" if section.tokenizer else "model.teacher (its tokenizer; or set model.tokenizer)"
+        raise DataError(f"{key}: {e}") from None
+
+
+def check_vocab(tokenizer, vocab_size: int, section) -> None:
+    """Every token id the tokenizer can produce has an embedding row (a larger vocab_size is normal: padded)."""
+    if len(tokenizer) > vocab_size:
+        which = (f"model.tokenizer={section.tokenizer}" if section.tokenizer
+                 else f"the tokenizer of model.teacher={section.teacher}")
+        raise ConfigError(
+            f"{which} has {len(tokenizer)} tokens, more than the vocab_size {vocab_size} of model.teacher="
+            f"{section.teacher} (its config.json): token ids >= {vocab_size} have no embedding. Use the teacher's "
+            f"own tokenizer{' (unset model.tokenizer)' if section.tokenizer else ''}"
         )
 
 
@@ -255,8 +353,10 @@ def export_student(model_config: ModelConfig, trainable, frozen, config: TrainCo
             print_fn("HF export runs on one host: convert the Orbax export with "
                      f"`python -m swiftkv_jax.convert {out / export_dirs['orbax']} DST --to hf`")
             continue
-        written.append(checkpoints.save(model, out / export_dirs[fmt], fmt, dtype=config.export.dtype, overwrite=True,
-                                        max_shard_size=config.export.max_shard_size, extra_files=sidecars))
+        # Only a resumed run replaces an export (its own, from before): train() refused any other on start.
+        written.append(checkpoints.save(model, out / export_dirs[fmt], fmt, dtype=config.export.dtype,
+                                        overwrite=config.train.resume, max_shard_size=config.export.max_shard_size,
+                                        extra_files=sidecars))
     return written
 
 
@@ -295,7 +395,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
     Raises ConfigError/DataError on bad input before anything is written, TrainingStopped on a
     non-finite loss (the last good checkpoint stays intact).
     """
-    from swiftkv_jax.data import Batches, build_dataset, load_tokenizer  # datasets/transformers: heavy imports
+    from swiftkv_jax.data import Batches, build_dataset  # datasets/transformers: heavy imports
 
     d = config.distributed
     distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
@@ -303,18 +403,19 @@ def train(config: TrainConfig, print_fn=print) -> int:
     say = print_fn if lead else (lambda *_: None)
     out = Path(config.train.output_dir)
     latest = _checkpoint_manager(config, create=False).latest_step() if (out / CHECKPOINT_DIR).is_dir() else None
-    if latest is not None and not config.train.resume:
-        raise ConfigError(
-            f"{out} already holds checkpoints of a run (latest step {latest}): pass train.resume=true to continue "
-            f"it, or choose another train.output_dir"
-        )
+    _check_output_dir(config, out, latest)
     if latest is not None:
         _check_resumable(config, out / CONFIG_FILE)
 
     # The model's settings first: a wrong teacher must fail before minutes of tokenising.
-    (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config)(config.model)
+    vocab_size = (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config
+                  )(config.model).vocab_size
+    teacher_config = read_config(config.model.teacher)  # valid: the line above read it
+    if latest is not None:
+        _check_same_teacher(config, teacher_config, out)
     # Tokenise before JAX starts its device threads: datasets forks its workers.
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.teacher)
+    tokenizer = _load_tokenizer(config.model)
+    check_vocab(tokenizer, vocab_size, config.model)
     dataset = build_dataset(config.data, tokenizer)
     mesh = make_mesh(config)
     if config.stage == "pretrain":
@@ -339,8 +440,9 @@ def train(config: TrainConfig, print_fn=print) -> int:
     manager = _checkpoint_manager(config)  # the first thing written: the input is valid by now
     start = 0
     if latest is not None:
-        restored = manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(compiled.abstract_state(state.trainable)), meta=ocp.args.JsonRestore()))
+        with unreadable_orbax(out / CHECKPOINT_DIR / str(latest), fix=RESTORE_FIX):
+            restored = manager.restore(latest, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(compiled.abstract_state(state.trainable)), meta=ocp.args.JsonRestore()))
         state, start = restored.state, int(restored.meta["step"])
         batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows,
                           start=int(restored.meta["data_position"]))
@@ -348,6 +450,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        (out / TEACHER_CONFIG_FILE).write_text(json.dumps(teacher_config, indent=2) + "\n")
         log = MetricsLog(out, resume_step=start)
 
     step_fn = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
@@ -376,7 +479,8 @@ def train(config: TrainConfig, print_fn=print) -> int:
                 raise TrainingStopped(
                     f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step {step + 1}; "
                     f"stopped without applying it. {kept}: lower optim.learning_rate or check the data and "
-                    f"teacher weights, then {'resume' if good is not None else 'start again'}"
+                    f"teacher weights, then "
+                    f"{'resume' if good is not None else 'start again (here with train.resume=true)'}"
                 )
             if lead and (step + 1) % config.train.log_every == 0:
                 log.write(record)
