@@ -361,7 +361,12 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
 
     import swiftkv_jax as sk
 
+    from swiftkv_jax.evaluation.report import check_output_folder
+
     settings = SETTINGS[name] if attention is None else with_attention(SETTINGS[name], attention)
+    for what, folder in (("out", out), ("results", results)):  # results are copied at the very end: check now
+        if folder is not None:
+            check_output_folder(folder, what)
     if name == "gpu" and jax.devices()[0].platform != "gpu":
         raise ValueError(f"the gpu budget needs a GPU, but JAX's backend is {jax.devices()[0].platform!r}: use "
                          f"--quick or the full budget on a CPU")
@@ -441,6 +446,14 @@ def main(argv=None) -> int:
     budget = "quick" if args.quick else args.budget or "full"
     out = Path(args.out or {"full": "artifacts/demo", "quick": "artifacts/demo-quick", "gpu": "artifacts/demo-gpu"}[budget])
     from swiftkv_jax.configuration import ConfigError
+    from swiftkv_jax.evaluation.report import check_output_folder
+
+    try:  # before the corpus and minutes of training: the results go there at the very end
+        check_output_folder(out, "--out")
+        if args.results is not None:
+            check_output_folder(args.results, "--results")
+    except ValueError as e:
+        parser_.error(str(e))
 
     if budget == "gpu":
         e = gpu_seconds(SETTINGS["gpu"])

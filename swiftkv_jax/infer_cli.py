@@ -6,14 +6,41 @@ The logic lives in swiftkv_jax.serving and swiftkv_jax.evaluation; this file par
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
+import socket
 import sys
 from typing import Optional
 
 TASKS_HELP = ("tasks as NAME or NAME=SOURCE (local json/jsonl/parquet/txt, a folder or glob, or a hub name "
               "owner/name[:config][@split]); NAME is one of arc_easy, arc_challenge, hellaswag, winogrande, mmlu, "
               "gsm8k, perplexity (perplexity needs a SOURCE)")
+
+
+def _bounded(convert, test, what: str):
+    """An argparse type: `convert` the text, then refuse a value that fails `test`, saying what the flag takes
+    (argparse names the flag: "argument --batch-size: must be an integer >= 1, got -1")."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    return parse
+
+
+# The shared argparse types: a bad count or size fails at parsing, before anything is loaded.
+positive_int = _bounded(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _bounded(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _bounded(float, lambda v: 0 < v < math.inf, "a positive number")
+non_negative_float = _bounded(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+fraction = _bounded(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+port = _bounded(int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: any free port)")
 
 
 def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> None:
@@ -30,7 +57,7 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas", "mosaic"), default=None,
                    help="few-query attention over the cache (decode; SwiftKV's later layers in prefill); mosaic: "
                         "the Mosaic GPU (Hopper) kernel, bf16/fp16 caches")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices (heads, MLP columns, vocabulary; the KV cache by KV heads); "
                         "the weights load straight onto them")
 
@@ -52,13 +79,14 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="one prompt; its tokens are streamed as they are generated")
     src.add_argument("--prompts-file", help="a text file with one prompt per line, or jsonl with a 'prompt' field")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0: off")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128)
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
+    g.add_argument("--top-p", type=fraction, default=1.0, help="1: off")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--batch-size", type=int, default=16, help="prompts per batch (--prompts-file)")
-    g.add_argument("--max-len", type=int, default=None, help="KV-cache length (default: prompt + max-new-tokens)")
+    g.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch (--prompts-file)")
+    g.add_argument("--max-len", type=positive_int, default=None,
+                   help="KV-cache length (default: prompt + max-new-tokens)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     _model_options(g)
     _compilation_cache_option(g)
@@ -67,12 +95,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     e.add_argument("--tasks", required=True, nargs="+", help=TASKS_HELP)
     e.add_argument("--compare", metavar="DIR2", help="a second checkpoint (e.g. the teacher) evaluated in the same run")
-    e.add_argument("--num-fewshot", type=int, default=0, help="examples before each question (not perplexity)")
-    e.add_argument("--limit", type=int, default=None, help="first N examples of each task")
+    e.add_argument("--num-fewshot", type=non_negative_int, default=0,
+                   help="examples before each question (not perplexity)")
+    e.add_argument("--limit", type=positive_int, default=None, help="first N examples of each task")
     e.add_argument("--chat-template", action="store_true", help="each context as a user turn of the chat template")
-    e.add_argument("--batch-size", type=int, default=32)
-    e.add_argument("--max-length", type=int, default=2048, help="context + answer tokens (perplexity: window)")
-    e.add_argument("--max-new-tokens", type=int, default=256, help="generation tasks (gsm8k)")
+    e.add_argument("--batch-size", type=positive_int, default=32)
+    e.add_argument("--max-length", type=positive_int, default=2048, help="context + answer tokens (perplexity: window)")
+    e.add_argument("--max-new-tokens", type=positive_int, default=256, help="generation tasks (gsm8k)")
     e.add_argument("--seed", type=int, default=1234, help="few-shot sampling")
     e.add_argument("--output", help="write the results as JSON here")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
@@ -83,13 +112,15 @@ def parser() -> argparse.ArgumentParser:
     which = b.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="checkpoint directory (HF or Orbax)")
     which.add_argument("--preset", help="a named model shape (see swiftkv_jax.serving.bench.PRESETS); needs --random-weights")
-    b.add_argument("--random-weights", action="store_true", help="random weights for --preset (no checkpoint)")
-    b.add_argument("--prompt-len", type=int, default=2048)
-    b.add_argument("--gen-len", type=int, default=128)
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--prefill-chunk", type=int, default=None, help="chunked prefill (must divide --prompt-len)")
-    b.add_argument("--memory-bandwidth", type=float, default=None,
+    b.add_argument("--random-weights", action="store_true",
+                   help="random weights for --preset (no checkpoint; not with --model)")
+    b.add_argument("--prompt-len", type=positive_int, default=2048)
+    b.add_argument("--gen-len", type=positive_int, default=128)
+    b.add_argument("--batch", type=positive_int, default=1)
+    b.add_argument("--repeats", type=positive_int, default=3)
+    b.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="chunked prefill (must divide --prompt-len)")
+    b.add_argument("--memory-bandwidth", type=positive_float, default=None,
                    help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline")
     b.add_argument("--seed", type=int, default=0, help="random prompts (and --random-weights)")
     b.add_argument("--output", help="write the results as JSON here")
@@ -101,9 +132,9 @@ def parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
     a.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     a.add_argument("--data", required=True, help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
-    a.add_argument("--max-tokens", type=int, default=8192, help="tokens analysed in all")
-    a.add_argument("--max-length", type=int, default=512, help="window length")
-    a.add_argument("--batch-size", type=int, default=8)
+    a.add_argument("--max-tokens", type=positive_int, default=8192, help="tokens analysed in all")
+    a.add_argument("--max-length", type=positive_int, default=512, help="window length")
+    a.add_argument("--batch-size", type=positive_int, default=8)
     a.add_argument("--swiftkv", action="store_true", help="analyse a SwiftKV model's own wiring (default: the teacher's)")
     a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
     a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
@@ -114,33 +145,34 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one, logged)")
     s.add_argument("--served-model-name", default=None, help="the `model` clients name (default: the directory's name)")
     # None: sk.EngineConfig's defaults, sized for one 80 GB GPU (vLLM's on an H100); a small CPU wants fewer
-    s.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (default 256)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+    s.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences running at once (default 256)")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="a step's budget (see --budget-unit; default 8192)")
     s.add_argument("--budget-unit", choices=("tokens", "cost"), default="tokens",
                    help="cost: a SwiftKV prompt token counts about l/L of a full-depth token")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes already computed (vLLM's automatic prefix caching)")
-    s.add_argument("--max-prompt-seqs", type=int, default=None,
+    s.add_argument("--max-prompt-seqs", type=positive_int, default=None,
                    help="prompts packed into one step, at most (default 8)")
     pool = s.add_mutually_exclusive_group()
-    pool.add_argument("--kv-cache-bytes", type=float, default=None,
+    pool.add_argument("--kv-cache-bytes", type=positive_float, default=None,
                       help="KV-cache pool size in bytes (default: 90%% of the free device memory on a GPU, 1 GiB on a "
                            "CPU)")
-    pool.add_argument("--kv-cache-fraction", type=float, default=None, help="pool size as a fraction of free memory")
-    pool.add_argument("--num-pages", type=int, default=None, help="pool size in pages")
-    s.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion (default: what the model and the pool hold)")
+    pool.add_argument("--kv-cache-fraction", type=fraction, default=None,
+                      help="pool size as a fraction of free memory")
+    pool.add_argument("--num-pages", type=positive_int, default=None, help="pool size in pages")
+    s.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV-cache page")
+    s.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + completion (default: what the model and the pool hold; at most both)")
     s.add_argument("--single-buckets", default=None, help="comma-separated single-token step sizes to compile "
                                                          "(default: powers of 2 up to --max-num-seqs)")
     s.add_argument("--prompt-buckets", default=None, help="comma-separated prompt-token step sizes to compile")
-    s.add_argument("--max-waiting", type=int, default=256,
+    s.add_argument("--max-waiting", type=non_negative_int, default=256,
                    help="requests admitted beyond --max-num-seqs (queued); more get 503 with Retry-After")
-    s.add_argument("--shutdown-grace", type=float, default=10.0,
+    s.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     _model_options(s)
     _compilation_cache_option(s)
@@ -187,44 +219,104 @@ def _load_model(path: str, args, mesh=None):
     model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
-    if getattr(args, "teacher_mode", False) and not model.config.is_swiftkv:
-        raise ValueError(f"--teacher-mode: {path} is not a SwiftKV model (it is already served as its own teacher)")
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
 
 
-def _tokenizer(args, path: Optional[str] = None):
+def _read_config(path: str) -> dict:
+    """A checkpoint's config.json, parsed; malformed JSON is named as the file it is."""
+    from swiftkv_jax.checkpoints import CheckpointError
+    from swiftkv_jax.checkpoints.hf import read_config
+
+    try:
+        return read_config(path)
+    except json.JSONDecodeError as e:  # read_config may name the file itself (a CheckpointError) one day
+        raise CheckpointError(f"{os.path.join(path, 'config.json')} is not valid JSON ({e}): fix or replace "
+                              f"it") from None
+
+
+def _model_config(args, path: Optional[str] = None):
+    """The checkpoint's ModelConfig from its config.json alone, before its tokenizer or any weight is read: a missing
+    directory, then a malformed config, are named as such, not as a tokenizer that does not load."""
     from swiftkv_jax.checkpoints import detect_format
+    from swiftkv_jax.checkpoints.hf_config import config_from_hf
+
+    path = path or args.model
+    detect_format(path)
+    config = config_from_hf(_read_config(path))
+    if getattr(args, "teacher_mode", False) and not config.is_swiftkv:
+        raise ValueError(f"--teacher-mode: {path} is not a SwiftKV model (it is already served as its own teacher)")
+    return config
+
+
+def _tokenizer(args, path: Optional[str] = None, chat_flag: Optional[str] = None):
+    """The tokenizer of --tokenizer or the checkpoint; with `chat_flag` (the flag that asks for the chat template) one
+    without a chat template is refused here, naming that flag."""
     from swiftkv_jax.data import DataError
     from swiftkv_jax.data.chat import load_tokenizer
 
-    detect_format(path or args.model)  # a missing checkpoint is named as such, not as a tokenizer it lacks
+    where = args.tokenizer or path or args.model
     try:
-        return load_tokenizer(args.tokenizer or path or args.model)
+        tokenizer = load_tokenizer(where)
     except DataError as e:
         raise DataError(f"{e}; or pass --tokenizer DIR") from e
+    if chat_flag and not tokenizer.chat_template:
+        raise ValueError(f"{chat_flag}: the tokenizer in {where} has no chat template: drop {chat_flag}, or pass "
+                         f"--tokenizer DIR with one")
+    return tokenizer
 
 
 def _read_prompts(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            rows = [json.loads(line) for line in f if line.strip()]
-            if any("prompt" not in r for r in rows):
-                raise ValueError(f"{path}: every jsonl line needs a 'prompt' field")
-            return [r["prompt"] for r in rows]
-        return [line.rstrip("\n") for line in f if line.strip()]
+    """One prompt a line of a text file, or the 'prompt' field of each line of a .jsonl file; a file that cannot be
+    read, or a bad line, is named with its line number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"--prompts-file {path}: cannot read it ({reason})") from None
+    if not path.endswith(".jsonl"):
+        return [line.rstrip("\n") for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts-file {path}, line {n}: not valid JSON ({e.msg}, column {e.colno}); a .jsonl "
+                             f"file holds one JSON object a line, e.g. {{\"prompt\": \"...\"}}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"--prompts-file {path}, line {n}: needs an object with a string 'prompt' field, e.g. "
+                             f"{{\"prompt\": \"...\"}}")
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def _check_length(args, config, ids: list) -> None:
+    """Prompt + --max-new-tokens within the model's positions (beyond them RoPE gives degenerate text), as vLLM."""
+    limit, longest = config.max_position_embeddings, max(map(len, ids))
+    if args.max_len is not None and args.max_len > limit:
+        raise ValueError(f"--max-len {args.max_len} is larger than the model's max_position_embeddings ({limit}, "
+                         f"config.json): lower --max-len to at most {limit}")
+    if longest + args.max_new_tokens > limit:
+        fix = (f"lower --max-new-tokens to at most {limit - longest}" if longest < limit else
+               f"shorten the prompt to fewer than {limit} tokens")
+        raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} needs "
+                         f"{longest + args.max_new_tokens} positions, but the model has {limit} "
+                         f"(max_position_embeddings): {fix}")
 
 
 def _generate(args) -> int:
     from swiftkv_jax.evaluation.harness import render_context
     from swiftkv_jax.serving import generate
 
-    tokenizer = _tokenizer(args)
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     if not prompts:
-        raise ValueError(f"{args.prompts_file}: no prompts")
+        raise ValueError(f"--prompts-file {args.prompts_file}: no prompts")
+    config = _model_config(args)
+    tokenizer = _tokenizer(args, chat_flag="--chat" if args.chat else None)
+    ids = [render_context(tokenizer, p, args.chat) for p in prompts]
+    _check_length(args, config, ids)
     mesh = _mesh(args)
     model = _load_model(args.model, args, mesh)
-    ids = [render_context(tokenizer, p, args.chat) for p in prompts]
     stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
@@ -267,9 +359,11 @@ def _eval(args) -> int:
     from tqdm import tqdm
 
     from swiftkv_jax.evaluation.harness import EvalOptions, evaluate, units
-    from swiftkv_jax.evaluation.report import comparison_table, model_label, results_json
+    from swiftkv_jax.evaluation.report import check_output_file, comparison_table, model_label, results_json
     from swiftkv_jax.evaluation.tasks import load_task, parse_task_spec
 
+    if args.output:
+        check_output_file(args.output, "--output")
     # tasks first: a bad task name or file fails before a large checkpoint is read
     shots = lambda spec: 0 if parse_task_spec(spec)[0] == "perplexity" else args.num_fewshot  # no shots in a text
     tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
@@ -277,14 +371,24 @@ def _eval(args) -> int:
                           chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
                           cache_dtype=_cache_format(args), mesh=_mesh(args))
     paths = [args.model] + ([args.compare] if args.compare else [])
+    # every checkpoint's config and tokenizer before any evaluation: a bad --compare must not cost --model's results
+    chat_flag = "--chat-template" if args.chat_template else None
+    tokenizers = {}
+    for path in paths:
+        _model_config(args, path)
+        tokenizers[path] = _tokenizer(args, path, chat_flag)
     results = {}
     for path in paths:
-        tokenizer, model = _tokenizer(args, path), _load_model(path, args, options.mesh)
+        try:
+            model = _load_model(path, args, options.mesh)
+        except Exception:
+            _report_partial(args, tasks, results)
+            raise
         results[path] = {}
         for task in tasks:
             with tqdm(total=units(task), desc=f"{task.name} · {model_label(path)}",
                       unit="req", file=sys.stderr) as bar:
-                results[path][task.name] = evaluate(model, tokenizer, task, options, progress=bar.update)
+                results[path][task.name] = evaluate(model, tokenizers[path], task, options, progress=bar.update)
         del model
     print(comparison_table(tasks, results))
     if args.output:
@@ -292,9 +396,27 @@ def _eval(args) -> int:
     return 0
 
 
+def _report_partial(args, tasks, results: dict) -> None:
+    """What was evaluated before a later checkpoint failed to load: printed (and written to --output), not lost."""
+    from swiftkv_jax.evaluation.report import comparison_table, results_json
+
+    if not results:
+        return
+    print(comparison_table(tasks, results))
+    if args.output:
+        _write_json(args.output, results_json(args, tasks, results))
+    print(f"the results of {', '.join(results)} are above; the next checkpoint failed to load:", file=sys.stderr)
+
+
 def _bench(args) -> int:
+    from swiftkv_jax.evaluation.report import check_output_file
     from swiftkv_jax.serving import bench
 
+    if args.model and args.random_weights:
+        raise ValueError("--random-weights makes a --preset's model without a checkpoint; --model reads its weights: "
+                         "drop --random-weights, or use --preset NAME --random-weights")
+    if args.output:
+        check_output_file(args.output, "--output")
     if args.dry_run:
         return _bench_dry_run(args)
     if args.preset and not args.random_weights:
@@ -319,10 +441,11 @@ def _bench_dry_run(args) -> int:
     from swiftkv_jax.serving import bench
 
     if args.model:
-        from swiftkv_jax.checkpoints.hf import read_config
+        from swiftkv_jax.checkpoints import detect_format
         from swiftkv_jax.checkpoints.hf_config import config_from_hf, stored_dtype
 
-        hf = read_config(args.model)
+        detect_format(args.model)
+        hf = _read_config(args.model)
         dtype = args.dtype or stored_dtype(hf) or "float32"
         config = config_from_hf(hf, param_dtype=dtype, dtype=dtype)
     else:
@@ -344,7 +467,8 @@ def _analyze(args) -> int:
     with tqdm(total=args.max_tokens, unit="tok", desc="analyze", file=sys.stderr) as bar:
         result = analyze(args.model, args.data, max_tokens=args.max_tokens, max_length=args.max_length,
                          out_dir=args.out, tokenizer_dir=args.tokenizer, dtype=args.dtype,
-                         batch_size=args.batch_size, swiftkv=args.swiftkv, progress=bar.update)
+                         batch_size=args.batch_size, swiftkv=args.swiftkv, progress=bar.update,
+                         names={"data_source": "--data", "out_dir": "--out"})
     print(format_summary(result))
     print(f"wrote {result['out_dir']}/similarity.json and similarity.png", file=sys.stderr)
     return 0
@@ -362,11 +486,52 @@ def _buckets(text: Optional[str], flag: str):
     return sizes
 
 
+def _listening_socket(args) -> socket.socket:
+    """--host/--port bound now, before minutes of loading and compiling: a port in use or a bad address fails at
+    once, naming the flag; the server later listens on this very socket, so nothing can take the port meanwhile."""
+    from swiftkv_jax.serving.http import listening_socket
+
+    try:
+        return listening_socket(args.host, args.port)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {args.host}: not an address this machine resolves ({e.strerror}): give one of its "
+                         f"addresses (127.0.0.1: this machine only, 0.0.0.0: every interface)") from None
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {args.port}: already in use on {args.host} ({reason}): stop what listens there, "
+                             f"or choose another --port (0: any free one)") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {args.host}: not an address of this machine ({reason}): give one of its "
+                             f"addresses (127.0.0.1: this machine only, 0.0.0.0: every interface)") from None
+        raise ValueError(f"cannot listen on --host {args.host} --port {args.port} ({reason})") from None
+
+
+def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
+    """(the engine's pool setting, the tokens it holds where known before the weights are loaded: not for a fraction
+    of the memory that will be free then). Default: 90% of the free device memory where the device reports it (a
+    GPU), else 1 GiB."""
+    import jax
+
+    from swiftkv_jax.serving.paged_cache import pages_for_budget
+
+    pool = dict(num_pages=args.num_pages, kv_cache_fraction=args.kv_cache_fraction,
+                kv_cache_bytes=None if args.kv_cache_bytes is None else int(args.kv_cache_bytes))
+    if all(v is None for v in pool.values()):
+        has_memory_figures = "bytes_limit" in (jax.devices()[0].memory_stats() or {})
+        pool["kv_cache_fraction" if has_memory_figures else "kv_cache_bytes"] = 0.9 if has_memory_figures else 1 << 30
+    pool = {k: v for k, v in pool.items() if v is not None}
+    if "kv_cache_fraction" in pool:
+        return pool, None
+    swiftkv = config.is_swiftkv and not args.teacher_mode
+    pages = pages_for_budget(config, swiftkv, args.page_size, _cache_format(args), **pool)
+    return pool, (pages - 1) * args.page_size  # page 0 is reserved
+
+
 def _serve(args) -> int:
     import logging
 
-    import jax
-
+    from swiftkv_jax.serving.continuous import check_max_model_len
     from swiftkv_jax.serving.http import serve
 
     # our own handler: an import may already have configured the root logger (then basicConfig does nothing)
@@ -376,19 +541,21 @@ def _serve(args) -> int:
     package.setLevel(logging.INFO)
     package.addHandler(handler)
     package.propagate = False
-    for name, value in (("--port", args.port), ("--max-waiting", args.max_waiting)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
     buckets = dict(single_buckets=_buckets(args.single_buckets, "--single-buckets"),
                    prompt_buckets=_buckets(args.prompt_buckets, "--prompt-buckets"))
+    config = _model_config(args)
     tokenizer = _tokenizer(args)
+    pool, pool_tokens = _kv_pool(args, config)
+    if args.max_model_len is not None:  # the engine checks a fraction's pool once the weights are loaded
+        check_max_model_len(args.max_model_len, config.max_position_embeddings, pool_tokens, name="--max-model-len",
+                            pool_names="--num-pages, --kv-cache-bytes or --kv-cache-fraction")
     mesh = _mesh(args)
-    model = _load_model(args.model, args, mesh)
-    pool = dict(num_pages=args.num_pages, kv_cache_fraction=args.kv_cache_fraction,
-                kv_cache_bytes=None if args.kv_cache_bytes is None else int(args.kv_cache_bytes))
-    if all(v is None for v in pool.values()):
-        has_memory_figures = "bytes_limit" in (jax.devices()[0].memory_stats() or {})
-        pool["kv_cache_fraction" if has_memory_figures else "kv_cache_bytes"] = 0.9 if has_memory_figures else 1 << 30
+    sock = _listening_socket(args)
+    try:
+        model = _load_model(args.model, args, mesh)
+    except BaseException:
+        sock.close()
+        raise
     given = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  max_prompt_seqs=args.max_prompt_seqs, **pool)
     options = dict(swiftkv=False if args.teacher_mode else None, page_size=args.page_size,
@@ -398,15 +565,19 @@ def _serve(args) -> int:
                    **buckets, **{k: v for k, v in given.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
-                 max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace)
+                 max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock)
 
 
 def _write_json(path: str, data) -> None:
-    """Write whole or not at all: a crash mid-write leaves any earlier file intact."""
+    """Write whole or not at all: a crash mid-write leaves any earlier file intact, and no temporary file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     print(f"wrote {path}", file=sys.stderr)

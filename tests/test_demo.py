@@ -100,6 +100,23 @@ def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
     assert "holds a demo run with other settings" in capsys.readouterr().err
 
 
+def test_demo_refuses_an_out_or_results_that_is_a_file_before_any_work(tmp_path, capsys):
+    """Both are written at the end (results after ~25 minutes on a CPU): a file in their place fails at once, naming
+    the flag; nothing is written."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, flag in ((["--results", str(afile), "--out", str(tmp_path / "out")], "--results"),
+                       (["--quick", "--out", str(afile)], "--out"),
+                       (["--quick", "--out", str(afile / "sub")], "--out")):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: {flag} {afile}" in err and "Errno" not in err
+    with pytest.raises(ValueError, match="results .* exists and is not a folder"):
+        demo.run(tmp_path / "out", "smoke", results=afile)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and afile.read_text() == "x"
+
+
 def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls(tmp_path):
     """The gpu budget's overrides load with both recipes (the smoke run above covers the code they drive), its
     FLOP-arithmetic estimate stays well inside 10 minutes, and a CPU is refused before anything is written."""

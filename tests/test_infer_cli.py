@@ -113,6 +113,21 @@ def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
         assert 0 < report["results"][path]["perplexity"]["perplexity"] < float(model.config.vocab_size) * 4
 
 
+def test_eval_keeps_the_results_of_a_model_when_the_compared_one_fails_to_load(checkpoints, capsys, tmp_path):
+    """--compare's config and tokenizer are checked up front (test_inference_bad_input); weights that fail to load
+    after --model's evaluation leave its table printed and --output written, then the error."""
+    compare = tmp_path / "weightless"
+    compare.mkdir()
+    for f in (checkpoints / "teacher").iterdir():
+        if f.suffix != ".safetensors":
+            (compare / f.name).write_bytes(f.read_bytes())
+    out_json = tmp_path / "eval.json"
+    code, out, err = run(capsys, "eval", "--model", checkpoints / "student", "--compare", compare, "--tasks",
+                         f"arc_easy={checkpoints / 'arc.jsonl'}", "--output", out_json)
+    assert code == 2 and "arc_easy" in out and "student" in out and "the next checkpoint failed to load" in err
+    assert list(json.loads(out_json.read_text())["results"]) == [str(checkpoints / "student")]
+
+
 def test_unknown_task_fails_before_loading_a_model(capsys):
     code, _, err = run(capsys, "eval", "--model", "/nonexistent", "--tasks", "arc_eazy")
     assert code == 2 and "arc_easy" in err

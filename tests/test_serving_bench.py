@@ -32,6 +32,13 @@ def rows(tiny):
                    memory_bandwidth=100e9, keep_tokens=True)
 
 
+def test_a_memory_bandwidth_that_is_not_positive_is_refused(tiny):
+    """A negative bandwidth once printed a roofline of -45762771921.7%."""
+    for bandwidth in (-5.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="memory_bandwidth must be a positive number of bytes/s"):
+            B.bench(tiny, prompt_len=PROMPT_LEN, gen_len=GEN_LEN, batch=BATCH, memory_bandwidth=bandwidth)
+
+
 def test_rows_have_the_fields_and_finite_positive_timings(rows, tiny):
     assert [r["wiring"] for r in rows] == ["swiftkv", "teacher"]
     for r in rows:

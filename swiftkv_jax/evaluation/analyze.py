@@ -170,8 +170,11 @@ def _jsonable(result: dict) -> dict:
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write leaves no stray file
 
 
 def default_out_dir(model_dir) -> Path:
@@ -181,24 +184,30 @@ def default_out_dir(model_dir) -> Path:
 
 def analyze(model_dir, data_source: str, *, max_tokens: int = 8192, max_length: int = 512, out_dir=None,
             tokenizer_dir=None, dtype=None, batch_size: int = 8, swiftkv: bool = False,
-            cache_dir: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> dict:
+            cache_dir: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
+            names: Optional[dict] = None) -> dict:
     """layer_similarity of the checkpoint in model_dir on the first max_tokens tokens of data_source.
 
     data_source: as `perplexity=SOURCE` of the eval tasks (a .txt file, folder glob of .txt, jsonl/parquet with
     'text'); documents are tokenised as the tokenizer does by default (BOS included) until max_tokens, the last
     one cut. Writes similarity.json and similarity.png into out_dir (default ./analysis/<model basename>).
+    names: what errors call data_source and out_dir (the CLI's flags; default the parameters' names).
     """
     import swiftkv_jax as sk
     from swiftkv_jax.data.chat import load_tokenizer
-    from swiftkv_jax.evaluation.tasks import load_task
+    from swiftkv_jax.evaluation.report import check_output_folder
+    from swiftkv_jax.evaluation.tasks import read_documents
 
+    names = {"data_source": "data_source", "out_dir": "out_dir", **(names or {})}
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    task = load_task("perplexity=" + data_source, cache_dir=cache_dir)  # a bad source fails before loading weights
+    out = Path(out_dir) if out_dir is not None else default_out_dir(model_dir)
+    check_output_folder(out, names["out_dir"])  # a bad output folder or source fails before loading weights
+    where, texts = read_documents(data_source, label=names["data_source"], cache_dir=cache_dir)
     tokenizer = load_tokenizer(str(tokenizer_dir or model_dir))
     documents = []
     left = max_tokens
-    for text in task.items:
+    for text in texts:
         ids = tokenizer(text)["input_ids"][:left]
         if ids:
             documents.append(ids)
@@ -208,10 +217,9 @@ def analyze(model_dir, data_source: str, *, max_tokens: int = 8192, max_length: 
     if not documents:
         raise ValueError(f"{data_source}: the documents tokenise to no tokens")
     model = sk.load(str(model_dir), dtype)
-    result = {"model": str(model_dir), "data": task.source}
+    result = {"model": str(model_dir), "data": where}
     result.update(layer_similarity(model, documents, max_length=max_length, batch_size=batch_size, swiftkv=swiftkv,
                                    progress=progress))
-    out = Path(out_dir) if out_dir is not None else default_out_dir(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / JSON_FILE, _jsonable(result))
     plot_similarity(result, out / PLOT_FILE)

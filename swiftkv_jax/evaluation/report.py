@@ -14,6 +14,33 @@ def model_label(path) -> str:
     return os.path.basename(os.path.normpath(str(path))) or "model"
 
 
+def check_output_file(path, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written at the end: a folder in its place, or a
+    parent that is a file or not writable (a run of minutes must not end in IsADirectoryError)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder: give a file path, e.g. {os.path.join(path, 'results.json')}")
+    _check_creatable(os.path.dirname(os.path.abspath(path)), flag, path)
+
+
+def check_output_folder(path, flag: str) -> None:
+    """Refuse, before any work, an output folder that could not be made or written: a file in its place, or an
+    ancestor that is a file or not writable. The folder itself is made when the results are written."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} exists and is not a folder: give a folder (it is made if missing)")
+    _check_creatable(path, flag, path)
+
+
+def _check_creatable(folder, flag: str, path) -> None:
+    """`folder` exists or can be made: its nearest existing ancestor is a writable folder."""
+    ancestor = os.path.abspath(folder)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, not a folder: choose another {flag}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {ancestor} is not writable: choose another {flag}")
+
+
 def _cell(metrics: dict, name: str) -> str:
     value, err = metrics[name], metrics.get(f"{name}_stderr")
     return f"{value:.4f} ± {err:.4f}" if err is not None and err == err else f"{value:.4f}"

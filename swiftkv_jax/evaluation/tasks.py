@@ -255,6 +255,8 @@ def _describe(path: str, config: Optional[str], split: str, files: bool) -> str:
 
 def _read(name: str, spec_: _Spec, path: str, config: Optional[str], split: str, files: bool,
           cache_dir: Optional[str], text_by_file: bool = False) -> list[dict]:
+    """The rows; `name` starts every error and names the source in the hints as `name=SOURCE` (the task spec's
+    syntax; `--data=SOURCE` is argparse's for analyze)."""
     where = _describe(path, config, split, files)
     try:
         ds = read_raw(path, split=split, name=config, cache_dir=cache_dir, text_by_file=text_by_file)
@@ -264,7 +266,7 @@ def _read(name: str, spec_: _Spec, path: str, config: Optional[str], split: str,
             hint = (f" A folder is read as a downloaded hub dataset, here config {config} split {split} (set them: "
                     f"{name}=FOLDER:CONFIG@SPLIT); for a folder of plain files use a glob: {name}='FOLDER/*.jsonl'")
         elif not files:
-            hint = f" (the task's source is that path: {name}=DIR)"
+            hint = f" ({name}=SOURCE reads a file, folder or glob that exists, else a hub dataset of that name)"
         raise TaskError(f"{name}: cannot read {where}: {e}{hint}") from e
     if len(ds) == 0:
         raise TaskError(f"{name}: {where} has no rows")
@@ -292,12 +294,22 @@ def _perplexity(name: str, source: Optional[str], num_fewshot: int, limit: Optio
                         f"file) or {name}=FILE.jsonl / .parquet (one document per row, field 'text')")
     if num_fewshot:
         raise TaskError(f"{name} takes no few-shot examples; set num_fewshot to 0")
-    path, config, split, files = _resolve(name, spec_, source)
-    docs = [t for t in (row["text"] for row in _read(name, spec_, path, config, split, files, cache_dir, True))
+    where, docs = read_documents(source, label=name, cache_dir=cache_dir)
+    return Task(name, spec_.kind, where, docs[:limit])
+
+
+def read_documents(source: str, *, label: str = "perplexity", cache_dir: Optional[str] = None
+                   ) -> tuple[str, tuple[str, ...]]:
+    """(what was read, its non-empty documents) of a text source: .txt files (a file, folder or glob; one document
+    a file) or json/jsonl/parquet rows {text}. `label` starts every error and names the source in its hints
+    (`label=SOURCE`): the task name in eval's specs, `--data` for analyze."""
+    spec_ = _SPECS["perplexity"]
+    path, config, split, files = _resolve(label, spec_, source)
+    docs = [t for t in (row["text"] for row in _read(label, spec_, path, config, split, files, cache_dir, True))
             if t and t.strip()]
     if not docs:
-        raise TaskError(f"{name}: every document of {source} is empty")
-    return Task(name, spec_.kind, _describe(path, config, split, files), tuple(docs[:limit]))
+        raise TaskError(f"{label}: every document of {source} is empty")
+    return _describe(path, config, split, files), tuple(docs)
 
 
 # --- answers of generation tasks ---

@@ -248,6 +248,9 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if prefill_chunk is not None and (prefill_chunk < 1 or prompt_len % prefill_chunk):
         raise ValueError(f"prefill_chunk {prefill_chunk} must divide prompt_len {prompt_len}")
+    if memory_bandwidth is not None and not 0 < memory_bandwidth < float("inf"):
+        raise ValueError(f"memory_bandwidth must be a positive number of bytes/s (H200: 4.8e12), "
+                         f"got {memory_bandwidth!r}")
     cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
                          decode_attention_impl=decode_attention_impl)
     model = tensor_parallel.for_serving(Model(cfg, model.params), mesh)

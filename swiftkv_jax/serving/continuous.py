@@ -30,11 +30,9 @@ import time
 from typing import Optional, Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
@@ -84,6 +82,21 @@ def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
         sizes.append(size)
         size *= factor
     return tuple(sizes) + (high,)
+
+
+def check_max_model_len(max_model_len: int, max_positions: int, pool_tokens: Optional[int], *,
+                        name: str = "max_model_len",
+                        pool_names: str = "num_pages, kv_cache_bytes or kv_cache_fraction") -> None:
+    """vLLM's two refusals of a given max_model_len: beyond the model's max_position_embeddings (positions its RoPE
+    never saw: degenerate text), or beyond the tokens the KV cache pool holds (such a sequence could never finish).
+    `name` and `pool_names` are what the message calls the settings (the CLI passes its flags); pool_tokens None:
+    not checked (the engine's own; the server checks it)."""
+    if max_model_len > max_positions:
+        raise ValueError(f"{name} {max_model_len} is larger than the model's max_position_embeddings "
+                         f"({max_positions}, config.json): lower {name} to at most {max_positions}")
+    if pool_tokens is not None and max_model_len > pool_tokens:
+        raise ValueError(f"{name} {max_model_len} is more than the KV cache pool holds ({pool_tokens} tokens): lower "
+                         f"{name} to at most {pool_tokens}, or give the pool more memory ({pool_names})")
 
 
 def _bucket(n: int, buckets: tuple) -> int:
@@ -149,6 +162,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}), so that every running sequence can decode in every step")
@@ -223,7 +239,12 @@ class Engine:
         del model
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
-        self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, (num_pages - 1) * page_size))
+        # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
+        # server refuses it at start-up, `http.process.start_engine`)
+        pool_tokens = (num_pages - 1) * page_size  # page 0 is reserved
+        if options.max_model_len is not None:
+            check_max_model_len(options.max_model_len, cfg.max_position_embeddings, None)
+        self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, pool_tokens))
         self.pages_per_seq = pages_for(self.max_model_len, page_size)
         self.xla_loop = options.xla_loop or default_xla_loop()
         if options.table_buckets:

@@ -3,6 +3,10 @@
     engine, startup = start_engine(model, engine_options)   # build + warm up, counting XLA programs
     serve(model, tokenizer, "my-model", port=8000, engine_options=...)  # what the CLI runs
 
+The listening socket is bound before the engine is built (`listening_socket`, as vLLM does), so a port in use or an
+address not of this machine fails at once, not after minutes of loading and compiling; uvicorn listens on that very
+socket once the engine is warm (until then a client is refused, not left waiting).
+
 On SIGTERM/SIGINT no new connection is accepted, requests in flight get a grace period, then whatever is left is
 aborted (a stream ends with an error event and `data: [DONE]`) and the process exits 0.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from typing import Optional
@@ -55,16 +60,20 @@ def _uvicorn_server(config, engine_loop: EngineLoop, grace: float):
 
 def start_engine(model, engine_options: Optional[dict] = None):
     """Build the engine and compile every step bucket (or load it from JAX's persistent compilation cache, when
-    `compile_cache.enable_compilation_cache` turned it on). Returns (engine, startup): startup holds `seconds` (build
-    and warm-up, wall clock), `warmup_seconds`, `buckets`, the XLA programs of both (`programs` = `compiled` +
-    `loaded` from the cache; `written` to it), `compile_seconds` (in XLA) and `compilation_cache` (its directory or
-    None)."""
+    `compile_cache.enable_compilation_cache` turned it on). A given max_model_len the pool cannot hold is refused
+    before the warm-up (the engine alone would serve it, refusing each request that does not fit). Returns (engine,
+    startup): startup holds `seconds` (build and warm-up, wall clock), `warmup_seconds`, `buckets`, the XLA programs
+    of both (`programs` = `compiled` + `loaded` from the cache; `written` to it), `compile_seconds` (in XLA) and
+    `compilation_cache` (its directory or None)."""
     from swiftkv_jax.serving.compile_cache import active_cache_dir, count_compiles
-    from swiftkv_jax.serving.continuous import Engine
+    from swiftkv_jax.serving.continuous import Engine, check_max_model_len
 
     start = time.perf_counter()
     with count_compiles() as counts:
         engine = Engine(model, **(engine_options or {}))
+        if (engine_options or {}).get("max_model_len") is not None:  # before minutes of warm-up, as vLLM
+            check_max_model_len(engine.max_model_len, engine.config.max_position_embeddings,
+                                engine.allocator.capacity * engine.page_size)
         warmup_seconds = engine.warmup()
     startup = dict(seconds=time.perf_counter() - start, warmup_seconds=warmup_seconds,
                    buckets=engine.stats()["compiled_buckets"], compile_seconds=counts.seconds,
@@ -78,24 +87,44 @@ def start_engine(model, engine_options: Optional[dict] = None):
     return engine, startup
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the engine is warm); port 0
+    binds a free one (see getsockname). OSError as getaddrinfo and bind raise it: socket.gaierror for a host that
+    does not resolve, EADDRINUSE for a port in use, EADDRNOTAVAIL for an address not of this machine."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse a TIME_WAIT port
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
           engine_options: Optional[dict] = None, max_waiting: int = 256, shutdown_grace: float = 10.0,
-          stop_token_ids=None) -> int:
-    """Build the engine, compile every step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new
-    connections are refused at once, requests in flight get `shutdown_grace` seconds to finish, the rest are aborted.
-    Returns 0."""
+          stop_token_ids=None, sock: Optional[socket.socket] = None) -> int:
+    """Bind (host, port) unless `sock` is given already bound (`listening_socket`), build the engine, compile every
+    step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new connections are refused at once, requests in
+    flight get `shutdown_grace` seconds to finish, the rest are aborted. Port 0: a free port, logged. Returns 0."""
     import uvicorn
 
     if shutdown_grace < 0:
         raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace}")
-    began = time.perf_counter()
-    engine, startup = start_engine(model, engine_options)
-    app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids,
-                   startup=startup)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace, access_log=False,
-                            log_level="info", lifespan="on")
-    log.info("serving %s on http://%s:%d (ready %.1f s after the engine build began)", model_name, host, port,
-             time.perf_counter() - began)
-    _uvicorn_server(config, app.state.server.loop, shutdown_grace).run()
+    sock = sock or listening_socket(host, port)
+    with contextlib.closing(sock):  # also on a failed build; uvicorn closes it on shutdown too
+        host, port = sock.getsockname()[:2]
+        began = time.perf_counter()
+        engine, startup = start_engine(model, engine_options)
+        app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids,
+                       startup=startup)
+        config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace,
+                                access_log=False, log_level="info", lifespan="on")
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        log.info("serving %s on %s (ready %.1f s after the engine build began)", model_name, url,
+                 time.perf_counter() - began)
+        _uvicorn_server(config, app.state.server.loop, shutdown_grace).run(sockets=[sock])
     log.info("stopped")
     return 0
