@@ -164,7 +164,7 @@ def test_analyze_checks_out_and_names_data_before_loading(weightless, capsys, tm
     assert (tmp_path / "afile").read_text() == "x"
     code, _, err = run(capsys, "analyze", "--model", weightless, "--data", tmp_path / "nothere.txt", "--out",
                        tmp_path / "an")
-    assert code == 2 and f"error: --data: cannot read {tmp_path / 'nothere.txt'}" in err
+    assert code == 2 and f"error: --data: {tmp_path / 'nothere.txt'}: no such file or folder" in err
     assert "perplexity" not in err and not (tmp_path / "an").exists()
 
 

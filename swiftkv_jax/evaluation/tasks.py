@@ -249,6 +249,12 @@ def _is_glob(path: str) -> bool:
     return any(ch in path for ch in "*?[")
 
 
+def _looks_local(path: str) -> bool:
+    """A path no hub dataset name has: absolute, relative to . or ~, or ending in a data file's extension."""
+    return (path.startswith(("/", "./", "../", "~")) or
+            os.path.splitext(path)[1].lower() in (".txt", ".json", ".jsonl", ".parquet", ".csv", ".gz"))
+
+
 def _describe(path: str, config: Optional[str], split: str, files: bool) -> str:
     return path if files else f"{path}{f':{config}' if config else ''}@{split}"
 
@@ -258,6 +264,8 @@ def _read(name: str, spec_: _Spec, path: str, config: Optional[str], split: str,
     """The rows; `name` starts every error and names the source in the hints as `name=SOURCE` (the task spec's
     syntax; `--data=SOURCE` is argparse's for analyze)."""
     where = _describe(path, config, split, files)
+    if not files and _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        raise TaskError(f"{name}: {path}: no such file or folder (a hub dataset is named like owner/name)")
     try:
         ds = read_raw(path, split=split, name=config, cache_dir=cache_dir, text_by_file=text_by_file)
     except DataError as e:
