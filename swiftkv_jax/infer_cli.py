@@ -222,27 +222,16 @@ def _load_model(path: str, args, mesh=None):
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
 
 
-def _read_config(path: str) -> dict:
-    """A checkpoint's config.json, parsed; malformed JSON is named as the file it is."""
-    from swiftkv_jax.checkpoints import CheckpointError
-    from swiftkv_jax.checkpoints.hf import read_config
-
-    try:
-        return read_config(path)
-    except json.JSONDecodeError as e:  # read_config may name the file itself (a CheckpointError) one day
-        raise CheckpointError(f"{os.path.join(path, 'config.json')} is not valid JSON ({e}): fix or replace "
-                              f"it") from None
-
-
 def _model_config(args, path: Optional[str] = None):
     """The checkpoint's ModelConfig from its config.json alone, before its tokenizer or any weight is read: a missing
     directory, then a malformed config, are named as such, not as a tokenizer that does not load."""
     from swiftkv_jax.checkpoints import detect_format
+    from swiftkv_jax.checkpoints.hf import read_config
     from swiftkv_jax.checkpoints.hf_config import config_from_hf
 
     path = path or args.model
     detect_format(path)
-    config = config_from_hf(_read_config(path))
+    config = config_from_hf(read_config(path))
     if getattr(args, "teacher_mode", False) and not config.is_swiftkv:
         raise ValueError(f"--teacher-mode: {path} is not a SwiftKV model (it is already served as its own teacher)")
     return config
@@ -442,10 +431,11 @@ def _bench_dry_run(args) -> int:
 
     if args.model:
         from swiftkv_jax.checkpoints import detect_format
+        from swiftkv_jax.checkpoints.hf import read_config
         from swiftkv_jax.checkpoints.hf_config import config_from_hf, stored_dtype
 
         detect_format(args.model)
-        hf = _read_config(args.model)
+        hf = read_config(args.model)
         dtype = args.dtype or stored_dtype(hf) or "float32"
         config = config_from_hf(hf, param_dtype=dtype, dtype=dtype)
     else:
@@ -569,15 +559,7 @@ def _serve(args) -> int:
 
 
 def _write_json(path: str, data) -> None:
-    """Write whole or not at all: a crash mid-write leaves any earlier file intact, and no temporary file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    from swiftkv_jax.evaluation.report import write_json
+
+    write_json(path, data)
     print(f"wrote {path}", file=sys.stderr)

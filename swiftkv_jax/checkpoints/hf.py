@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.serialization._base import SIZE_UNITS, parse_size_to_int
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -33,9 +34,6 @@ from swiftkv_jax.model.model import Model, abstract_params, check_params, param_
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's, for max_shard_size
-
-
 REDOWNLOAD = "re-download or re-export the checkpoint"
 
 
@@ -69,13 +67,13 @@ def parse_size(size) -> int:
     """Bytes of a max_shard_size as huggingface_hub reads it: an int, or a number with a unit ("5GB", "500MB")."""
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
-    text = str(size).strip()
     try:
-        value = float(text[:-2]) * SIZE_UNITS[text[-2:].upper()]
-    except (KeyError, ValueError):
+        value = parse_size_to_int(str(size))
+    except ValueError:
         value = 0
     if not value > 0:
-        raise ValueError(f"{size!r} is not a size: give a number and a unit ({', '.join(SIZE_UNITS)}), e.g. 5GB "
+        units = ", ".join(sorted(SIZE_UNITS, key=SIZE_UNITS.get))
+        raise ValueError(f"{size!r} is not a size: give a number and a unit ({units}), e.g. 5GB "
                          f"or 500MB")
     return int(value)
 

@@ -11,8 +11,6 @@ i - 1, L = the last layer's output before the final norm), in the teacher wiring
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -20,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from swiftkv_jax.evaluation.report import model_label
+from swiftkv_jax.evaluation.report import model_label, write_json
 from swiftkv_jax.model.model import Model, intermediates
 from swiftkv_jax.serving.generate import padded_length
 
@@ -168,15 +166,6 @@ def _jsonable(result: dict) -> dict:
     return {k: np.asarray(v).tolist() if k in ARRAYS else v for k, v in result.items()}
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a failed write leaves no stray file
-
-
 def default_out_dir(model_dir) -> Path:
     """./analysis/<model basename>: never inside the checkpoint."""
     return Path("analysis") / model_label(model_dir)
@@ -221,7 +210,7 @@ def analyze(model_dir, data_source: str, *, max_tokens: int = 8192, max_length: 
     result.update(layer_similarity(model, documents, max_length=max_length, batch_size=batch_size, swiftkv=swiftkv,
                                    progress=progress))
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / JSON_FILE, _jsonable(result))
+    write_json(out / JSON_FILE, _jsonable(result), indent=1)
     plot_similarity(result, out / PLOT_FILE)
     result["out_dir"] = str(out)
     return result

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",),
                  "perplexity": ("perplexity", "bits_per_byte", "nats_per_token")}
@@ -12,6 +14,18 @@ TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("exact_m
 def model_label(path) -> str:
     """A checkpoint's name in tables, titles and folders: its directory's base name."""
     return os.path.basename(os.path.normpath(str(path))) or "model"
+
+
+def write_json(path, data, *, indent: int = 2) -> None:
+    """Write whole or not at all: a crash mid-write leaves any earlier file intact, and no temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=indent, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def check_output_file(path, flag: str) -> None:
