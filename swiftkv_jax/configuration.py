@@ -150,7 +150,7 @@ def from_dict(cls, values: dict, prefix: str = "", where: str = ""):
         raise ConfigError(f"{', '.join(prefix + n for n in required)} is required{where} (see --help)")
     try:
         return cls(**kwargs)
-    except TypeError as e:  # a required field without a value
+    except TypeError as e:  # whatever else the constructor refuses (required fields are named above)
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
 
 

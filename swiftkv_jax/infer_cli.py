@@ -503,7 +503,7 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
     GPU), else 1 GiB."""
     import jax
 
-    from swiftkv_jax.serving.paged_cache import pages_for_budget
+    from swiftkv_jax.serving.paged_cache import pages_for_budget, tokens_held
 
     pool = dict(num_pages=args.num_pages, kv_cache_fraction=args.kv_cache_fraction,
                 kv_cache_bytes=None if args.kv_cache_bytes is None else int(args.kv_cache_bytes))
@@ -515,7 +515,7 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
         return pool, None
     swiftkv = config.is_swiftkv and not args.teacher_mode
     pages = pages_for_budget(config, swiftkv, args.page_size, _cache_format(args), **pool)
-    return pool, (pages - 1) * args.page_size  # page 0 is reserved
+    return pool, tokens_held(pages, args.page_size)
 
 
 def _serve(args) -> int:

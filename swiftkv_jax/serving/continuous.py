@@ -39,7 +39,7 @@ from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
 from swiftkv_jax.serving.compile_cache import count_compiles
 from swiftkv_jax.serving.errors import InvalidRequest
-from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget
+from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget, tokens_held
 from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
@@ -241,7 +241,7 @@ class Engine:
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
         # server refuses it at start-up, `http.process.start_engine`)
-        pool_tokens = (num_pages - 1) * page_size  # page 0 is reserved
+        pool_tokens = tokens_held(num_pages, page_size)
         if options.max_model_len is not None:
             check_max_model_len(options.max_model_len, cfg.max_position_embeddings, None)
         self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, pool_tokens))

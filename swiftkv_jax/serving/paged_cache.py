@@ -49,6 +49,12 @@ def free_memory(devices: list) -> int:
     return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
 
 
+def tokens_held(num_pages: int, page_size: int) -> int:
+    """Tokens a pool of `num_pages` pages (as `pages_for_budget` counts them) holds for sequences: page 0 is the
+    null page."""
+    return (num_pages - 1) * page_size
+
+
 def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, *, num_pages: Optional[int] = None,
                      kv_cache_bytes: Optional[int] = None, kv_cache_fraction: Optional[float] = None,
                      kv_scales: Optional[str] = None, devices: Optional[list] = None) -> int:
