@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from swiftkv_jax import demo
+from swiftkv_jax.distill.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +78,20 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     assert "resumed from step 3" in stdout
     check_table(out, stdout)
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
+    # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
+    sweep = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",
+                           str(sweep), "lr1e-3|2|optim.learning_rate=1e-3"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record, rows = json.loads(sweep.read_text()), check_table(out, stdout)
+    assert record["teacher_val_loss"] == pytest.approx(rows["teacher"]["val_loss"], rel=1e-5)
+    assert record["undistilled_val_loss"] == pytest.approx(rows["swiftkv-50-undistilled"]["val_loss"], rel=1e-5)
+    [row] = record["rows"]
+    assert (row["name"], row["steps"], row["overrides"]) == ("lr1e-3", 2, ["optim.learning_rate=1e-3"])
+    assert math.isfinite(row["gap_closed"]) and "| lr1e-3 | 2 |" in proc.stdout
+    trained = read_metrics(out / "distill" / "exp-lr1e-3" / "metrics.jsonl")
+    assert [r["step"] for r in trained] == [1, 2] and max(r["lr"] for r in trained) == pytest.approx(1e-3)
 
 
 @pytest.mark.slow
@@ -136,6 +151,31 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     with pytest.raises(ValueError, match="the gpu budget needs a GPU"):
         demo.run(tmp_path / "gpu", "gpu")
     assert not (tmp_path / "gpu").exists()
+
+
+def test_recipe_sweep_rows_change_only_what_they_name(tmp_path):
+    """A sweep row keeps its budget's overrides (the gpu budget's bf16 runtime) and its own win; bad rows are named."""
+    from swiftkv_jax import configuration
+    from swiftkv_jax.distill.config import TrainConfig
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import recipe_sweep
+
+    name, steps, overrides = recipe_sweep.parse_row("lr6e-3||optim.learning_rate=6e-3;loss.temperature=1.0")
+    assert (name, steps) == ("lr6e-3", None)
+    settings = recipe_sweep.row_settings(demo.SETTINGS["gpu"], steps, overrides)
+    assert settings.distill_steps == demo.SETTINGS["gpu"].distill_steps
+    common = demo.common_overrides(tmp_path, settings, 1, tmp_path / "run")
+    config = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-swiftkv.yaml",
+                                ["model.teacher=x"] + common + list(settings.distill_overrides))
+    assert (config.optim.learning_rate, config.loss.temperature, config.model.compute_dtype) == (6e-3, 1.0, "bfloat16")
+    assert recipe_sweep.row_settings(demo.SETTINGS["gpu"], 50, ()).distill_steps == 50
+    for bad in ("lr|x|", "lr", "|10|"):
+        with pytest.raises(ValueError, match="NAME|STEPS"):
+            recipe_sweep.parse_row(bad)
+    with pytest.raises(SystemExit):
+        recipe_sweep.main([str(tmp_path), "lr|0|"])
+    assert not any(tmp_path.iterdir())
 
 
 def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):

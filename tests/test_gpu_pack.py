@@ -272,7 +272,8 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert {r["remat"] for r in plan["rows"]} == {"none", "dots", "full"} and plan["chosen_remat"] == "none"
     assert all(distill[label]["status"] == "ok" for label in ("benchmarks/distill_step.py --preset 1b",
                                                              "benchmarks/train_pipeline.py --preset 1b",
-                                                             "demo.py --budget gpu"))
+                                                             "demo.py --budget gpu",
+                                                             "benchmarks/recipe_sweep.py --budget gpu"))
     assert "memory plan (cpu)" in (out / "summary.md").read_text()
     assert records["tune"]["status"] == "ok", why("tune")
     tune = records["tune"]["commands"][0]["result"]
@@ -345,6 +346,7 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     10 minutes and writing a JSON the record keeps; every argv parses with its script's parser."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import distill_step
+    import recipe_sweep
     import train_pipeline
 
     from swiftkv_jax import demo
@@ -353,8 +355,9 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, distill_parts=pack_steps.DISTILL_PARTS)
     pack_steps.distill_step(ctx, lambda c: commands.append(c) or {"status": "ok"})
     by_label = {c.label: c for c in commands}
-    assert list(by_label)[:4] == ["benchmarks/distill_step.py --preset 8b", "benchmarks/distill_step.py --preset 1b",
-                                  "benchmarks/train_pipeline.py --preset 1b", "demo.py --budget gpu"]
+    assert list(by_label)[:5] == ["benchmarks/distill_step.py --preset 8b", "benchmarks/distill_step.py --preset 1b",
+                                  "benchmarks/train_pipeline.py --preset 1b", "demo.py --budget gpu",
+                                  "benchmarks/recipe_sweep.py --budget gpu"]
     assert all(c.limit_s <= 600 for c in commands)
     for preset in ("8b", "1b"):
         c = by_label[f"benchmarks/distill_step.py --preset {preset}"]
@@ -368,12 +371,20 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     # in the checkout (kept between the calls of a warm machine), given time to save a checkpoint when stopped
     assert Path(args.out) == REPO / pack_steps.DEMO_DIR and c.stop_grace_s == pack_steps.DEMO_STOP_GRACE_S
     assert subprocess.run(["git", "check-ignore", "-q", pack_steps.DEMO_DIR], cwd=REPO).returncode == 0
-    commands.clear()  # --demo-attention reaches demo.py
-    pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo",), demo_attention="cudnn"),
+    c = by_label["benchmarks/recipe_sweep.py --budget gpu"]  # the demo's teacher, the budget's steps
+    args = recipe_sweep.parser().parse_args([str(a) for a in c.argv[2:]])
+    assert (args.work, args.budget, c.output) == (REPO / pack_steps.DEMO_DIR, "gpu", args.out)
+    rows = [recipe_sweep.parse_row(r) for r in args.rows]
+    assert [r[1:] for r in rows] == [(None, ("optim.learning_rate=1.5e-3",)), (None, ("optim.learning_rate=6e-3",))]
+    commands.clear()  # --demo-attention reaches demo.py and every row of the sweep
+    pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo", "sweep"), demo_attention="cudnn"),
                             lambda c: commands.append(c) or {"status": "ok"})
     assert demo.parser().parse_args([str(a) for a in commands[0].argv[2:]]).attention == "cudnn"
+    rows = [recipe_sweep.parse_row(r) for r in recipe_sweep.parser().parse_args(
+        [str(a) for a in commands[1].argv[2:]]).rows]
+    assert all(r[2][-1] == "model.attention_impl=cudnn" for r in rows) and len(rows) == 2
     assert pack_steps.parse_distill_parts("8b, demo") == ("8b", "demo")
-    with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, dryrun"):
+    with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, sweep, dryrun"):
         pack_steps.parse_distill_parts("9b")
 
 
@@ -456,3 +467,12 @@ def test_distill_summary_says_where_each_profiled_steps_time_went():
     assert ("profile of ours (cudnn): 780 ms of device ops in a 800 ms step: matmul 500 ms (64%, 520 TFLOP/s), "
             "attention (cuDNN) 200 ms (26%); costliest ops custom-call.7 40.0 ms, fusion.3 12.5 ms") in text
     assert "profile of ours (xla_chunked): **failed** RuntimeError: no trace" in text
+
+
+def test_distill_summary_shows_the_recipe_sweep():
+    result = {"budget": "gpu", "arch": {}, "teacher_val_loss": 2.5, "undistilled_val_loss": 2.7,
+              "rows": [{"name": "lr6e-3", "steps": 300, "overrides": ["optim.learning_rate=6e-3"], "val_loss": 2.52,
+                        "gap_closed": 0.9}]}
+    text = "\n".join(pack_steps._distill_lines("benchmarks/recipe_sweep.py --budget gpu", result))
+    assert "recipe sweep (gpu): teacher 2.5000, undistilled 50% 2.7000" in text
+    assert "| lr6e-3 | 300 | optim.learning_rate=6e-3 | 2.5200 | 90.0% |" in text

@@ -85,11 +85,11 @@ def parser() -> argparse.ArgumentParser:
                         f"order ({', '.join(SERVING_PARTS)}; default offline): about one call of 10 minutes each")
     r.add_argument("--distill-parts", type=parse_distill_parts, default=None,
                    help=f"the distill step's commands, comma-separated, in order ({', '.join(DISTILL_PARTS)}; default "
-                        "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, and demo "
-                        "each")
+                        "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, demo and "
+                        "sweep each")
     r.add_argument("--demo-attention", default=None,
-                   help="the distill step's demo part: demo.py --attention (xla, xla_chunked, cudnn; default the gpu "
-                        "budget's xla)")
+                   help="the distill step's demo and sweep parts: demo.py --attention (xla, xla_chunked, cudnn; "
+                        "default the gpu budget's xla), and the same attention for every row of the sweep")
     r.add_argument("--tune-only", default=None,
                    help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
                         "default every point, the targets' first)")

@@ -13,10 +13,11 @@
  4 distill  one bounded command per --distill-parts part, each writing its result as it ends: 8b and 1b
             (benchmarks/distill_step.py --preset 8b|1b: ours and the naive step, MFU; the 8b plan first), train
             (benchmarks/train_pipeline.py --preset 1b: train.py end to end against its bare step), demo (demo.py
-            --budget gpu: pretrain, distil and evaluate, results.json kept), dryrun (the 8B recipe's train.py
+            --budget gpu: pretrain, distil and evaluate, results.json kept), sweep (benchmarks/recipe_sweep.py on
+            the gpu demo's teacher: its 50% student distilled at other rates), dryrun (the 8B recipe's train.py
             --dry-run compiled for the device, its teacher a folder holding Llama-3.1-8B's config.json alone)
-            (smoke: distill_step's plan of its tiny preset; the 1b, train and demo arguments checked; the dry run
-            on the tiny config with a few overrides)
+            (smoke: distill_step's plan of its tiny preset; the 1b, train, demo and sweep arguments checked; the dry
+            run on the tiny config with a few overrides)
  5 serving  benchmarks/serving.py --preset 8b: sk.Engine in SwiftKV and teacher wiring, the static engine and
             transformers' continuous batching on ArcticInference's workload (2000 + 250 tokens), offline and under a
             Poisson sweep, against the roofline; one command per --serving-parts part (offline, sweep, peer, and
@@ -177,9 +178,9 @@ def bench_step(ctx, run):
                           "estimate": estimate or None}))
 
 
-DISTILL_PARTS = ("8b", "1b", "train", "demo", "dryrun")
+DISTILL_PARTS = ("8b", "1b", "train", "demo", "sweep", "dryrun")
 # each part's time limit on the GPU: one device call of 10 minutes holds the install, the probe and one heavy part
-DISTILL_LIMITS = {"8b": 540, "1b": 420, "train": 480, "demo": 570, "dryrun": 360}
+DISTILL_LIMITS = {"8b": 540, "1b": 420, "train": 480, "demo": 570, "sweep": 540, "dryrun": 360}
 
 
 def parse_distill_parts(text: str) -> tuple:
@@ -238,6 +239,25 @@ def _demo(ctx, run):
                 script="demo.py", stop_grace_s=DEMO_STOP_GRACE_S))
 
 
+# The gpu demo's rate (3e-3) is reasoned, not tuned (demo.py): its 50% student at half and twice it, the budget's
+# 300 steps each (~30 s of matmuls a row by demo.gpu_seconds' arithmetic, plus compiling and scoring).
+DEMO_SWEEP_ROWS = ("lr1.5e-3||optim.learning_rate=1.5e-3", "lr6e-3||optim.learning_rate=6e-3")
+
+
+def _demo_sweep(ctx, run):
+    """benchmarks/recipe_sweep.py on the gpu demo's folder (its teacher pretrained there first if the demo has not
+    run), in the demo's attention."""
+    script, out = "benchmarks/recipe_sweep.py", ctx.tmp / "recipe_sweep_gpu.json"
+    attention = f";model.attention_impl={ctx.demo_attention}" if ctx.demo_attention else ""
+    argv = (ctx.python, script, ctx.repo / DEMO_DIR, "--budget", "gpu", "--out", out,
+            *(row + attention for row in DEMO_SWEEP_ROWS))
+    if ctx.smoke:  # its smoke budget runs in tests/test_demo.py: the arguments here
+        run(Command(f"{script} --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script=script))
+        return
+    run(Command(f"{script} --budget gpu", argv, DISTILL_LIMITS["sweep"], output=out, script=script,
+                stop_grace_s=DEMO_STOP_GRACE_S))
+
+
 def _dry_run_command(ctx, run):
     teacher = ctx.tmp / "teacher"
     made = run(Command("teacher folder: config.json only", (ctx.python, PACK_JAX, "teacher", teacher, "--preset",
@@ -251,7 +271,7 @@ def _dry_run_command(ctx, run):
 
 
 DISTILL_COMMANDS = {"8b": _distill_bench("8b"), "1b": _distill_bench("1b"), "train": _train_pipeline, "demo": _demo,
-                    "dryrun": _dry_run_command}
+                    "sweep": _demo_sweep, "dryrun": _dry_run_command}
 
 
 def _dry_run(log: str) -> dict:
@@ -472,6 +492,12 @@ def _distill_lines(label: str, result: dict) -> list[str]:
         lines.append(f"gap closed by distillation at 50%: {checks['gap_closed_by_distillation_at_50']:.1%}"
                      + (f" (target {checks['gap_closed_target']:.0%}: "
                         f"{'PASS' if checks['gap_closed_pass'] else 'FAIL'})" if "gap_closed_pass" in checks else ""))
+    if result.get("rows") and "undistilled_val_loss" in result:  # benchmarks/recipe_sweep.py
+        lines += ["", f"recipe sweep ({result['budget']}): teacher {result['teacher_val_loss']:.4f}, undistilled 50% "
+                      f"{result['undistilled_val_loss']:.4f}", ""]
+        lines += _table(["row", "steps", "overrides", "val loss", "gap closed"],
+                        [[r["name"], r["steps"], "; ".join(r["overrides"]), f"{r['val_loss']:.4f}",
+                          f"{r['gap_closed']:.1%}"] for r in result["rows"]])
     return lines
 
 
