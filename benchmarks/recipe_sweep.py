@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -67,12 +68,19 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
 
+    import jax
     from transformers import AutoTokenizer
 
     import swiftkv_jax as sk
     from swiftkv_jax import demo
     from swiftkv_jax.evaluation.quality import held_out_scores
 
+    made = args.work / "demo_settings.json"
+    if made.is_file() and (budget := json.loads(made.read_text())["settings"]) != args.budget:
+        p.error(f"{args.work} holds a demo of the {budget} budget (see {made}): pass --budget {budget}")
+    if args.budget == "gpu" and jax.default_backend() != "gpu":
+        p.error(f"the gpu budget needs a GPU, but JAX's backend is {jax.default_backend()!r}: sweep a demo of the "
+                f"full or quick budget on a CPU")
     base = demo.SETTINGS[args.budget]
     base = dataclasses.replace(base, architecture={**base.architecture, **arch})
     teacher_dir = args.work / "teacher" / "model_hf"

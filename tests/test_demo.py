@@ -8,6 +8,7 @@ minute), too small to learn anything: its table must be complete and finite, its
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     assert not (tmp_path / "gpu").exists()
 
 
-def test_recipe_sweep_rows_change_only_what_they_name(tmp_path):
+def test_recipe_sweep_rows_change_only_what_they_name(tmp_path, capsys):
     """A sweep row keeps its budget's overrides (the gpu budget's bf16 runtime) and its own win; bad rows are named."""
     from swiftkv_jax import configuration
     from swiftkv_jax.distill.config import TrainConfig
@@ -176,6 +177,14 @@ def test_recipe_sweep_rows_change_only_what_they_name(tmp_path):
     with pytest.raises(SystemExit):
         recipe_sweep.main([str(tmp_path), "lr|0|"])
     assert not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        recipe_sweep.main([str(tmp_path), "lr||", "--budget", "gpu"])
+    assert "the gpu budget needs a GPU" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    (tmp_path / "demo_settings.json").write_text(json.dumps({"settings": "full"}))
+    with pytest.raises(SystemExit):
+        recipe_sweep.main([str(tmp_path), "lr||", "--budget", "quick"])
+    assert re.search("holds a demo of the full budget .* pass --budget full", capsys.readouterr().err)
+    assert [p.name for p in tmp_path.iterdir()] == ["demo_settings.json"]
 
 
 def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):
