@@ -58,11 +58,12 @@ SETTINGS = {
 # One GPU (H100/H200), bf16 compute (fp32 masters): a 247M-parameter teacher (16 layers of 1024, GQA 16/4, MLP 4096,
 # tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 300 steps
 # each. Under 10 minutes by FLOP arithmetic (gpu_seconds: ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s,
-# plus compiling and evaluation); not yet measured on a GPU. On the full budget's teacher (CPU, 2026-11-25) the 50%
-# student's share of the gap closed grew with tokens (78/82/86% at 120/240/480 steps, lr 2e-3) and with the rate
-# (480 steps: 86/88/90/91% at lr 2e-3/4e-3/8e-3/1.6e-2), hence 300 steps here (9.8M tokens, as many as ~1200 CPU
-# steps). The rate of an 8x wider model is a guess between two rules: the teachers' (1e-3 here against 3e-3 on the
-# CPU) scales the CPU's 8e-3 to ~2.7e-3, muP's 1/width to 1e-3; 3e-3 leans to the sweep, which kept rising with it.
+# plus compiling and evaluation); not yet measured on a GPU. The students' rate, from CPU sweeps of the 50% student
+# (benchmarks/results/demo/README.md): the best rate halved when the width doubled (muP's 1/width: 8e-3 at width
+# 128, 4e-3 at 256, 120 steps of 8K tokens) and doubled with 4x the steps (480: 91% of the gap closed at 1.6e-2,
+# width 128; 96-97% at 4e-3-8e-3, width 256); too high costs far more than too low (width 256, 120 steps: 82/85/80/
+# 64% at 2e-3/4e-3/8e-3/1.6e-2). Width 1024 gives 1e-3 at 120 steps; 2.5x the steps and 4x the tokens a step raise
+# it to 1.6e-3-3.2e-3: 2e-3, the lower half for the steep side. The GPU pack's `sweep` part checks half and twice it.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
                 "model.remat=dots", "model.attention_impl=xla", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
@@ -71,7 +72,7 @@ SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, ba
                                                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
                                pretrain_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",
                                                                   "checkpoint.every=400"),
-                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=3e-3",))  # (above)
+                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",))  # (above)
 ASSUMED_MFU, PEAK_FLOPS = 0.30, 989e12  # gpu_seconds' assumptions (H100/H200 dense bf16), not measurements
 
 

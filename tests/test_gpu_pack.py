@@ -375,7 +375,10 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     args = recipe_sweep.parser().parse_args([str(a) for a in c.argv[2:]])
     assert (args.work, args.budget, c.output) == (REPO / pack_steps.DEMO_DIR, "gpu", args.out)
     rows = [recipe_sweep.parse_row(r) for r in args.rows]
-    assert [r[1:] for r in rows] == [(None, ("optim.learning_rate=1.5e-3",)), (None, ("optim.learning_rate=6e-3",))]
+    rate = float(next(o for o in demo.SETTINGS["gpu"].distill_overrides if "learning_rate" in o).split("=")[1])
+    assert [(steps, len(overrides), overrides[0].split("=")[0]) for _, steps, overrides in rows] == [
+        (None, 1, "optim.learning_rate")] * 2  # the budget's steps; half and twice its rate
+    assert [float(overrides[0].split("=")[1]) for _, _, overrides in rows] == pytest.approx([rate / 2, rate * 2])
     commands.clear()  # --demo-attention reaches demo.py and every row of the sweep
     pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo", "sweep"), demo_attention="cudnn"),
                             lambda c: commands.append(c) or {"status": "ok"})
