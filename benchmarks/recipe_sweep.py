@@ -30,6 +30,8 @@ def parse_row(text: str) -> tuple[str, int | None, tuple]:
         raise ValueError(f"row {text!r}: write it NAME|STEPS|key=value;key=value (STEPS or the overrides may be "
                          f"empty, e.g. 'lr4e-3||optim.learning_rate=4e-3')")
     name, steps, overrides = parts
+    if "/" in name or name in (".", ".."):
+        raise ValueError(f"row {text!r}: NAME names the student's folder (distill/exp-NAME): no '/'")
     if steps and not (steps.isdigit() and int(steps) > 0):
         raise ValueError(f"row {text!r}: STEPS must be a positive whole number or empty, got {steps!r}")
     return name, int(steps) if steps else None, tuple(o for o in overrides.split(";") if o)
@@ -81,6 +83,9 @@ def main(argv=None) -> int:
     if args.budget == "gpu" and jax.default_backend() != "gpu":
         p.error(f"the gpu budget needs a GPU, but JAX's backend is {jax.default_backend()!r}: sweep a demo of the "
                 f"full or quick budget on a CPU")
+    if unknown := set(arch) - set(demo.SETTINGS[args.budget].architecture):
+        p.error(f"--arch: {', '.join(sorted(unknown))} is not an architecture key of the demo's teacher; those are "
+                f"{', '.join(demo.SETTINGS[args.budget].architecture)}")
     base = demo.SETTINGS[args.budget]
     base = dataclasses.replace(base, architecture={**base.architecture, **arch})
     teacher_dir = args.work / "teacher" / "model_hf"

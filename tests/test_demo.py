@@ -171,7 +171,7 @@ def test_recipe_sweep_rows_change_only_what_they_name(tmp_path, capsys):
                                 ["model.teacher=x"] + common + list(settings.distill_overrides))
     assert (config.optim.learning_rate, config.loss.temperature, config.model.compute_dtype) == (6e-3, 1.0, "bfloat16")
     assert recipe_sweep.row_settings(demo.SETTINGS["gpu"], 50, ()).distill_steps == 50
-    for bad in ("lr|x|", "lr", "|10|"):
+    for bad in ("lr|x|", "lr", "|10|", "a/b|10|"):
         with pytest.raises(ValueError, match="NAME|STEPS"):
             recipe_sweep.parse_row(bad)
     with pytest.raises(SystemExit):
@@ -180,6 +180,9 @@ def test_recipe_sweep_rows_change_only_what_they_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         recipe_sweep.main([str(tmp_path), "lr||", "--budget", "gpu"])
     assert "the gpu budget needs a GPU" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        recipe_sweep.main([str(tmp_path), "lr||", "--arch", "hiden_size=256"])
+    assert "hiden_size is not an architecture key of the demo's teacher" in capsys.readouterr().err
     (tmp_path / "demo_settings.json").write_text(json.dumps({"settings": "full"}))
     with pytest.raises(SystemExit):
         recipe_sweep.main([str(tmp_path), "lr||", "--budget", "quick"])
