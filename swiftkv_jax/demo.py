@@ -60,10 +60,11 @@ SETTINGS = {
 # each. Under 10 minutes by FLOP arithmetic (gpu_seconds: ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s,
 # plus compiling and evaluation); not yet measured on a GPU. The students' rate, from CPU sweeps of the 50% student
 # (benchmarks/results/demo/README.md): the best rate halved when the width doubled (muP's 1/width: 8e-3 at width
-# 128, 4e-3 at 256, 120 steps of 8K tokens) and doubled with 4x the steps (480: 91% of the gap closed at 1.6e-2,
-# width 128; 96-97% at 4e-3-8e-3, width 256); too high costs far more than too low (width 256, 120 steps: 82/85/80/
-# 64% at 2e-3/4e-3/8e-3/1.6e-2). Width 1024 gives 1e-3 at 120 steps; 2.5x the steps and 4x the tokens a step raise
-# it to 1.6e-3-3.2e-3: 2e-3, the lower half for the steep side. The GPU pack's `sweep` part checks half and twice it.
+# 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the steps (480: 91% of the gap closed at 1.6e-2,
+# width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows a step (width 256: 89/88% at 4e-3/8e-3);
+# too high costs far more than too low (width 256, 120 steps: 82/85/80/64% at 2e-3/4e-3/8e-3/1.6e-2). Width 1024:
+# 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more steps. The GPU pack's `sweep` part checks
+# half and twice it.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
                 "model.remat=dots", "model.attention_impl=xla", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
