@@ -70,7 +70,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    import jax
     from transformers import AutoTokenizer
 
     import swiftkv_jax as sk
@@ -80,9 +79,10 @@ def main(argv=None) -> int:
     made = args.work / "demo_settings.json"
     if made.is_file() and (budget := json.loads(made.read_text())["settings"]) != args.budget:
         p.error(f"{args.work} holds a demo of the {budget} budget (see {made}): pass --budget {budget}")
-    if args.budget == "gpu" and jax.default_backend() != "gpu":
-        p.error(f"the gpu budget needs a GPU, but JAX's backend is {jax.default_backend()!r}: sweep a demo of the "
-                f"full or quick budget on a CPU")
+    try:
+        demo.check_device(args.budget)
+    except ValueError as e:
+        p.error(str(e))
     if unknown := set(arch) - set(demo.SETTINGS[args.budget].architecture):
         p.error(f"--arch: {', '.join(sorted(unknown))} is not an architecture key of the demo's teacher; those are "
                 f"{', '.join(demo.SETTINGS[args.budget].architecture)}")

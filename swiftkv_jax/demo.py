@@ -147,6 +147,15 @@ def with_attention(settings: DemoSettings, impl: str) -> DemoSettings:
                                distill_overrides=replace(settings.distill_overrides))
 
 
+def check_device(name: str) -> None:
+    """The gpu budget refuses any other backend (its bf16 247M teacher would take hours on a CPU)."""
+    import jax
+
+    if name == "gpu" and jax.default_backend() != "gpu":
+        raise ValueError(f"the gpu budget needs a GPU, but JAX's backend is {jax.default_backend()!r}: use "
+                         f"--quick or the full budget on a CPU")
+
+
 def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
     """One --out per settings: a run of other settings would mix models; refuse instead of overwriting."""
     record = json.loads(json.dumps({"settings": name, **dataclasses.asdict(settings)}))  # tuples as JSON lists
@@ -371,9 +380,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     for what, folder in (("out", out), ("results", results)):  # results are copied at the very end: check now
         if folder is not None:
             check_output_folder(folder, what)
-    if name == "gpu" and jax.devices()[0].platform != "gpu":
-        raise ValueError(f"the gpu budget needs a GPU, but JAX's backend is {jax.devices()[0].platform!r}: use "
-                         f"--quick or the full budget on a CPU")
+    check_device(name)
     _settings_guard(out, name, settings)
     start = time.perf_counter()
     stages = {}

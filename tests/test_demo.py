@@ -77,7 +77,7 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     assert not (out / "distill").exists()
     stdout = run_demo(out, "smoke")
     assert "resumed from step 3" in stdout
-    check_table(out, stdout)
+    rows = check_table(out, stdout)
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
     # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
     sweep = tmp_path / "sweep.json"
@@ -85,7 +85,7 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
                            str(sweep), "lr1e-3|2|optim.learning_rate=1e-3"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    record, rows = json.loads(sweep.read_text()), check_table(out, stdout)
+    record = json.loads(sweep.read_text())
     assert record["teacher_val_loss"] == pytest.approx(rows["teacher"]["val_loss"], rel=1e-5)
     assert record["undistilled_val_loss"] == pytest.approx(rows["swiftkv-50-undistilled"]["val_loss"], rel=1e-5)
     [row] = record["rows"]
