@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -218,3 +219,48 @@ def test_module_entry_point(src, tmp_path, tokens):
     assert_sidecars_copied(src[0], tmp_path / "out")
     np.testing.assert_array_equal(np.asarray(sk.logits(sk.load(tmp_path / "out"), tokens)),
                                   np.asarray(sk.logits(sk.load(src[0]), tokens)))
+
+
+def test_a_damaged_checkpoint_prints_one_line_up_to_the_exit(src, tmp_path, capsys):
+    """After the clear error, Orbax's abandoned reads used to print dozens of tracebacks as the process ended (its
+    closed event loop, its reader coroutines turning GeneratorExit into an Exception): the run, end to end, in a
+    process of its own."""
+    rc, _, err = run([src[0], tmp_path / "orbax", "--to", "orbax"], capsys)
+    assert rc == 0, err
+    for file in (tmp_path / "orbax" / "params").glob("ocdbt.process_*/d/*"):
+        with open(file, "r+b") as f:
+            f.truncate(100)
+    result = subprocess.run([sys.executable, "-m", "swiftkv_jax.convert", str(tmp_path / "orbax"),
+                             str(tmp_path / "dst"), "--to", "hf"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+def test_only_orbax_abandoned_reads_are_dropped(monkeypatch):
+    """The filter drops the two kinds of noise and hands anything else to the hook that was there."""
+    from swiftkv_jax.checkpoints import orbax as orbax_checkpoints
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    orbax_checkpoints._drop_abandoned_read_noise()
+    orbax_checkpoints._drop_abandoned_read_noise()  # once a process: not a second filter on the first
+
+    async def reader():  # a coroutine of ours, not Orbax's, raising as Orbax's readers do
+        pass
+
+    coroutine = reader()
+    try:
+        raise GeneratorExit
+    except GeneratorExit as stop:
+        ours = Exception("read failed")
+        ours.__cause__ = stop
+    coroutine.close()
+    closed_loop = RuntimeError("Event loop is closed")
+    other = RuntimeError("something else")
+    for unraisable in (SimpleNamespace(exc_value=closed_loop, object=None),
+                       SimpleNamespace(exc_value=other, object=None),
+                       SimpleNamespace(exc_value=ours, object=coroutine)):
+        sys.unraisablehook(unraisable)
+    assert [u.exc_value for u in seen] == [other, ours]
+    assert orbax_checkpoints.is_abandoned_read_noise(SimpleNamespace(exc_value=closed_loop, object=None))

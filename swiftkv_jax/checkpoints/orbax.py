@@ -7,7 +7,9 @@ device count restores onto any mesh, in any parameter dtype.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -80,15 +82,47 @@ def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.
 @contextlib.contextmanager
 def unreadable_orbax(directory, fix: str = f"it is incomplete or corrupt: {REDOWNLOAD}"):
     """Orbax's and TensorStore's errors on a damaged checkpoint (many, from its threads) as one CheckpointError
-    naming the directory, the root cause's first sentence (its advice is Orbax's API, not ours) and `fix`."""
+    naming the directory, the root cause's first sentence (its advice is Orbax's API, not ours) and `fix`; the
+    tracebacks Orbax's abandoned reads would print afterwards are dropped (`is_abandoned_read_noise`)."""
     try:
         yield
     except CheckpointError:
         raise
     except Exception as e:
+        _drop_abandoned_read_noise()
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
         first = next((line for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
         raise CheckpointError(f"{directory}: cannot read this Orbax checkpoint ({first.split('. ')[0]}); "
                               f"{fix}") from e
+
+
+ORBAX_SOURCES = str(Path(ocp.__file__).parent.parent)  # orbax/ (orbax.checkpoint is one of its packages)
+
+
+def is_abandoned_read_noise(unraisable) -> bool:
+    """What Orbax's other reads print once one read of a restore has failed (`sys.unraisablehook`'s argument).
+    Orbax closes the event loop that ran them: TensorStore's callbacks into it fail ("Event loop is closed",
+    reported with no object), and each reader coroutine still pending, closed when it is collected, turns the
+    GeneratorExit into an Exception (Orbax's `except BaseException` around a read): dozens of tracebacks after
+    the one error that matters, at any time up to the interpreter's exit."""
+    exc, obj = unraisable.exc_value, unraisable.object
+    if inspect.iscoroutine(obj):
+        return isinstance(exc.__cause__, GeneratorExit) and obj.cr_code.co_filename.startswith(ORBAX_SOURCES)
+    return obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+def _drop_abandoned_read_noise():
+    """Chains a filter of `is_abandoned_read_noise` in front of the unraisable hook (once a process): everything
+    else still reaches the hook that was there."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_abandoned_orbax_reads", False):
+        return
+
+    def hook(unraisable):
+        if not is_abandoned_read_noise(unraisable):
+            previous(unraisable)
+
+    hook.drops_abandoned_orbax_reads = True
+    sys.unraisablehook = hook
