@@ -376,16 +376,19 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     assert (args.work, args.budget, c.output) == (REPO / pack_steps.DEMO_DIR, "gpu", args.out)
     rows = [recipe_sweep.parse_row(r) for r in args.rows]
     rate = float(next(o for o in demo.SETTINGS["gpu"].distill_overrides if "learning_rate" in o).split("=")[1])
-    assert [(steps, len(overrides), overrides[0].split("=")[0]) for _, steps, overrides in rows] == [
+    assert [(steps, len(overrides), overrides[0].split("=")[0]) for _, steps, overrides in rows[:2]] == [
         (None, 1, "optim.learning_rate")] * 2  # the budget's steps; half and twice its rate
-    assert [float(overrides[0].split("=")[1]) for _, _, overrides in rows] == pytest.approx([rate / 2, rate * 2])
+    assert [float(overrides[0].split("=")[1]) for _, _, overrides in rows[:2]] == pytest.approx([rate / 2, rate * 2])
+    settings = demo.SETTINGS["gpu"]  # then its tokens and rate, in twice the steps of half the rows
+    (_, steps, overrides), = rows[2:]
+    assert (steps, overrides) == (2 * settings.distill_steps, (f"train.global_batch_size={settings.batch_size // 2}",))
     commands.clear()  # --demo-attention reaches demo.py and every row of the sweep
     pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo", "sweep"), demo_attention="cudnn"),
                             lambda c: commands.append(c) or {"status": "ok"})
     assert demo.parser().parse_args([str(a) for a in commands[0].argv[2:]]).attention == "cudnn"
     rows = [recipe_sweep.parse_row(r) for r in recipe_sweep.parser().parse_args(
         [str(a) for a in commands[1].argv[2:]]).rows]
-    assert all(r[2][-1] == "model.attention_impl=cudnn" for r in rows) and len(rows) == 2
+    assert all(r[2][-1] == "model.attention_impl=cudnn" for r in rows) and len(rows) == 3
     assert pack_steps.parse_distill_parts("8b, demo") == ("8b", "demo")
     with pytest.raises(ValueError, match="choose from 8b, 1b, train, demo, sweep, dryrun"):
         pack_steps.parse_distill_parts("9b")
