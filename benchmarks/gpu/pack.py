@@ -4,7 +4,7 @@ Where pip works (here):
     python benchmarks/gpu/pack.py prepare            # .whl/: the pinned wheels the host lacks, checked; commit.json
     python benchmarks/gpu/pack.py check              # the same check, nothing downloaded
 On the GPU host (the working tree and .whl/ copied there; python3 is the host's):
-    python3 benchmarks/gpu/pack.py run --out DIR [--steps pytest,kernels | 1,2 | all] [--deadline 540]
+    python3 benchmarks/gpu/pack.py run --out DIR --steps pytest,kernels | 1,2 [--deadline 540]  # at most 6 a call
     python3 benchmarks/gpu/pack.py run --out DIR --steps pytest --pytest-parts mosaic     # one call, then
     python3 benchmarks/gpu/pack.py run --out DIR --steps pytest --pytest-parts pallas,rest  # another
 Anywhere (a CPU: tiny shapes, kernels interpreted; CI runs it):
@@ -61,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--budget-mib", type=float, default=40.0, help="size budget of the wheels (default 40)")
     r = sub.add_parser("run", help="install the wheelhouse, then run the steps (on the GPU host, or --smoke)")
     r.add_argument("--out", type=Path, required=True, help="results folder (flat; earlier step files are kept)")
-    r.add_argument("--steps", default="all", help="'all', or numbers or names: 1,2 / pytest,kernels / " +
+    r.add_argument("--steps", default="all", help="numbers or names, at most 6 a GPU call: 1,2 / pytest,kernels / "
+                   "'all' (the default, for --smoke) / " +
                    ",".join(s.name for s in STEPS))
     r.add_argument("--smoke", action="store_true", help="the same steps with tiny shapes on the CPU")
     r.add_argument("--deadline", type=float, default=540.0,
