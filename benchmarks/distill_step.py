@@ -21,7 +21,7 @@ Each variant runs in its own process, so peaks do not mix. Memory: XLA's account
 reports it (GPU). Time: median of the timed steps. MFU in model FLOPs (`swiftkv_jax.distill.model_flops`: the
 method's work, causal attention at half, no recomputation; the same numerator for both variants) against
 --peak-tflops, the accelerator's dense bf16 peak; HFU from XLA's cost analysis of the compiled step, which counts a
-loop's body once (the layers run in a scan), so it undercounts: on the cpu preset 0.030 TFLOP against 0.087 of model
+loop's body once (the layers run in a scan), so it undercounts: on the cpu preset 0.028 TFLOP against 0.087 of model
 FLOPs. MFU is the figure to read; earlier results' "mfu" came from that cost analysis.
 
 Profile (--profile N, default 2 on a GPU): N more steps of the same executable under jax's profiler, after the timed

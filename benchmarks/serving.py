@@ -12,7 +12,7 @@ benchmark_serving.py without the HTTP server; ArcticInference's workload on the 
     python benchmarks/serving.py --http [--smoke]   # also through `infer.py serve`: the HTTP overhead (serving_http.py)
 
 Model: one random Llama made SwiftKV with l = L/2, g = 1; fp32 on a CPU (`--preset cpu`, the default there: 12 layers,
-hidden 768, 12 heads of 64, 4 KV heads, MLP 2048, vocab 8192, ~94M parameters; 32 requests), or Llama-3.1-8B's shape
+hidden 768, 12 heads of 64, 4 KV heads, MLP 2048, vocab 8192, ~94M parameters; 24 requests), or Llama-3.1-8B's shape
 in bf16 (`--preset 8b`, the default on a GPU: `bench.random_model("llama-3.1-8b")`; 1000 requests).
 Workload: random token ids; prompt lengths uniform in [1 - r, 1 + r] x `--prompt-len`, outputs likewise around
 `--output-len` (r = `--range-ratio`: 0 on 8b, i.e. every prompt 2000 tokens and every output 250, as ArcticInference's
@@ -22,9 +22,9 @@ exactly its output length. Every run takes the first n of one list of requests (
 Configurations (`--configs`), on the same weights:
 - teacher, swiftkv-tokens, swiftkv-fp8, swiftkv-cost: `sk.Engine` in teacher wiring, SwiftKV wiring with the step
   budget in tokens, SwiftKV (tokens) over an FP8 pool (`cache_dtype=float8_e4m3fn`, per-token-head scales; left out of
-  the cpu preset, where XLA's CPU float8 conversions make it 3.5x slower than bf16: GPU-only there, though --configs
-  can name it), and SwiftKV with the budget in compute cost (a SwiftKV prompt token costs about l/L, so a step packs
-  about twice as many). swiftkv-pages: SwiftKV (tokens) with every token read from the pages by the ragged Pallas
+  the cpu preset, where XLA's CPU float8 conversions make it 3.2x slower than bf16, 24 requests at rate inf in
+  benchmarks/results/serving_fp8_cpu.json: GPU-only there, though --configs can name it), and SwiftKV with the
+  budget in compute cost (a SwiftKV prompt token costs about l/L, so a step packs about twice as many). swiftkv-pages: SwiftKV (tokens) with every token read from the pages by the ragged Pallas
   kernel, prompt chunks included (the GPU default reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where
   the kernel runs in interpret mode. Engine settings are passed
   explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is

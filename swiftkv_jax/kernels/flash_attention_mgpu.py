@@ -51,10 +51,10 @@ Mosaic GPU on this project's JAX versions:
   ranges, masks, softmax) is one code. The `gpu`-marked tests run both forms compiled.
   The interpreter is slow: jax recompiles the simulated kernel for every CTA and warpgroup (~2 s each on 2 CPU
   cores); the tests compile it once per kernel instead (conftest's `mgpu_interpreter_compiles_once`).
-- On an H200 (jax 0.11.2, benchmarks/results/gpu-2026-11-24): every `gpu` test passed; causal bf16 at 8K x 1
-  393 TFLOP/s against cuDNN's causal flag 429 (0.91x), 8K x 4 515 against 539, packed 2K documents 203 against
-  38 for cuDNN given the mask as a bias. The engines' default prefill on sm_90 (serving/kernel_choice.py). The
-  query tiles have started longest first since (`_kernel`): not yet measured.
+- On an H200 (jax 0.11.2, benchmarks/results/gpu-2026-11-24): every `gpu` test that ran passed (the calls' limits cut
+  the rest); causal bf16 at 8K x 1 393 TFLOP/s against cuDNN's causal flag 429 (0.91x), 8K x 4 515 against 539, packed
+  2K documents 203 against 38 for cuDNN given the mask as a bias. The engines' default prefill on sm_90
+  (serving/kernel_choice.py). The query tiles have started longest first since (`_kernel`): not yet measured.
 
 Forward only (serving prefill). K/V from an int8 / FP8 cache reach it dequantised by XLA (model/layers.py): a
 prefill chunk is compute-bound, so by arithmetic that pre-pass over the cached context costs a few percent of its
