@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -98,7 +99,7 @@ def unreadable_orbax(directory, fix: str = f"it is incomplete or corrupt: {REDOW
                               f"{fix}") from e
 
 
-ORBAX_SOURCES = str(Path(ocp.__file__).parent.parent)  # orbax/ (orbax.checkpoint is one of its packages)
+ORBAX_SOURCES = str(Path(ocp.__file__).parent.parent) + os.sep  # orbax/ (orbax.checkpoint is one of its packages)
 
 
 def is_abandoned_read_noise(unraisable) -> bool:
