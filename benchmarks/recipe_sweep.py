@@ -83,10 +83,10 @@ def main(argv=None) -> int:
         demo.check_device(args.budget)
     except ValueError as e:
         p.error(str(e))
-    if unknown := set(arch) - set(demo.SETTINGS[args.budget].architecture):
-        p.error(f"--arch: {', '.join(sorted(unknown))} is not an architecture key of the demo's teacher; those are "
-                f"{', '.join(demo.SETTINGS[args.budget].architecture)}")
     base = demo.SETTINGS[args.budget]
+    if unknown := set(arch) - set(base.architecture):
+        p.error(f"--arch: {', '.join(sorted(unknown))} is not an architecture key of the demo's teacher; those are "
+                f"{', '.join(base.architecture)}")
     base = dataclasses.replace(base, architecture={**base.architecture, **arch})
     teacher_dir = args.work / "teacher" / "model_hf"
     if teacher_dir.is_dir():

@@ -64,7 +64,7 @@ SETTINGS = {
 # width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows a step (width 256: 89/88% at 4e-3/8e-3);
 # too high costs far more than too low (width 256, 120 steps: 82/85/80/64% at 2e-3/4e-3/8e-3/1.6e-2). Width 1024:
 # 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more steps. The GPU pack's `sweep` part checks
-# half and twice it.
+# half and twice it, and its tokens in twice the steps of half the rows.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
                 "model.remat=dots", "model.attention_impl=xla", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
