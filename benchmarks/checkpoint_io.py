@@ -1,6 +1,7 @@
 """Checkpoint I/O: peak host memory and time of HF import/export and Orbax save/restore.
 
-    python benchmarks/checkpoint_io.py [--hidden 1024 --layers 8 --vocab 32000] [--out benchmarks/results/checkpoint_io_cpu.json]
+    python benchmarks/checkpoint_io.py [--hidden 1024 --layers 8 --vocab 32000] \
+        [--out benchmarks/results/checkpoint_io_cpu.json]
 
 Each load runs in a fresh process that samples its own anonymous resident memory (RssAnon: what the
 process allocated, excluding the page cache of memory-mapped checkpoint files) every 5 ms. The peak above
@@ -107,7 +108,8 @@ def main() -> None:
 
     print(f"model: {n_params / 1e6:.0f}M params (fp32 on disk), {platform.processor() or platform.machine()}, "
           f"jax {jax.__version__} on {jax.default_backend()}")
-    header = f"{'source':7} {'load as':9} {'save s':>7} {'load s':>7} {'params MB':>10} {'peak/params':>12} {'largest/params':>15}"
+    header = (f"{'source':7} {'load as':9} {'save s':>7} {'load s':>7} {'params MB':>10} {'peak/params':>12} "
+              f"{'largest/params':>15}")
     print(header)
     print("-" * len(header))
     for r in rows:

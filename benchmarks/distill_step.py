@@ -352,8 +352,8 @@ def _print_rows(rows: list, preset: str, peak_tflops: float) -> dict:
     print(f"distillation step, preset {preset} on {first['device_kind']} ({first['platform']}); "
           f"{first['tokens_per_step']} tokens/step; trainable {first['trainable_params']:,} of {first['params']:,}")
     print(f"model FLOPs (the method's work, no recomputation): {FORMULA}")
-    print(f"{'variant':<8}{'attention':>12}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}{'temp GiB':>10}"
-          f"{'device peak GiB':>17}{'model TFLOP':>12}{'XLA TFLOP':>11}"
+    print(f"{'variant':<8}{'attention':>12}{'remat':>6}{'step s':>10}{'tokens/s':>12}{'XLA peak GiB':>14}"
+          f"{'temp GiB':>10}{'device peak GiB':>17}{'model TFLOP':>12}{'XLA TFLOP':>11}"
           + (f"{'MFU':>8}{'HFU':>8}{'prof. HFU':>11}" if gpu else ""))
     for r in rows:
         r["tokens_per_s"] = r["tokens_per_step"] / r["step_s"]
@@ -461,7 +461,8 @@ def main(argv=None) -> int:
         import jax
 
         result = plan(args.preset, variants=variants)
-        write_results(args.out or f"benchmarks/results/distill_step_plan_{args.preset}_{jax.devices()[0].platform}.json",
+        write_results(args.out
+                      or f"benchmarks/results/distill_step_plan_{args.preset}_{jax.devices()[0].platform}.json",
                       "benchmarks/distill_step.py", argv, {"preset": args.preset, "config": PRESETS[args.preset],
                                                            "plan": result})
         return 0

@@ -314,7 +314,7 @@ def main(argv=None) -> int:
                     kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
                                                        head_dim * jnp.dtype(dtype).itemsize)
                     measure(table, {"impl": name, **row, "batch": b, "context": s, "kv_bytes": kv_bytes}, None,
-                            impls[name], lambda n=name: laid_out(n, point()),
+                            impls[name], lambda n=name, p=point: laid_out(n, p()),
                             lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds,
                                                              of_measured_bandwidth=n / seconds / measured_bw))
                 del point
@@ -395,7 +395,8 @@ def main(argv=None) -> int:
     if "prefill" in parts:
         # our Mosaic GPU kernel interpreted takes minutes even at the small shape (tests/ interpret it at tiny ones)
         known = {**{name: "Mosaic GPU kernel: timed on a GPU only"
-                    for name in ("mosaic", "mosaic_smem", "mosaic_float8_e4m3fn") if interpret}, **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
+                    for name in ("mosaic", "mosaic_smem", "mosaic_float8_e4m3fn") if interpret},
+                 **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
         names = checked("prefill", prefill_impls, prefill_reference, prefill_inputs(1, 256), known, {})
         for b, t in prefill_points:
             flops = 4 * b * heads * t * t * head_dim / 2
@@ -407,7 +408,7 @@ def main(argv=None) -> int:
                     if packed and name not in segmented:
                         continue
                     measure("prefill", {"impl": name, "batch": b, "seq": t, "packed": packed, "flops": work}, None,
-                            prefill_impls[name], lambda n=name: laid_out(n, point()),
+                            prefill_impls[name], lambda n=name, p=point: laid_out(n, p()),
                             lambda seconds, w=work: dict(tflops=w / seconds / 1e12))
                 del point
 

@@ -50,8 +50,9 @@ def bytes_table(args) -> dict:
             if dtype == "float32":
                 continue
             nbytes = alloc(cfg, True, dtype, scales)
-            rows.append({"g": g, "l": cfg.num_key_value_layers, "L": cfg.num_hidden_layers, "format": _label(dtype, scales),
-                         "bytes_per_token": nbytes / tokens, "vs_teacher_bf16": nbytes / baseline})
+            rows.append({"g": g, "l": cfg.num_key_value_layers, "L": cfg.num_hidden_layers,
+                         "format": _label(dtype, scales), "bytes_per_token": nbytes / tokens,
+                         "vs_teacher_bf16": nbytes / baseline})
     print(f"KV cache bytes per token, Llama-3.1-8B shape (L=32, l=16, 8 KV heads x 128), against the teacher's bf16 "
           f"cache ({baseline / tokens:,.0f} B/token)")
     print(f"{'g':>3}  {'format':<30}{'bytes/token':>12}{'vs teacher bf16':>17}")

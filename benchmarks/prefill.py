@@ -1,6 +1,7 @@
 """Prefill: SwiftKV wiring against the same weights in teacher wiring, side by side in one run.
 
-    python benchmarks/prefill.py [--prompt-len 2048 --layers 12 --hidden 768] [--out benchmarks/results/prefill_cpu.json]
+    python benchmarks/prefill.py [--prompt-len 2048 --layers 12 --hidden 768] \
+        [--out benchmarks/results/prefill_cpu.json]
 
 Both run `swiftkv_jax.serving.prefill` (fills the KV cache, logits of the last prompt token) on one
 random ~100M-parameter Llama made SwiftKV with l = L/2, g = 1. Arithmetic: the SwiftKV prefill does the

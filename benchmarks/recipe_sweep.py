@@ -47,7 +47,8 @@ def parse_arch(text: str) -> dict:
     try:
         return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
     except ValueError:
-        raise ValueError(f"--arch {text!r}: write it key=N,key=N (e.g. hidden_size=256,num_attention_heads=8)") from None
+        raise ValueError(f"--arch {text!r}: write it key=N,key=N "
+                         "(e.g. hidden_size=256,num_attention_heads=8)") from None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,18 +20,18 @@ benchmark; 0.5 on cpu); greedy, `stop_token_ids=[]`, `max_tokens` = the output l
 exactly its output length. Every run takes the first n of one list of requests (`--seed`).
 
 Configurations (`--configs`), on the same weights:
-- teacher, swiftkv-tokens, swiftkv-fp8, swiftkv-cost: `sk.Engine` in teacher wiring, SwiftKV wiring with the step
-  budget in tokens, SwiftKV (tokens) over an FP8 pool (`cache_dtype=float8_e4m3fn`, per-token-head scales; left out of
-  the cpu preset, where XLA's CPU float8 conversions make it 3.2x slower than bf16, 24 requests at rate inf in
-  benchmarks/results/serving_fp8_cpu.json: GPU-only there, though --configs can name it), and SwiftKV with the
-  budget in compute cost (a SwiftKV prompt token costs about l/L, so a step packs about twice as many). swiftkv-pages: SwiftKV (tokens) with every token read from the pages by the ragged Pallas
-  kernel, prompt chunks included (the GPU default reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where
-  the kernel runs in interpret mode. Engine settings are passed
-  explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is
-  `--kv-cache-fraction` (0.9: 90% of the memory free beside the weights, on 8b) or, where the device reports no
-  memory (a CPU), `--num-pages` (default: max-num-seqs requests of the longest length). Each configuration's programs
-  are compiled by `warmup()` before its first timed run (seconds reported); every timed run counts the XLA
-  compilations it made (expected 0, flagged otherwise).
+- teacher, swiftkv-tokens, swiftkv-fp8, swiftkv-cost: `sk.Engine` in teacher wiring, SwiftKV wiring with the step budget
+  in tokens, SwiftKV (tokens) over an FP8 pool (`cache_dtype=float8_e4m3fn`, per-token-head scales; left out of the cpu
+  preset, where XLA's CPU float8 conversions make it 3.2x slower than bf16, 24 requests at rate inf in
+  benchmarks/results/serving_fp8_cpu.json: GPU-only there, though --configs can name it), and SwiftKV with the budget in
+  compute cost (a SwiftKV prompt token costs about l/L, so a step packs about twice as many). swiftkv-pages: SwiftKV
+  (tokens) with every token read from the pages by the ragged Pallas kernel, prompt chunks included (the GPU default
+  reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where the kernel runs in interpret mode. Engine settings
+  are passed explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is
+  `--kv-cache-fraction` (0.9: 90% of the memory free beside the weights, on 8b) or, where the device reports no memory
+  (a CPU), `--num-pages` (default: max-num-seqs requests of the longest length). Each configuration's programs are
+  compiled by `warmup()` before its first timed run (seconds reported); every timed run counts the XLA compilations it
+  made (expected 0, flagged otherwise).
 - static-teacher, static-swiftkv: `sk.generate` on the same requests in batches (sorted by length, each padded to its
   longest prompt and run for its longest output; only full batches, at most `--static-batches`) of as many sequences
   as the engine's pool holds at the longest length (at most max-num-seqs); each batch runs once, the first one's
@@ -695,7 +695,8 @@ def roofline_header(device: dict, rooflines: dict) -> str:
     any_roof = next(iter(rooflines.values()), None)
     lines = [f"roofline: seconds = prefill FLOPs / R + max(decode FLOPs / R, decode bytes / BW); R = "
              f"{m['flops_per_s'] / 1e12:.3g} TFLOP/s ({m['dtype']} {m['size']}^3 matmul, measured), BW = "
-             f"{c['bandwidth'] / 1e9:.4g} GB/s (the better of a copy and a read of {c['bytes'] / 2**30:.3g} GiB, measured)"]
+             f"{c['bandwidth'] / 1e9:.4g} GB/s (the better of a copy and a read of {c['bytes'] / 2**30:.3g} GiB, "
+             "measured)"]
     if any_roof:
         lines.append(f"  prefill FLOPs = 2 c P p + 2 A N H p^2 a prompt; decode FLOPs = 2 (P + head) + 4 L N H t a "
                      f"token; decode bytes = W / B + t KV; P = {any_roof['matmul_params'] / 1e9:.4g}B matmul "

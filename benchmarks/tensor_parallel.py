@@ -40,7 +40,7 @@ def sizing(args) -> dict:
                 r["kv_tokens_fit_80gb"] = max(0, int(room // r["kv_bytes_per_token_per_device"]))
         print(f"\n{preset}")
         print(bench.format_sizing(rows))
-        print(f"KV tokens per 80 GB device (90% for weights + cache): "
+        print("KV tokens per 80 GB device (90% for weights + cache): "
               + ", ".join(f"TP{r['tensor_parallel']} {r['wiring']} {r['kv_tokens_fit_80gb']:,}" for r in rows))
         tables.append({"preset": preset, "rows": rows})
     return {"batch": args.batch, "max_len": args.max_len, "tables": tables}
@@ -90,7 +90,8 @@ def collectives(args) -> dict:
             compile_s = time.perf_counter() - start
             found = tp.collectives(hlo)
             count = lambda op: sum(c["op"] == op for c in found)
-            weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(params))
+            weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                          for a in jax.tree.leaves(params))
             row = dict(tensor_parallel=size, wiring="swiftkv" if swiftkv else "teacher", kv_replicas=plan.kv_replicas,
                        all_reduce=count("all-reduce"), all_gather=count("all-gather"),
                        other=len(found) - count("all-reduce") - count("all-gather"),

@@ -144,7 +144,8 @@ def measure(preset_name: str, work: Path, print_fn=print) -> dict:
     step_s = statistics.fmean(r["step_s"] for r in records)
     tokens = statistics.fmean(r["tokens"] for r in records)
     row_tokens = preset["batch"] * preset["seq_len"]
-    e2e = {"steps": len(records), "step_s_mean": step_s, "step_s_median": statistics.median(r["step_s"] for r in records),
+    e2e = {"steps": len(records), "step_s_mean": step_s,
+           "step_s_median": statistics.median(r["step_s"] for r in records),
            "host_s_mean": statistics.fmean(r["host_s"] for r in records),
            "host_s_max": max(r["host_s"] for r in records), "tokens_per_step": tokens, "tokens_per_s": tokens / step_s,
            "positions_per_s": row_tokens / step_s, "train_call_s": train_s}

@@ -177,7 +177,8 @@ class Kernels:
             "paged": lambda *x: sk.paged_attention_reference(*x[:-2], k_scale=x[-2], v_scale=x[-1]),
             "mosaic_decode": lambda q, k, v, n, p, ks, vs: sk.decode_attention_reference(
                 q, to_bskh(k), to_bskh(v), n, p, k_scale=to_bskh(ks), v_scale=to_bskh(vs))}
-        self.reference["mosaic_flash"], self.reference["mosaic_paged"] = self.reference["flash"], self.reference["paged"]
+        self.reference["mosaic_flash"], self.reference["mosaic_paged"] = (self.reference["flash"],
+                                                                          self.reference["paged"])
         self.sizes = {"flash": sk.FlashBlockSizes, "decode": sk.DecodeBlockSizes, "paged": sk.DecodeBlockSizes,
                       "mosaic_flash": sk.MosaicFlashBlockSizes, "mosaic_decode": sk.MosaicDecodeBlockSizes,
                       "mosaic_paged": sk.MosaicDecodeBlockSizes}

@@ -17,7 +17,8 @@ from swiftkv_jax.serving import Engine, EngineConfig, generate, load_sharded, se
 from swiftkv_jax.sharding import LOGICAL_AXIS_RULES, make_mesh
 
 __all__ = [
-    "CheckpointError", "Engine", "EngineConfig", "LOGICAL_AXIS_RULES", "Model", "ModelConfig", "RopeConfig", "Transformer",
-    "abstract_params", "cast", "check_params", "detect_format", "forward", "generate", "init", "intermediates", "load", "load_sharded", "logical_axes",
-    "logits", "make_mesh", "param_shardings", "save", "serving_mesh", "to_swiftkv",
+    "CheckpointError", "Engine", "EngineConfig", "LOGICAL_AXIS_RULES", "Model", "ModelConfig", "RopeConfig",
+    "Transformer", "abstract_params", "cast", "check_params", "detect_format", "forward", "generate", "init",
+    "intermediates", "load", "load_sharded", "logical_axes", "logits", "make_mesh", "param_shardings", "save",
+    "serving_mesh", "to_swiftkv",
 ]

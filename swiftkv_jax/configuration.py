@@ -232,5 +232,6 @@ def describe(cls, prefix: str = "") -> str:
         else:
             default = "required"
         help_text = f.metadata.get("help", "")
-        lines.append(f"  {prefix + f.name:<34} {type_name(tp)} = {default}" + (f"\n{'':38}{help_text}" if help_text else ""))
+        lines.append(f"  {prefix + f.name:<34} {type_name(tp)} = {default}"
+                     + (f"\n{'':38}{help_text}" if help_text else ""))
     return "\n".join(lines)

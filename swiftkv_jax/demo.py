@@ -328,7 +328,8 @@ def shape_checks(rows: list[dict]) -> dict:
     beyond 50% skipped than before it (validation loss gaps to the teacher)."""
     loss = {r["model"]: r["val_loss"] for r in rows}
     gap = lambda name: loss[name] - loss["teacher"]
-    closed = 1 - gap("swiftkv-50") / gap("swiftkv-50-undistilled") if gap("swiftkv-50-undistilled") > 0 else float("nan")
+    closed = (1 - gap("swiftkv-50") / gap("swiftkv-50-undistilled") if gap("swiftkv-50-undistilled") > 0
+              else float("nan"))
     steeper = (gap("swiftkv-75") - gap("swiftkv-50")) - (gap("swiftkv-50") - gap("swiftkv-25"))
     return {"gap_closed_by_distillation_at_50": float(closed), "distilled_better_than_undistilled":
             bool(loss["swiftkv-50"] < loss["swiftkv-50-undistilled"]),
@@ -455,7 +456,8 @@ def main(argv=None) -> int:
     if args.quick and args.budget not in (None, "quick"):
         parser_.error(f"--quick and --budget {args.budget} disagree: give one")
     budget = "quick" if args.quick else args.budget or "full"
-    out = Path(args.out or {"full": "artifacts/demo", "quick": "artifacts/demo-quick", "gpu": "artifacts/demo-gpu"}[budget])
+    out = Path(args.out
+               or {"full": "artifacts/demo", "quick": "artifacts/demo-quick", "gpu": "artifacts/demo-gpu"}[budget])
     from swiftkv_jax.configuration import ConfigError
     from swiftkv_jax.evaluation.report import check_output_folder
 
@@ -468,9 +470,10 @@ def main(argv=None) -> int:
 
     if budget == "gpu":
         e = gpu_seconds(SETTINGS["gpu"])
-        _say(f"gpu budget: a {e['parameters'] / 1e6:.0f}M-parameter teacher on {e['pretrain_tokens'] / 1e6:.0f}M tokens; "
-             f"matmul work {e['pretrain_s']:.0f} s pretraining + {e['distill_s']:.0f} s distilling at an assumed "
-             f"{e['assumed_mfu']:.0%} of {e['peak_flops'] / 1e12:.0f} TFLOP/s (compiling and evaluation on top)")
+        _say(f"gpu budget: a {e['parameters'] / 1e6:.0f}M-parameter teacher on {e['pretrain_tokens'] / 1e6:.0f}M "
+             f"tokens; matmul work {e['pretrain_s']:.0f} s pretraining + {e['distill_s']:.0f} s distilling at an "
+             f"assumed {e['assumed_mfu']:.0%} of {e['peak_flops'] / 1e12:.0f} TFLOP/s (compiling and evaluation on "
+             "top)")
     try:
         run(out, budget, args.results, args.attention)
     except (ValueError, ConfigError, FileExistsError) as e:

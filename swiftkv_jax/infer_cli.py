@@ -111,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="TTFT, TPOT, tokens/s and KV-cache bytes: SwiftKV vs its teacher wiring")
     which = b.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="checkpoint directory (HF or Orbax)")
-    which.add_argument("--preset", help="a named model shape (see swiftkv_jax.serving.bench.PRESETS); needs --random-weights")
+    which.add_argument("--preset",
+                       help="a named model shape (see swiftkv_jax.serving.bench.PRESETS); needs --random-weights")
     b.add_argument("--random-weights", action="store_true",
                    help="random weights for --preset (no checkpoint; not with --model)")
     b.add_argument("--prompt-len", type=positive_int, default=2048)
@@ -131,11 +132,13 @@ def parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
     a.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
-    a.add_argument("--data", required=True, help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
+    a.add_argument("--data", required=True,
+                   help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
     a.add_argument("--max-tokens", type=positive_int, default=8192, help="tokens analysed in all")
     a.add_argument("--max-length", type=positive_int, default=512, help="window length")
     a.add_argument("--batch-size", type=positive_int, default=8)
-    a.add_argument("--swiftkv", action="store_true", help="analyse a SwiftKV model's own wiring (default: the teacher's)")
+    a.add_argument("--swiftkv", action="store_true",
+                   help="analyse a SwiftKV model's own wiring (default: the teacher's)")
     a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
     a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     a.add_argument("--dtype", default=None, help="parameter and compute dtype (default: as stored)")

@@ -41,7 +41,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise ValueError(f"mesh sizes must be positive, with at most one -1; got data={data} fsdp={fsdp} tensor={tensor}")
+        raise ValueError(f"mesh sizes must be positive, with at most one -1; got data={data} fsdp={fsdp} "
+                         f"tensor={tensor}")
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if len(devices) % known:

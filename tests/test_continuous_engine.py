@@ -86,7 +86,8 @@ def assert_pool_full(eng: Engine):
     assert stats["running"] == 0 and stats["waiting"] == 0 and not eng.has_unfinished()
 
 
-@pytest.mark.parametrize("name", [name if name in ("plain", "swiftkv-g2") else pytest.param(name, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [name if name in ("plain", "swiftkv-g2")
+                                  else pytest.param(name, marks=pytest.mark.slow)
                                   for name in MODELS])  # the others run in -m slow (and every model in the sweep)
 def test_each_request_equals_generate_alone(name):
     """Staggered arrivals, a small pool (preemptions), chunked prompts packed with decodes in one step."""

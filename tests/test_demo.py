@@ -33,7 +33,8 @@ def run_demo(out: Path, name: str, stop_at_step: int = 0) -> str:
     if stop_at_step:
         code = ("import itertools, signal, sys; from pathlib import Path; from swiftkv_jax import demo; "
                 "from swiftkv_jax.distill import trainer; steps = itertools.count(1); "
-                f"trainer._StopRequest.requested = lambda self: signal.SIGTERM if next(steps) == {stop_at_step} else 0\n"
+                "trainer._StopRequest.requested = "
+                f"lambda self: signal.SIGTERM if next(steps) == {stop_at_step} else 0\n"
                 f"try: demo.run(Path(sys.argv[1]), {name!r})\n"
                 "except demo.Stopped as e: print(e); sys.exit(e.status)")
     proc = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, env=env, capture_output=True, text=True,

@@ -124,7 +124,8 @@ def test_a_child_that_dies_profiling_keeps_its_timed_row(monkeypatch, tmp_path):
     assert distill_step.main(["--preset", "test", "--variants", "ours", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["results"]
     assert row["step_s"] == 1.0
-    assert row["profile_error"] == "the process died after its steps were timed (exit -11): Fatal Python error: Segmentation fault"
+    assert row["profile_error"] == ("the process died after its steps were timed (exit -11): "
+                                    "Fatal Python error: Segmentation fault")
 
 
 def test_an_auto_remat_step_runs_the_executable_its_plan_compiled(monkeypatch):

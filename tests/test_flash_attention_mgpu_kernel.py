@@ -1,9 +1,9 @@
 """Mosaic GPU (Hopper) flash-attention kernel against its reference and float64 numpy.
 
-The same tests run in jax's GPU interpret mode on the CPU (simulated warpgroups, barriers, TMA and wgmma) and
-compiled on an sm_90 GPU (`-m gpu`, both forms of the P V product). Interpreted, a kernel costs seconds even at
-these tiny shapes (jax compiles the simulated kernel; conftest's `mgpu_interpreter_compiles_once` makes that once per kernel
-instead of once per CTA and warpgroup), so the default suite runs one case and the rest are `slow`.
+The same tests run in jax's GPU interpret mode on the CPU (simulated warpgroups, barriers, TMA and wgmma) and compiled
+on an sm_90 GPU (`-m gpu`, both forms of the P V product). Interpreted, a kernel costs seconds even at these tiny shapes
+(jax compiles the simulated kernel; conftest's `mgpu_interpreter_compiles_once` makes that once per kernel instead of
+once per CTA and warpgroup), so the default suite runs one case and the rest are `slow`.
 """
 
 from __future__ import annotations

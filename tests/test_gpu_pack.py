@@ -451,7 +451,8 @@ def test_distill_summary_names_each_rows_attention_and_the_failed_steps():
                                               "xla_peak_bytes": 2**30, "device_peak_bytes": None}
     result = {"results": [row("ours", "cudnn", 0.8), row("ours", "xla_chunked", 2.0)],
               "failed": [{"variant": "ours", "attention_impl": "cudnn:8", "returncode": 1,
-                          "stderr_tail": "Traceback ...\nValueError: attention_impl='cudnn' does not support this case"}],
+                          "stderr_tail": "Traceback ...\n"
+                                         "ValueError: attention_impl='cudnn' does not support this case"}],
               "targets": {"mfu": {"target": 0.4, "measured": 0.3, "pass": False, "attention_impl": "cudnn"}}}
     text = "\n".join(pack_steps._distill_lines("distill_step.py --preset 8b", result))
     assert "| ours | cudnn | none | 0.8000 |" in text and "| ours | xla_chunked |" in text

@@ -75,14 +75,15 @@ ENTRY %main.9 (p.1: bf16[8192,4096]) -> bf16[8192,4096] {
   %tuple.1 = (bf16[8192,4096]{1,0}, /*index=1*/f32[8192]{0}) tuple(%loop_add_fusion.3, %reduce_fusion.1)
   ROOT %gte.1 = bf16[8192,4096]{1,0} get-tuple-element(%tuple.1), index=0
 }
-"""
+"""  # noqa: E501
 
 STAT_IDS = {"hlo_op": 1, "hlo_module": 2, "kernel_annotation": 3}
 
 
 def _event(metadata_id: int, start_us: float, dur_us: float, **stats) -> str:
     body = " ".join(f'stats {{ metadata_id: {STAT_IDS[k]} str_value: "{v}" }}' for k, v in stats.items())
-    return f"events {{ metadata_id: {metadata_id} offset_ps: {int(start_us * 1e6)} duration_ps: {int(dur_us * 1e6)} {body} }}"
+    return (f"events {{ metadata_id: {metadata_id} offset_ps: {int(start_us * 1e6)} "
+            f"duration_ps: {int(dur_us * 1e6)} {body} }}")
 
 
 def _gpu_xspace(events: list, kernel_names: list) -> ProfileData:

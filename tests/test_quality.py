@@ -29,7 +29,8 @@ def test_held_out_scores_match_numpy():
                 correct += int(np.argmax(q) == TOKENS[b, t + 1])
                 kl += np.sum(np.exp(p) * (p - q))
                 n += 1
-    got = held_out_scores(TEACHER, STUDENT, [{k: v[:2] for k, v in BATCH.items()}, {k: v[2:] for k, v in BATCH.items()}])
+    got = held_out_scores(TEACHER, STUDENT,
+                          [{k: v[:2] for k, v in BATCH.items()}, {k: v[2:] for k, v in BATCH.items()}])
     assert got["tokens"] == n == 8 + 6 + 15 + 9
     np.testing.assert_allclose([got["val_loss"], got["accuracy"], got["kl_to_teacher"]], [nll / n, correct / n, kl / n],
                                rtol=1e-5)

@@ -149,5 +149,6 @@ def test_guidellm_at_a_constant_rate_completes_every_request(assets, tmp_path):
     bench = json.loads(report.read_text())["benchmarks"][0]
     assert bench["metrics"]["request_totals"] == dict(successful=24, errored=0, incomplete=0, total=24)
     assert bench["metrics"]["output_token_count"]["successful"]["mean"] == 16
-    free = [line for line in metrics.splitlines() if line.startswith(("swiftkv_kv_pages_free ", "swiftkv_kv_pages_total "))]
+    free = [line for line in metrics.splitlines()
+            if line.startswith(("swiftkv_kv_pages_free ", "swiftkv_kv_pages_total "))]
     assert len(free) == 2 and free[0].split()[1] == free[1].split()[1]

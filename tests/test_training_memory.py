@@ -113,11 +113,13 @@ def test_fsdp_step_gathers_weights_not_the_batch():
     def sharded_step(*args):
         with sharding.activation_sharding(mesh):
             return step_lib.train_step(*args, config=student.config, loss=LossSection(chunk_size=chunk),
-                                       optimizer=optimizer, schedule=step_lib.learning_rate_schedule(OptimSection(), 10))
+                                       optimizer=optimizer,
+                                       schedule=step_lib.learning_rate_schedule(OptimSection(), 10))
 
     hlo = jax.jit(sharded_step).lower(state, frozen, batch).compile().as_text()
     gathered = _float_all_gather_shapes(hlo)
     weight_shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(student.params["layers"])}
     assert weight_shapes & set(gathered), "expected per-layer weight all-gathers (FSDP)"
-    batch_like = [s for s in gathered if len(s) >= 2 and s[0] in (batch_size, 2 * batch_size) and s[1] in (length, chunk)]
+    batch_like = [s for s in gathered
+                  if len(s) >= 2 and s[0] in (batch_size, 2 * batch_size) and s[1] in (length, chunk)]
     assert not batch_like, f"activations gathered over the batch: {batch_like}"

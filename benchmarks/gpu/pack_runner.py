@@ -399,9 +399,11 @@ def run(steps: list[Step], ctx: Context, out: Path, wheelhouse: Path, site: Path
             """The step's file after each command: its commands so far (merged into an earlier call's), running."""
             status, reason = step_status(records)
             partial = {"step": step.name, "index": step.index, "title": step.title, "status": status,
-                       "reason": reason, "smoke": ctx.smoke, "started": started, "env": brief, "commands": list(records)}
+                       "reason": reason, "smoke": ctx.smoke, "started": started, "env": brief,
+                       "commands": list(records)}
             write_json(path, {**merge(old, partial), "status": "running",
-                              "reason": f"still running: {len(records)} command(s) recorded (a stopped call ends here)"})
+                              "reason": f"still running: {len(records)} command(s) recorded "
+                                        "(a stopped call ends here)"})
 
         record = run_step(step, Context(**{**ctx.__dict__, "tmp": step_tmp}), deadline, echo,
                           inject_failure=step.name in inject_failure, on_record=written)

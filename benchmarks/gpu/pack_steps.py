@@ -482,8 +482,8 @@ def _distill_lines(label: str, result: dict) -> list[str]:
     if result.get("end_to_end"):
         e2e, bare = result["end_to_end"], result["bare"]
         verdict = {True: "PASS", False: "FAIL", None: "not judged"}[result.get("pass")]
-        lines.append(f"train.py end to end ({result['preset']}): {e2e['step_s_mean'] * 1e3:.1f} ms a step against the bare "
-                     f"step's {bare['step_s'] * 1e3:.1f} ms = {result['end_to_end_over_bare']:.3f} (target "
+        lines.append(f"train.py end to end ({result['preset']}): {e2e['step_s_mean'] * 1e3:.1f} ms a step against "
+                     f"the bare step's {bare['step_s'] * 1e3:.1f} ms = {result['end_to_end_over_bare']:.3f} (target "
                      f"{result['target']}: {verdict}); host {e2e['host_s_mean'] * 1e3:.2f} ms a step")
     if result.get("rows") and result.get("checks"):
         checks = result["checks"]
@@ -491,7 +491,8 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                       + ", ".join(f"{k} {v:.0f} s" for k, v in result.get("stage_seconds", {}).items()) + ")", ""]
         lines += _table(["model", "val loss", "KL to teacher", "greedy agreement", "prefill vs teacher"],
                         [[r["model"], f"{r['val_loss']:.4f}", f"{r['kl_to_teacher']:.4f}",
-                          f"{r['greedy_agreement']:.3f}", f"{r['prefill_time_vs_teacher']:.3f}"] for r in result["rows"]])
+                          f"{r['greedy_agreement']:.3f}", f"{r['prefill_time_vs_teacher']:.3f}"]
+                         for r in result["rows"]])
         lines.append(f"gap closed by distillation at 50%: {checks['gap_closed_by_distillation_at_50']:.1%}"
                      + (f" (target {checks['gap_closed_target']:.0%}: "
                         f"{'PASS' if checks['gap_closed_pass'] else 'FAIL'})" if "gap_closed_pass" in checks else ""))
@@ -515,8 +516,8 @@ def _profile_lines(row: dict) -> list[str]:
     cats = ", ".join(f"{c['category']} {c['ms']:.0f} ms ({c['share']:.0%}"
                      + (f", {c['tflops']:.0f} TFLOP/s)" if c.get("tflops") else ")") for c in prof["categories"])
     top = ", ".join(f"{o['op']} {o['ms']:.1f} ms" for o in prof["ops"][:3])
-    return [f"- profile of {title}: {prof['busy_ms_per_step']:.0f} ms of device ops in a {prof['wall_ms_per_step']:.0f} ms "
-            f"step: {cats}; costliest ops {top}"]
+    return [f"- profile of {title}: {prof['busy_ms_per_step']:.0f} ms of device ops in a "
+            f"{prof['wall_ms_per_step']:.0f} ms step: {cats}; costliest ops {top}"]
 
 
 def _tune_rows(result: dict) -> list:

@@ -83,9 +83,10 @@ def read_host(path=HOST) -> tuple[str, dict[str, str | None]]:
     return date, packages
 
 
-# extras the GPU pack never installs: `clients` (lm-eval, guidellm) serves CPU tests only, which `pytest -m gpu`
-# skips (tests/test_server_clients.py skips itself where they are missing, outside CI)
-NOT_ON_THE_GPU_HOST = {"clients"}
+# extras the GPU pack never installs: `clients` (lm-eval, guidellm) and `lint` (ruff) serve CPU tests only, which
+# `pytest -m gpu` skips (tests/test_server_clients.py and tests/test_lint.py skip themselves where they are missing,
+# outside CI)
+NOT_ON_THE_GPU_HOST = {"clients", "lint"}
 
 
 def project_requirements(pyproject=REPO / "pyproject.toml") -> list[tuple[str, str]]:

@@ -71,9 +71,9 @@ def build_corpus(out_dir, validation_fraction: float = 0.05, max_files: Optional
                  min_chars: int = 64, root=None, overwrite: bool = False) -> dict:
     """Write OUT_DIR/{train,validation}.parquet (columns text, path) and OUT_DIR/meta.json; returns the meta.
 
-    Files that are not UTF-8 or shorter than `min_chars` (mostly empty `__init__.py`) are skipped and
-    counted (over the whole stdlib, also with `max_files`). `max_files` keeps a deterministic, spread-out subset (ranked by another slice of the path
-    hash, independent of the split). An existing identical corpus (same meta.json) is reused as is; a
+    Files that are not UTF-8 or shorter than `min_chars` (mostly empty `__init__.py`) are skipped and counted (over the
+    whole stdlib, also with `max_files`). `max_files` keeps a deterministic, spread-out subset (ranked by another slice
+    of the path hash, independent of the split). An existing identical corpus (same meta.json) is reused as is; a
     different one is only replaced with overwrite=True, and then all at once.
     """
     root = Path(root) if root is not None else stdlib_root()

@@ -14,15 +14,18 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    teacher: str = field("", help="teacher checkpoint directory: Hugging Face (config.json + safetensors) or ours (Orbax); "
-                                  "stage pretrain: the model to train (config.json alone: random weights)")
+    teacher: str = field("", help="teacher checkpoint directory: Hugging Face (config.json + safetensors) or ours "
+                                  "(Orbax); stage pretrain: the model to train (config.json alone: random weights)")
     tokenizer: Optional[str] = field(None, help="tokenizer directory (default: the teacher's)")
     num_key_value_layers: int = field(1, help="l: layers >= l take their KV from norm_swiftkv(h_l) (SWIFTKV.md §2)")
     key_value_group_size: int = field(1, help="g: AcrossKV group size (1 = SingleInputKV only)")
-    norm_init: Literal["copy", "ones"] = field("copy", help="norm_swiftkv init: layer l's input norm, or ones (paper era)")
-    frozen_dtype: DType = field("bfloat16", help="storage of the frozen weights (held once, shared by teacher and student)")
+    norm_init: Literal["copy", "ones"] = field(
+        "copy", help="norm_swiftkv init: layer l's input norm, or ones (paper era)")
+    frozen_dtype: DType = field(
+        "bfloat16", help="storage of the frozen weights (held once, shared by teacher and student)")
     trainable_dtype: DType = field("float32", help="master copy of the trainable weights (and the optimizer state)")
-    compute_dtype: DType = field("bfloat16", help="matmul dtype; softmax, norms, logits and the loss are fp32 regardless")
+    compute_dtype: DType = field(
+        "bfloat16", help="matmul dtype; softmax, norms, logits and the loss are fp32 regardless")
     attention_impl: str = field("xla", help="attention backend (see swiftkv_jax.model.attention)")
     remat: Literal["none", "full", "dots"] = field("full", help="activation checkpointing of the trained layers")
 
@@ -30,7 +33,8 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class LossSection:
     temperature: float = field(2.0, help="KL(teacher || student) at this temperature, multiplied by its square")
-    hidden_loss_mult: float = field(0.0, help="weight of the MSE between hidden states entering the last layer (current recipe: 1.0)")
+    hidden_loss_mult: float = field(
+        0.0, help="weight of the MSE between hidden states entering the last layer (current recipe: 1.0)")
     chunk_size: int = field(1024, help="positions per chunk of the logits/KL computation; 0 = whole sequence at once")
 
 
@@ -82,7 +86,8 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-    coordinator_address: Optional[str] = field(None, help="host:port of process 0; default: JAX's environment detection")
+    coordinator_address: Optional[str] = field(
+        None, help="host:port of process 0; default: JAX's environment detection")
     num_processes: Optional[int] = field(None)
     process_id: Optional[int] = field(None)
     cpu_collectives: Literal["gloo", "mpi", "none"] = field("gloo", help="collectives between CPU processes")
@@ -127,7 +132,8 @@ class TrainConfig:
             (self.train.log_every >= 1 and self.checkpoint.every >= 1 and self.checkpoint.keep >= 1,
              "train.log_every, checkpoint.every and checkpoint.keep must be >= 1"),
             (0 <= self.optim.warmup_ratio <= 1, "optim.warmup_ratio must lie in [0, 1]"),
-            (self.optim.learning_rate > 0 and self.optim.grad_clip >= 0, "optim.learning_rate must be > 0 and optim.grad_clip >= 0"),
+            (self.optim.learning_rate > 0 and self.optim.grad_clip >= 0,
+             "optim.learning_rate must be > 0 and optim.grad_clip >= 0"),
             (bool(self.train.output_dir), "train.output_dir must be set"),
         ]
         for ok, message in checks:

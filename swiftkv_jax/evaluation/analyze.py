@@ -147,7 +147,8 @@ def plot_similarity(result: dict, path) -> Path:
     heat.set_ylabel("depth i")
     heat.set_title("cos(h_i, h_j)")
     lines.plot(np.arange(depths - 1), adjacent, marker="o", ms=3, label="cos(input, output) of layer i")
-    lines.plot(np.arange(depths), to_final, marker=".", ms=3, alpha=0.7, label=f"cos(h_i, h_{depths - 1}) (last layer's output)")
+    lines.plot(np.arange(depths), to_final, marker=".", ms=3, alpha=0.7,
+               label=f"cos(h_i, h_{depths - 1}) (last layer's output)")
     lines.axhline(0.9, color="grey", ls="--", lw=0.8)
     lines.set_xlabel("layer i / depth i")
     lines.set_ylabel("mean cosine similarity")

@@ -63,7 +63,8 @@ def _cell(metrics: dict, name: str) -> str:
 def comparison_table(tasks, results: dict) -> str:
     """results: {model path: {task name: metrics}}. With two models the last column is first - second."""
     paths = list(results)
-    header = ["task", "metric", "n"] + [model_label(p) for p in paths] + (["Δ (model − compare)"] if len(paths) == 2 else [])
+    header = (["task", "metric", "n"] + [model_label(p) for p in paths]
+              + (["Δ (model − compare)"] if len(paths) == 2 else []))
     rows = []
     for task in tasks:
         for metric in TABLE_METRICS[task.kind]:

@@ -1,11 +1,10 @@
 """Prefill flash attention: a Pallas kernel, its plain-jnp reference and its block sizes.
 
-Semantics are those of the model's `xla_attention` (this package imports nothing from the model): a query
-attends to the keys of its own segment whose position is <= its own position. Positions, not array indices, decide, so causality is
-"bottom-right aligned" when the queries are the last T of S keys (chunked prefill, SwiftKV's later layers),
-and packed documents whose positions restart stay apart. On top of that, `kv_lengths [B]` hides the keys at
-index >= length (a cache padded past the sequence). Scale is 1/sqrt(D), applied inside. A query with no
-visible key gets zeros, not NaN.
+Semantics are those of the model's `xla_attention` (this package imports nothing from the model): a query attends to the
+keys of its own segment whose position is <= its own position. Positions, not array indices, decide, so causality is
+"bottom-right aligned" when the queries are the last T of S keys (chunked prefill, SwiftKV's later layers), and packed
+documents whose positions restart stay apart. On top of that, `kv_lengths [B]` hides the keys at index >= length (a
+cache padded past the sequence). Scale is 1/sqrt(D), applied inside. A query with no visible key gets zeros, not NaN.
 
 Algorithm: one program per (query head, query block, sequence); it keeps the query block resident, walks the
 KV blocks with an online softmax (fp32 max, sum and accumulator, FlashAttention-2 style, in base 2) and

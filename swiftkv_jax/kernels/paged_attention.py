@@ -3,8 +3,9 @@ reference.
 
 Shapes (one letter per dimension): q ``[B, T, N, H]``, k_pages / v_pages ``[K, P, page_size, H]`` (a pool of P
 pages of one layer, KV heads first as in jax's TPU paged attention: a gather of one sequence's pages is then
-already in the ``[K, S, H]`` order that a batched product over KV heads reads, with no transpose), block_tables ``[B, M]`` int32, lengths ``[B]`` int32, q_positions ``[B, T]`` int32. Key s of
-sequence b lives in page ``block_tables[b, s // page_size]`` at offset ``s % page_size`` (``k_pages[k, page, offset]``); table entries past
+already in the ``[K, S, H]`` order that a batched product over KV heads reads, with no transpose), block_tables
+``[B, M]`` int32, lengths ``[B]`` int32, q_positions ``[B, T]`` int32. Key s of sequence b lives in page
+``block_tables[b, s // page_size]`` at offset ``s % page_size`` (``k_pages[k, page, offset]``); table entries past
 the sequence's ``ceil(lengths[b] / page_size)`` pages may hold anything (0, stale or out-of-range ids) and are
 never read. Masking, scale, GQA, empty rows and residuals are exactly those of ``decode_attention`` (see
 decode_attention.py): query t of sequence b sees key s iff ``s < lengths[b]`` and ``s <= q_positions[b, t]``.

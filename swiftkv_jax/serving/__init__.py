@@ -8,5 +8,6 @@ from swiftkv_jax.serving.generate import Generation, generate, generate_tokens
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 from swiftkv_jax.serving.tensor_parallel import load_sharded, serving_mesh, shard_model
 
-__all__ = ["Engine", "EngineConfig", "Generation", "KVCache", "SamplingParams", "cache_layers", "decode_step", "generate", "generate_tokens",
-           "init_cache", "load_sharded", "prefill", "RequestOutput", "sample", "serving_mesh", "shard_model"]
+__all__ = ["Engine", "EngineConfig", "Generation", "KVCache", "SamplingParams", "cache_layers", "decode_step",
+           "generate", "generate_tokens", "init_cache", "load_sharded", "prefill", "RequestOutput", "sample",
+           "serving_mesh", "shard_model"]

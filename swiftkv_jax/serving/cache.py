@@ -16,10 +16,11 @@ from swiftkv_jax.serving.tensor_parallel import build_sharded
 
 @struct.dataclass
 class KVCache:
-    """One (k, v) pair of [B, K, S, H] arrays per cached layer (KV heads before positions, see `cache_view`), separate buffers so that a decode step updates
-    each in place (see `swiftkv_jax.model.cached`). lower: a tuple of l pairs, layers < l (all L for a plain
-    model). upper: layers >= l, a tuple of G = (L - l) / g pairs (one per AcrossKV group) in SwiftKV wiring,
-    of L - l pairs in teacher wiring, or None. lengths [B]: valid entries per sequence; entry i holds position i."""
+    """One (k, v) pair of [B, K, S, H] arrays per cached layer (KV heads before positions, see `cache_view`), separate
+    buffers so that a decode step updates each in place (see `swiftkv_jax.model.cached`). lower: a tuple of l pairs,
+    layers < l (all L for a plain model). upper: layers >= l, a tuple of G = (L - l) / g pairs (one per AcrossKV group)
+    in SwiftKV wiring, of L - l pairs in teacher wiring, or None. lengths [B]: valid entries per sequence; entry i holds
+    position i."""
 
     lower: tuple
     upper: Optional[tuple]

@@ -70,7 +70,8 @@ class TensorParallelPlan:
     @property
     def rules(self):
         """The logical-axis rules of the served weights: the one table, with the vocabulary unsplit if it must be."""
-        return _override(sharding.LOGICAL_AXIS_RULES, vocab=None) if not self.vocab_split else sharding.LOGICAL_AXIS_RULES
+        return (_override(sharding.LOGICAL_AXIS_RULES, vocab=None) if not self.vocab_split
+                else sharding.LOGICAL_AXIS_RULES)
 
     @property
     def placement_rules(self):
@@ -220,9 +221,10 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
                                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
     layers = cache_layers(served, swiftkv)
     per_token = kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor
-    return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas, kv_heads_per_device=served.num_key_value_heads
-                // tensor, weight_bytes_per_device=int(weights), kv_cache_bytes_per_device=int(per_token * batch * max_len),
-                kv_bytes_per_token_per_device=per_token, cache_layers=layers, batch=batch, max_len=max_len)
+    return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas,
+                kv_heads_per_device=served.num_key_value_heads // tensor, weight_bytes_per_device=int(weights),
+                kv_cache_bytes_per_device=int(per_token * batch * max_len), kv_bytes_per_token_per_device=per_token,
+                cache_layers=layers, batch=batch, max_len=max_len)
 
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -242,5 +244,6 @@ def collectives(hlo_text: str) -> list[dict]:
     return found
 
 
-__all__ = ["COLLECTIVES", "TensorParallelPlan", "activation_sharding", "collectives", "for_serving", "is_placed", "load_sharded", "plan", "finish_placement", "replicate_kv_heads", "sizing",
-           "replicated", "serving_mesh", "shard_model", "build_sharded"]
+__all__ = ["COLLECTIVES", "TensorParallelPlan", "activation_sharding", "collectives", "for_serving", "is_placed",
+           "load_sharded", "plan", "finish_placement", "replicate_kv_heads", "sizing", "replicated", "serving_mesh",
+           "shard_model", "build_sharded"]
