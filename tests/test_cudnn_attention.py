@@ -1,6 +1,7 @@
 """cuDNN's attention of a row to itself (`attention.cudnn_row_attention`, issue 24): the packed layout it hands
 cuDNN, the bound on runs per row that train.py reads off its data, and the model's wiring, on the CPU against
-`attention_mask` and XLA; the kernel itself against XLA on a GPU (`-m gpu`).
+`attention_mask` and XLA; the distillation step lowered for CUDA with each of cuDNN's forms (jax's checks of the
+calls, from the CPU); the kernel itself against XLA on a GPU (`-m gpu`).
 
 cuDNN's packed mode masks causally by index within each run of equal segment ids; `attention_mask` masks by
 position and segment. They agree on every token of rows as `swiftkv_jax.data.pack` makes them (positions rising
@@ -8,6 +9,9 @@ along each document), except among a row's trailing padding, whose outputs nothi
 """
 
 import itertools
+import re
+import sys
+from pathlib import Path
 
 import datasets
 import jax
@@ -123,6 +127,66 @@ def test_model_uses_row_attention_only_without_a_cache(monkeypatch):
 def test_max_segments_per_row_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="max_segments_per_row must be a positive int or None"):
         tiny_config().replace(max_segments_per_row=bad)
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Lowering for CUDA on a CPU: jax's cuDNN attention asks the installed cuDNN for its version and the device for
+    its compute capability while it traces (a GPU's answers here: cuDNN 9.11, Hopper), and our refusal of a CPU
+    backend is lifted (its own test is above). What is left is jax's real lowering of our calls."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91100)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda capability: False)
+    monkeypatch.setattr(attention, "_check_cudnn", lambda q: None)
+
+
+# each form of attention_impl="cudnn" in training: (max_segments_per_row, cuDNN's call, its mask)
+CUDNN_FORMS = [(1, "fmhaSoftmax", "CAUSAL"), (4, "fmhaSoftmax", "PADDING_CAUSAL"),
+               (None, "fmhaScaleBiasSoftmax", "NO_MASK")]
+
+
+@pytest.mark.parametrize("max_segments, call, mask", CUDNN_FORMS)
+def test_distillation_step_with_cudnn_lowers_for_cuda(cuda_lowering, max_segments, call, mask):
+    """The whole distillation step (teacher, SwiftKV student, loss, gradients, Adam) with attention_impl="cudnn"
+    lowers for CUDA from the CPU in each of its forms: cuDNN's own causal mask (one document a row), its packed
+    layout through jax's private API (at most 4 documents a row: sequence lengths and offsets), our mask as a bias.
+    jax checks the layouts, shapes and offsets we hand it while lowering, so a wrong call fails here and not in a GPU
+    call; the program holds that form's forward and backward calls and no other."""
+    from distill_fixtures import init_state, jit_step, student
+
+    config = tiny_config(hidden_size=128, head_dim=64, dtype="bfloat16", attention_impl="cudnn",
+                         max_segments_per_row=max_segments)
+    config, trainable, frozen = student(config, l=2)
+    fn, optimizer = jit_step(config)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(config.vocab_size, batch=2, length=128, seed=4).items()}
+    text = fn.trace(init_state(trainable, optimizer), frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__cudnn$" in line]
+    # the layers run in scans: one forward call each for the layers below l, the teacher's and the student's above
+    # it; one backward call for the student's (the only trainable attention)
+    names = sorted(re.search(r"custom_call @__cudnn\$(\w+)", line).group(1) for line in calls)
+    assert names == [call] * 3 + [call + "Backward"]
+    assert all(re.search(rf'mask_type\\22: \\22{mask}\\22', line) for line in calls), calls[0][:2000]
+
+
+@pytest.mark.parametrize("variant", ["ours", "naive"])
+@pytest.mark.parametrize("impl", ["cudnn", "cudnn:8"])
+def test_the_8b_benchmark_step_with_cudnn_lowers_for_cuda(cuda_lowering, impl, variant):
+    """What the GPU pack's first call runs (`benchmarks/distill_step.py --preset 8b`: Llama-3.1-8B, one 8K-token row,
+    l = 16) lowers for CUDA at its real shapes, on abstract arguments (nothing allocated), with both cuDNN forms:
+    forward calls, and backward calls for the trainable attention (ours: the student's; naive: the student's
+    through every SwiftKV layer, and the teacher's is stop-gradient)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import distill_step
+
+    preset = dict(distill_step.PRESETS["8b"], attention_impl=impl)
+    fn, args, _, _, _ = distill_step._build(preset, variant, "none", abstract=True)
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r"custom_call @__cudnn\$(\w+)", text)
+    assert set(names) == {"fmhaSoftmax", "fmhaSoftmaxBackward"}, names
+    mask = "PADDING_CAUSAL" if impl == "cudnn:8" else "CAUSAL"
+    assert all(rf"mask_type\22: \22{mask}\22" in line for line in text.splitlines() if "@__cudnn$" in line)
 
 
 # --- on a GPU: the kernel against XLA ------------------------------------------------------------------------------
