@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import swiftkv_jax as sk
-from swiftkv_jax.model.attention import attend, xla_attention
+from swiftkv_jax.model.attention import ATTENTION_IMPLS, attend, xla_attention
 from swiftkv_jax.model.rope import inverse_frequencies
 
 LLAMA31_ROPE = sk.RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -106,6 +106,15 @@ def test_unknown_attention_impl_raises():
 
 TINY = sk.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("impl", [i for i in ATTENTION_IMPLS if i != "xla"])
+def test_parameters_do_not_depend_on_the_attention_impl(impl):
+    """Shapes and initial values trace XLA attention whatever the config says: an fp32 export of a model trained
+    with cuDNN (which refuses fp32, and any CPU) ran into it on the H200 (2026-11-25)."""
+    config = TINY.replace(attention_impl=impl)
+    assert sk.abstract_params(config) == sk.abstract_params(TINY)
+    jax.tree.map(np.testing.assert_array_equal, sk.init(config, 0).params, sk.init(TINY, 0).params)
 
 
 def test_packed_documents_do_not_attend_to_each_other():

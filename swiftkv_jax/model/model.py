@@ -27,7 +27,9 @@ class Model:
 
 
 def _boxed_init(config: ModelConfig, rng):
-    return Transformer(config).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+    # The parameters do not depend on the attention backend; XLA's traces for any dtype and device (cuDNN refuses
+    # the fp32 of an export, the kernels want their own shapes).
+    return Transformer(config.replace(attention_impl="xla")).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
 @functools.lru_cache(maxsize=64)
