@@ -57,16 +57,17 @@ SETTINGS = {
 }
 # One GPU (H100/H200), bf16 compute (fp32 masters): a 247M-parameter teacher (16 layers of 1024, GQA 16/4, MLP 4096,
 # tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 300 steps
-# each. Under 10 minutes by FLOP arithmetic (gpu_seconds: ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s,
-# plus compiling and evaluation); not yet measured on a GPU. The students' rate, from CPU sweeps of the 50% student
-# (benchmarks/results/demo/README.md): the best rate halved when the width doubled (muP's 1/width: 8e-3 at width
-# 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the steps (480: 91% of the gap closed at 1.6e-2,
-# width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows a step (width 256: 89/88% at 4e-3/8e-3);
-# too high costs far more than too low (width 256, 120 steps: 82/85/80/64% at 2e-3/4e-3/8e-3/1.6e-2). Width 1024:
-# 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more steps. The GPU pack's `sweep` part checks
-# half and twice it, and its tokens in twice the steps of half the rows.
+# each. ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s (gpu_seconds), plus compiling and evaluation. On an
+# H200 with cuDNN attention (2026-11-25): pretraining 136 s, each student 36-48 s, 92.6% of the 50% gap closed; the
+# evaluation of the 8 models was not finished by 513 s, so the whole is not yet timed. The students' rate, from CPU
+# sweeps of the 50% student (benchmarks/results/demo/README.md): the best rate halved when the width doubled (muP's
+# 1/width: 8e-3 at width 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the steps (480: 91% of the gap
+# closed at 1.6e-2, width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows a step (width 256: 89/88%
+# at 4e-3/8e-3); too high costs far more than too low (width 256, 120 steps: 82/85/80/64% at 2e-3/4e-3/8e-3/1.6e-2).
+# Width 1024: 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more steps. The GPU pack's `sweep`
+# part checks half and twice it, and its tokens in twice the steps of half the rows.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
-                "model.remat=dots", "model.attention_impl=xla", "loss.chunk_size=256")
+                "model.remat=dots", "model.attention_impl=auto", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
                                distill_steps=300, val_rows=256, prompts=64, prompt_tokens=128, prefill_len=2048,
                                architecture=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
@@ -126,18 +127,23 @@ def variants(layers: int) -> list[Variant]:
     return out + [Variant("swiftkv-50-acrosskv2", layers // 2, 2)]
 
 
+_STARTED = time.monotonic()
+
+
 def _say(message: str) -> None:
-    print(f"[demo] {message}", flush=True)
+    """A progress line stamped with the seconds since the demo started: where a run's time went, even in the log of
+    one stopped by a time limit."""
+    print(f"[demo {time.monotonic() - _STARTED:.0f} s] {message}", flush=True)
 
 
 def with_attention(settings: DemoSettings, impl: str) -> DemoSettings:
     """The settings with `model.attention_impl=impl` in training (pretraining and distillation), replacing the
-    budget's own. impl: a differentiable attention (`swiftkv_jax.model.attention.DIFFERENTIABLE_IMPLS`)."""
-    from swiftkv_jax.model.attention import DIFFERENTIABLE_IMPLS
+    budget's own. impl: one that trains (`swiftkv_jax.distill.student.TRAINING_ATTENTION`)."""
+    from swiftkv_jax.distill.student import TRAINING_ATTENTION
 
-    if impl not in DIFFERENTIABLE_IMPLS:
+    if impl not in TRAINING_ATTENTION:
         raise ValueError(f"--attention {impl!r}: training needs a differentiable attention, one of "
-                         f"{', '.join(DIFFERENTIABLE_IMPLS)}")
+                         f"{', '.join(TRAINING_ATTENTION)}")
     key = "model.attention_impl="
 
     def replace(overrides: tuple) -> tuple:
@@ -204,16 +210,19 @@ class Stopped(RuntimeError):
         self.status = status
 
 
+TRAIN_SECONDS = "demo_train_seconds.json"  # beside a training stage's export: how long it took
+
+
 def _train(recipe: str, overrides: list[str], export: Path) -> None:
     """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted."""
     from swiftkv_jax import configuration
     from swiftkv_jax.distill import trainer
     from swiftkv_jax.distill.config import TrainConfig
 
+    run_dir = export.parent
     if export.is_dir():
         _say(f"{export} exists: skipped")
         return
-    run_dir = export.parent
     resume = ["train.resume=true"] if (run_dir / trainer.CHECKPOINT_DIR).is_dir() else []
     config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
     start = time.perf_counter()
@@ -221,7 +230,15 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     if status:  # a signal stopped it, its checkpoint saved: the later stages need its export
         raise Stopped(status, f"{recipe} stopped in {run_dir} (status {status}), its checkpoint saved: run the same "
                               f"command again to continue from it")
-    _say(f"{recipe} -> {export} in {time.perf_counter() - start:.0f} s")
+    seconds = time.perf_counter() - start
+    (run_dir / TRAIN_SECONDS).write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
+    _say(f"{recipe} -> {export} in {seconds:.0f} s")
+
+
+def earlier_training_seconds(out: Path) -> float:
+    """Seconds of the training stages that earlier calls finished (each run's TRAIN_SECONDS): what a demo resumed
+    after a time limit adds to its own time. A stage stopped mid-way counts from its last checkpoint only."""
+    return sum(json.loads(p.read_text())["seconds"] for p in out.glob(f"**/{TRAIN_SECONDS}"))
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
@@ -383,6 +400,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
             check_output_folder(folder, what)
     check_device(name)
     _settings_guard(out, name, settings)
+    earlier = earlier_training_seconds(out)
     start = time.perf_counter()
     stages = {}
 
@@ -410,7 +428,9 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     every = markdown_table(rows, sorted((r["model"] for r in rows), key=lambda n: (n != "teacher", n)))
     (out / "results.md").write_text(f"{table}\n\nAll models:\n\n{every}\n")
     device = jax.devices()[0]
-    result = {"settings": name, "rows": rows, "checks": checks, "seconds": time.perf_counter() - start,
+    seconds = time.perf_counter() - start
+    result = {"settings": name, "rows": rows, "checks": checks, "seconds": seconds,
+              "seconds_with_earlier_calls": seconds + earlier, "earlier_training_seconds": earlier,
               "stage_seconds": stages, "device": f"{device.device_kind} ({device.platform})",
               "estimate": gpu_seconds(settings) if name == "gpu" else None}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -427,7 +447,8 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
         for name_ in RESULT_FILES:
             shutil.copyfile(out / name_, results / name_.replace("/", "_"))
         _say(f"results copied to {results}")
-    _say(f"done in {result['seconds'] / 60:.1f} min ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}): "
+    resumed = f"; {(seconds + earlier) / 60:.1f} min with earlier calls' training" if earlier else ""
+    _say(f"done in {seconds / 60:.1f} min{resumed} ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}): "
          f"{out / 'results.md'}, {out / 'results.json'}, {out / 'quality_vs_layers_skipped.png'}, "
          f"{out / 'analysis' / 'similarity.png'}")
     return result
@@ -445,8 +466,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, default=None,
                         help="also copy the table, results JSON and plots into this folder (flat)")
     parser.add_argument("--attention", default=None,
-                        help="the training's model.attention_impl (xla, xla_chunked, or cudnn on a GPU with bf16 "
-                             "compute) instead of the budget's (xla)")
+                        help="the training's model.attention_impl (auto, xla, xla_chunked, or cudnn on a GPU with "
+                             "bf16 compute) instead of the budget's (xla; auto on a GPU)")
     return parser
 
 

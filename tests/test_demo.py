@@ -80,6 +80,14 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     assert "resumed from step 3" in stdout
     rows = check_table(out, stdout)
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
+    # each finished training stage leaves its seconds beside its export, for a later call's total; this call
+    # finished them all itself (the stopped one's had none)
+    result = json.loads((out / "results.json").read_text())
+    assert result["earlier_training_seconds"] == 0 and result["seconds_with_earlier_calls"] == result["seconds"]
+    stages = sorted(p.parent.name for p in out.glob(f"**/{demo.TRAIN_SECONDS}"))
+    layers = demo.SETTINGS["smoke"].architecture["num_hidden_layers"]
+    assert stages == sorted(["teacher", *(v.name for v in demo.variants(layers) if v.distilled)])
+    assert 0 < demo.earlier_training_seconds(out) < result["seconds"]
     # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
     sweep = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",
@@ -207,6 +215,6 @@ def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):
         assert config.model.attention_impl == "cudnn"
     smoke = demo.with_attention(demo.SETTINGS["smoke"], "xla_chunked")  # a budget without its own: added
     assert smoke.pretrain_overrides == smoke.distill_overrides == ("model.attention_impl=xla_chunked",)
-    with pytest.raises(ValueError, match="differentiable attention, one of xla, xla_chunked, cudnn"):
+    with pytest.raises(ValueError, match="differentiable attention, one of auto, xla, xla_chunked, cudnn"):
         demo.with_attention(demo.SETTINGS["gpu"], "mosaic")
     assert demo.parser().parse_args(["--budget", "gpu", "--attention", "cudnn"]).attention == "cudnn"

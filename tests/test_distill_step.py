@@ -26,6 +26,7 @@ from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import loss as losses
 from swiftkv_jax.distill import trainer
 from swiftkv_jax.distill.config import (LossSection, ModelSection, OptimSection, TrainConfig, TrainSection)
+from swiftkv_jax.distill import student as student_lib
 from swiftkv_jax.distill.student import student_config
 from swiftkv_jax.data.packing import max_runs
 from swiftkv_jax.distill.trainable import merge, split
@@ -471,6 +472,31 @@ def test_student_config_refuses_cudnn_where_it_cannot_run(tmp_path):
     if jax.default_backend() == "gpu":
         with pytest.raises(ConfigError, match="compute_dtype is 'float32': set model.compute_dtype=bfloat16"):
             student_config(dataclasses.replace(section, compute_dtype="float32"))
+
+
+@pytest.mark.parametrize("backend,hopper,compute,want", [
+    ("cpu", False, "bfloat16", "xla_chunked"),
+    ("gpu", True, "bfloat16", "cudnn"),
+    ("gpu", True, "float16", "cudnn"),
+    ("gpu", True, "float32", "xla_chunked"),  # cuDNN takes 16-bit activations only
+    ("gpu", False, "bfloat16", "xla_chunked"),  # before Hopper cuDNN reads packed rows' mask as a [T, S] bias
+])
+def test_auto_attention_is_cudnn_on_hopper_in_16_bits(tmp_path, monkeypatch, backend, hopper, compute, want):
+    """The shipped 7B-70B configs' `auto`: what the H200 measured fastest (cuDNN) where it runs as it was measured,
+    xla_chunked elsewhere (a CPU dry run of the 8B config included); a named impl is kept as it is."""
+    teacher = write_hf_config(tmp_path, num_hidden_layers=4)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(student_lib, "cudnn_packed_layout", lambda: hopper)
+    section = ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="auto", compute_dtype=compute)
+    assert student_config(section).attention_impl == want
+    assert student_config(dataclasses.replace(section, attention_impl="xla")).attention_impl == "xla"
+
+
+@pytest.mark.parametrize("capability,packed", [(None, False), ("8.9", False), ("9.0", True), ("10.0", True)])
+def test_cudnn_packed_layout_needs_sm_90(monkeypatch, capability, packed):
+    device = type("Device", (), {} if capability is None else {"compute_capability": capability})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [device])
+    assert student_lib.cudnn_packed_layout() is packed
 
 
 def test_attention_is_sized_by_the_packed_rows():

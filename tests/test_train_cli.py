@@ -401,7 +401,8 @@ BAD_INPUT = {
     "bad mesh": (["mesh.fsdp=3"], "mesh:"),
     "batch vs grad_accum": (["train.grad_accum=3"], "must be divisible by train.grad_accum (3)"),
     "unknown attention": (["model.attention_impl=flash"],
-                          "model.attention_impl='flash' is unknown: training runs one of xla, xla_chunked, cudnn"),
+                          "model.attention_impl='flash' is unknown: training runs one of auto, xla, xla_chunked, "
+                          "cudnn"),
     "missing tokenizer": (["model.tokenizer=/nonexistent/tok"],
                           "model.tokenizer: the tokenizer directory '/nonexistent/tok' does not exist"),
 }

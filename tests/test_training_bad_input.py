@@ -53,7 +53,7 @@ def test_a_source_without_path_names_the_key(tmp_path):
 
 def test_unknown_attention_impl_names_the_key_and_the_choices(tmp_path):
     teacher = write_hf_config(tmp_path, num_hidden_layers=4)
-    with pytest.raises(ConfigError, match="model.attention_impl='flash' is unknown: training runs one of xla, "
+    with pytest.raises(ConfigError, match="model.attention_impl='flash' is unknown: training runs one of auto, xla, "
                                           "xla_chunked, cudnn"):
         student_config(ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="flash"))
 

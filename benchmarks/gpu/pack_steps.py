@@ -487,8 +487,12 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                      f"{result['target']}: {verdict}); host {e2e['host_s_mean'] * 1e3:.2f} ms a step")
     if result.get("rows") and result.get("checks"):
         checks = result["checks"]
-        lines += ["", f"demo ({result['settings']}, {result.get('device', '?')}, {result['seconds'] / 60:.1f} min: "
-                      + ", ".join(f"{k} {v:.0f} s" for k, v in result.get("stage_seconds", {}).items()) + ")", ""]
+        earlier = result.get("earlier_training_seconds") or 0  # a demo resumed after a call's time limit
+        total = (f"{result['seconds_with_earlier_calls'] / 60:.1f} min with the training of earlier calls, "
+                 if earlier else "")
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.get("stage_seconds", {}).items())
+        lines += ["", f"demo ({result['settings']}, {result.get('device', '?')}, {total}{result['seconds'] / 60:.1f} "
+                      f"min this call: {stages})", ""]
         lines += _table(["model", "val loss", "KL to teacher", "greedy agreement", "prefill vs teacher"],
                         [[r["model"], f"{r['val_loss']:.4f}", f"{r['kl_to_teacher']:.4f}",
                           f"{r['greedy_agreement']:.3f}", f"{r['prefill_time_vs_teacher']:.3f}"]

@@ -26,7 +26,9 @@ class ModelSection:
     trainable_dtype: DType = field("float32", help="master copy of the trainable weights (and the optimizer state)")
     compute_dtype: DType = field(
         "bfloat16", help="matmul dtype; softmax, norms, logits and the loss are fp32 regardless")
-    attention_impl: str = field("xla", help="attention backend (see swiftkv_jax.model.attention)")
+    attention_impl: str = field(
+        "xla", help="attention backend (see swiftkv_jax.model.attention); auto: cudnn on an NVIDIA sm_90+ GPU with "
+                    "16-bit compute, else xla_chunked")
     remat: Literal["none", "full", "dots"] = field("full", help="activation checkpointing of the trained layers")
 
 

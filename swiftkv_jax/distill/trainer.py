@@ -377,7 +377,7 @@ def sized_for_rows(model_config: ModelConfig, dataset, print_fn=print, packed_la
         print_fn("attention: XLA in query blocks, each over the keys up to its own end (rows of packed documents)")
         return model_config.replace(max_segments_per_row=runs)
     if packed_layout is None:
-        packed_layout = float(getattr(jax.devices()[0], "compute_capability", None) or 0) >= 9
+        packed_layout = student_lib.cudnn_packed_layout()
     if runs > 1 and not packed_layout:
         print_fn(f"attention: cuDNN with our mask as a bias (rows hold up to {runs} runs of segment ids; cuDNN's "
                  f"packed layout needs an sm_90+ GPU)")
