@@ -219,10 +219,10 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     from swiftkv_jax.distill import trainer
     from swiftkv_jax.distill.config import TrainConfig
 
-    run_dir = export.parent
     if export.is_dir():
         _say(f"{export} exists: skipped")
         return
+    run_dir = export.parent
     resume = ["train.resume=true"] if (run_dir / trainer.CHECKPOINT_DIR).is_dir() else []
     config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
     start = time.perf_counter()
@@ -235,10 +235,12 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     _say(f"{recipe} -> {export} in {seconds:.0f} s")
 
 
-def earlier_training_seconds(out: Path) -> float:
-    """Seconds of the training stages that earlier calls finished (each run's TRAIN_SECONDS): what a demo resumed
-    after a time limit adds to its own time. A stage stopped mid-way counts from its last checkpoint only."""
-    return sum(json.loads(p.read_text())["seconds"] for p in out.glob(f"**/{TRAIN_SECONDS}"))
+def earlier_training_seconds(out: Path, layers: int) -> float:
+    """Seconds of the demo's training stages (the teacher's and its distilled students', not a recipe sweep's rows
+    beside them) that earlier calls finished: what a demo resumed after a time limit adds to its own time. A stage
+    stopped mid-way counts from its last checkpoint only."""
+    runs = [out / "teacher", *(out / "distill" / v.name for v in variants(layers) if v.distilled)]
+    return sum(json.loads((r / TRAIN_SECONDS).read_text())["seconds"] for r in runs if (r / TRAIN_SECONDS).is_file())
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
@@ -400,7 +402,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
             check_output_folder(folder, what)
     check_device(name)
     _settings_guard(out, name, settings)
-    earlier = earlier_training_seconds(out)
+    earlier = earlier_training_seconds(out, settings.architecture["num_hidden_layers"])
     start = time.perf_counter()
     stages = {}
 

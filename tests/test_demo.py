@@ -87,7 +87,7 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     stages = sorted(p.parent.name for p in out.glob(f"**/{demo.TRAIN_SECONDS}"))
     layers = demo.SETTINGS["smoke"].architecture["num_hidden_layers"]
     assert stages == sorted(["teacher", *(v.name for v in demo.variants(layers) if v.distilled)])
-    assert 0 < demo.earlier_training_seconds(out) < result["seconds"]
+    assert 0 < demo.earlier_training_seconds(out, layers) < result["seconds"]
     # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
     sweep = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",

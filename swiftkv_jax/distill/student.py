@@ -32,15 +32,18 @@ def cudnn_packed_layout() -> bool:
     return float(getattr(jax.devices()[0], "compute_capability", None) or 0) >= 9
 
 
+def _computes_in_16_bits(section: ModelSection) -> bool:
+    return as_dtype(section.compute_dtype) in (as_dtype("bfloat16"), as_dtype("float16"))
+
+
 def training_attention(section: ModelSection) -> str:
     """model.attention_impl, with `auto` resolved: cuDNN's fused attention on an NVIDIA sm_90+ GPU computing in
     16 bits (the 8B distillation step on an H200: 0.56 s against 1.31 s with xla_chunked, 2026-11-25), else
     xla_chunked (before Hopper cuDNN would attend packed rows through a [T, S] bias)."""
     if section.attention_impl != AUTO:
         return section.attention_impl
-    sixteen_bits = as_dtype(section.compute_dtype) in (as_dtype("bfloat16"), as_dtype("float16"))
     gpu = jax.default_backend() == "gpu"
-    return "cudnn" if gpu and sixteen_bits and cudnn_packed_layout() else "xla_chunked"
+    return "cudnn" if gpu and _computes_in_16_bits(section) and cudnn_packed_layout() else "xla_chunked"
 
 
 def _runtime(section: ModelSection) -> dict:
@@ -62,7 +65,7 @@ def check_attention(section: ModelSection) -> None:
     if impl == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention_impl='cudnn' needs an NVIDIA GPU, but JAX's backend is "
                           f"{jax.default_backend()!r}: use xla_chunked (or xla)")
-    if impl == "cudnn" and as_dtype(section.compute_dtype) not in (as_dtype("bfloat16"), as_dtype("float16")):
+    if impl == "cudnn" and not _computes_in_16_bits(section):
         raise ConfigError(f"model.attention_impl='cudnn' computes in bfloat16 or float16, but model.compute_dtype is "
                           f"{section.compute_dtype!r}: set model.compute_dtype=bfloat16, or use xla_chunked")
 
