@@ -24,8 +24,9 @@ method's work, causal attention at half, no recomputation; the same numerator fo
 loop's body once (the layers run in a scan), so it undercounts: on the cpu preset 0.028 TFLOP against 0.087 of model
 FLOPs. MFU is the figure to read; earlier results' "mfu" came from that cost analysis.
 
-Profile (--profile N, default 2 on a GPU): N more steps of the same executable under jax's profiler, after the timed
-ones; benchmarks/op_profile.py splits their device time into matmuls (with their TFLOP/s, counted from the HLO's
+Profile (--profile N, default 2 on a GPU): N more steps under jax's profiler, after the timed ones, of the same
+step compiled again without XLA's command buffers on a GPU (their CUDA graphs hide each op from the trace);
+benchmarks/op_profile.py splits their device time into matmuls (with their TFLOP/s, counted from the HLO's
 dots), cuDNN attention, Pallas kernels, fusions and copies, and names the costliest ops. "prof. HFU": the FLOPs
 the profiled step's matmuls and cuDNN attention executed (every loop trip and recomputation counted) over the timed
 step time.
@@ -320,12 +321,15 @@ def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0
     emit(row)
     if profile:  # after the timed steps, so tracing costs them nothing
         state = [args]
+        try:  # a copy without command buffers on a GPU, so the trace names each op (op_profile)
+            profiled = (fn.lower(*args).compile(compiler_options=op_profile.PROFILE_COMPILER_OPTIONS)
+                        if device.platform == "gpu" else compiled)
 
-        def one_step():
-            state[0] = run(compiled, state[0])
-            return state[0]
-        try:
-            row["profile"] = op_profile.profile_steps(one_step, profile, compiled.as_text())
+            def one_step():
+                state[0] = run(profiled, state[0])
+                return state[0]
+
+            row["profile"] = op_profile.profile_steps(one_step, profile, profiled.as_text())
         except Exception as e:  # recorded and printed: the timed row stands without it
             row["profile_error"] = f"{type(e).__name__}: {e}"
         emit(row)

@@ -1,7 +1,7 @@
 """Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
 
     python benchmarks/kernels.py [--parts decode,paged,prefill] [--page-size 16,32] [--deadline S] [--repeats 20]
-                                 [--out PATH]
+                                 [--profile-at 32x4096] [--out PATH]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
@@ -35,6 +35,10 @@ cache, any other against an fp32 reference); one that disagrees, fails or refuse
 error and is not timed. Timings: compiled first, then the median of --repeats samples, each `inner` calls
 enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
 dispatch latency hides behind the calls queued before it), divided by inner.
+Profiles (--profile-at BxS, default 32x4096 on a GPU: the decode target's point furthest from the bandwidth):
+each decode and paged row timed at such a point is then traced (benchmarks/op_profile.py, compiled again without
+XLA's command buffers, which hide each op) for PROFILE_CALLS calls, so its row says how much of its time is the
+kernel and how much the XLA ops around it (laying out q, the row limits, merging the splits).
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ import statistics
 import sys
 import time
 
+import op_profile
 from results_file import write_results
 
 SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
 MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are left out
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
+PROFILE_CALLS = 10  # traced calls of a profiled row
 
 
 def _error(e: Exception) -> str:
@@ -101,6 +107,25 @@ def leading(points, first) -> list:
     return [p for p in first if p in points] + [p for p in points if p not in first]
 
 
+def profiled(fn, inputs, calls: int = PROFILE_CALLS) -> dict:
+    """op_profile's summary of `calls` calls of jit(fn)(*inputs), compiled without command buffers on a GPU (their
+    CUDA graphs show as ops with no HLO behind them); its top ops only."""
+    import jax
+
+    options = op_profile.PROFILE_COMPILER_OPTIONS if jax.devices()[0].platform == "gpu" else None
+    compiled = jax.jit(fn).lower(*inputs).compile(compiler_options=options)
+    jax.block_until_ready(compiled(*inputs))
+    return op_profile.profile_steps(lambda: compiled(*inputs), calls, compiled.as_text(), top=8)
+
+
+def _points(text: str) -> tuple:
+    """'32x4096,128x8192' -> ((32, 4096), (128, 8192)); '' -> ()."""
+    try:
+        return tuple(tuple(int(n) for n in x.lower().split("x")) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(text) from None
+
+
 def _page_sizes(text: str) -> tuple:
     sizes = tuple(int(x) for x in text.split(",") if x.strip())
     if not sizes or min(sizes) < 1:
@@ -118,6 +143,9 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=_page_sizes, default=(16, 32), metavar="SIZES",
                         help="tokens a page in the paged rows, comma-separated, each point timed at each (default "
                              "16,32: sk.Engine's 16, and 32, the least the Mosaic kernel's per-token scales take)")
+    parser.add_argument("--profile-at", type=_points, default=None, metavar="BxS,...",
+                        help="decode / paged points (batch x context) whose rows are also traced: the kernel's time "
+                             "apart from the XLA ops around it (default 32x4096 on a GPU, none elsewhere; '' none)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -151,6 +179,8 @@ def main(argv=None) -> int:
         return 2
     interpret = device.platform == "cpu"
     repeats = args.repeats or (2 if args.smoke else 20)
+    profile_at = set(args.profile_at if args.profile_at is not None else
+                     ((32, 4096),) if device.platform == "gpu" else ())
     if args.smoke:  # tiny, and N / K = 4 as in Llama-3.1-8B
         heads, kv_heads, head_dim = 8, 2, 32
         decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
@@ -181,19 +211,26 @@ def main(argv=None) -> int:
             "measured_bandwidth": memory["bandwidth"], "parts": sorted(parts), "page_sizes": list(args.page_size),
             "document_tokens": document, "deadline_s": args.deadline, "complete": complete, **tables}, quiet=True)
 
-    def measure(table: str, row: dict, error, fn=None, inputs=None, derived=None) -> dict:
+    def measure(table: str, row: dict, error, fn=None, inputs=None, derived=None, profile=False) -> dict:
         """row + timings and derived(seconds), or + the error that kept it from being timed, appended to its table;
         the JSON is rewritten after every row (and each logged to stderr), so a run stopped by a time limit
         leaves what it measured. `inputs()` makes fn's inputs, so that none are made past --deadline, where a row
-        is recorded as not measured."""
+        is recorded as not measured. profile: the timed row is also traced (`profiled`; its failure is recorded
+        as profile_error, the timing stands)."""
         if args.deadline is not None and time.perf_counter() - started > args.deadline:
             error = error or f"not measured: past --deadline {args.deadline:g} s"
         if error is None:
             try:
-                seconds, compile_s = timed(fn, *inputs(), repeats=repeats)
+                made = inputs()
+                seconds, compile_s = timed(fn, *made, repeats=repeats)
                 row = {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
             except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
                 row = {**row, "error": _error(e)}
+            if profile and "error" not in row:
+                try:
+                    row["profile"] = profiled(fn, made)
+                except Exception as e:  # noqa: BLE001 - recorded beside the timing
+                    row["profile_error"] = _error(e)
         else:
             row = {**row, "error": error}
         print("measured", row, file=sys.stderr, flush=True)
@@ -316,7 +353,8 @@ def main(argv=None) -> int:
                     measure(table, {"impl": name, **row, "batch": b, "context": s, "kv_bytes": kv_bytes}, None,
                             impls[name], lambda n=name, p=point: laid_out(n, p()),
                             lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds,
-                                                             of_measured_bandwidth=n / seconds / measured_bw))
+                                                             of_measured_bandwidth=n / seconds / measured_bw),
+                            profile=(b, s) in profile_at)
                 del point
 
     if "decode" in parts:
@@ -429,6 +467,13 @@ def main(argv=None) -> int:
                   f"{r.get('batch', '-'):>6}{r.get('context', '-'):>9}" + (
                       f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
                                                              f"{r['of_measured_bandwidth']:>13.1%}"))
+        for r in tables[table]:  # where the profiled rows' device time went, per category and op
+            if "profile" in r or "profile_error" in r:
+                where = f"{r['impl']}" + (f", pages of {r['page_size']}" if paged else "")
+                print(f"\nprofile of {where} at {r['batch']} x {r['context']}:"
+                      + (f" {r['profile_error']}" if "profile_error" in r else ""))
+                if "profile" in r:
+                    op_profile.print_profile(r["profile"], ops=6, print_fn=lambda line: print("  " + line))
     if tables["prefill"]:
         print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16 (_float8_e4m3fn: K/V read from an FP8 "
               f"cache, dequantised by XLA first, as the engines do); TFLOP/s of 4*B*N*T*T*H/2")

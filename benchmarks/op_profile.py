@@ -43,6 +43,10 @@ DATA_MOVEMENT = {"copy", "transpose", "dynamic-update-slice", "dynamic-slice", "
                  "scatter", "copy-start", "copy-done", "bitcast", "broadcast", "reshape", "iota"}
 CONTROL = {"while", "conditional", "call", "async-start", "async-done", "tuple", "get-tuple-element", "parameter",
            "constant"}
+# Compile options of an executable that is profiled rather than timed: XLA's command buffers (CUDA graphs) replay
+# whole runs of ops as one launch, which the trace shows as `command_buffer_N` ops with no HLO behind them (the
+# 2026-11-25 8B profile: 99% of the step), so the profiled copy is compiled without them (xprof issue #3070)
+PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 # categories, in the order a table lists them
 CATEGORIES = ("matmul", "attention (cuDNN)", "Pallas kernel", "reduction fusion", "elementwise fusion",
               "data movement", "collective", "other", "not in the HLO")

@@ -116,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--random-weights", action="store_true",
                    help="random weights for --preset (no checkpoint; not with --model)")
     b.add_argument("--prompt-len", type=positive_int, default=2048)
-    b.add_argument("--gen-len", type=positive_int, default=128)
+    b.add_argument("--gen-len", type=non_negative_int, default=128, help="0: time the prefill only")
     b.add_argument("--batch", type=positive_int, default=1)
     b.add_argument("--repeats", type=positive_int, default=3)
     b.add_argument("--prefill-chunk", type=positive_int, default=None,

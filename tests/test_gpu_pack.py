@@ -257,6 +257,9 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert kernels["smoke"] is True and kernels["measured_bandwidth"] == max(kernels[k]["bandwidth"]
                                                                              for k in ("copy", "read"))
     assert {r["page_size"] for r in kernels["paged"]} == set(kernels["page_sizes"]) == {16, 32}
+    profiled = [r for r in kernels["decode"] + kernels["paged"] if "profile" in r]  # --profile-at 2x256 only
+    assert profiled and {(r["batch"], r["context"]) for r in profiled} == {(2, 256)}, why("kernels")
+    assert all(r["profile"]["busy_ms_per_step"] > 0 and r["profile"]["ops"] for r in profiled)
     bench = {c["label"]: c for c in records["bench"]["commands"]}
     assert records["bench"]["status"] == "ok", why("bench")
     point = bench["prompt 32 x batch 2"]

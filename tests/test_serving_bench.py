@@ -147,8 +147,31 @@ def test_unknown_preset_lists_the_presets():
 def test_bad_arguments_fail_loudly(tiny):
     with pytest.raises(ValueError, match="prefill_chunk 5 must divide prompt_len 16"):
         B.bench(tiny, prompt_len=16, gen_len=1, batch=1, prefill_chunk=5)
-    with pytest.raises(ValueError, match="gen_len must be a positive int"):
-        B.bench(tiny, prompt_len=16, gen_len=0, batch=1)
+    with pytest.raises(ValueError, match="gen_len must be a non-negative int"):
+        B.bench(tiny, prompt_len=16, gen_len=-1, batch=1)
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
+        B.bench(tiny, prompt_len=16, gen_len=1, batch=1, repeats=0)
+
+
+def test_gen_len_0_times_the_prefill_only(tiny, rows):
+    """The demo's prefill comparison: no decode loop compiled or run, its fields None, the prefill's token that of
+    `sk.generate`, and the ratios of what was measured."""
+    prefill_only = B.bench(tiny, prompt_len=PROMPT_LEN, gen_len=0, batch=BATCH, repeats=2, cache_dtype="float32",
+                           memory_bandwidth=100e9, keep_tokens=True)
+    prompts = B.random_prompts(tiny.config.vocab_size, BATCH, PROMPT_LEN, seed=0).tolist()
+    for row, full in zip(prefill_only, rows):
+        assert row["decode_compile_s"] is row["tpot_s"] is row["decode_loop_s"] is row["decode_tokens_per_s"] is None
+        assert row["decode_loop_runs_s"] == [] and "roofline_fraction" not in row
+        assert len(row["ttft_runs_s"]) == 2 and row["ttft_s"] > 0 and row["prefill_compile_s"] > 0
+        assert row["e2e_tokens_per_s"] == pytest.approx(BATCH / row["ttft_s"])
+        assert row["kv_cache_bytes"] < full["kv_cache_bytes"]  # a cache for the prompt alone
+        assert row["tokens"] == [t[:1] for t in full["tokens"]] == [
+            t[:1] for t in sk.generate(tiny, prompts, 1, stop_token_ids=(), swiftkv=row["swiftkv"],
+                                       cache_dtype="float32").tokens]
+    ratios = prefill_only[0]["vs_teacher"]
+    assert ratios["tpot"] is None and ratios["ttft"] == prefill_only[0]["ttft_s"] / prefill_only[1]["ttft_s"]
+    table = B.format_table(prefill_only)
+    assert "tpot -" in table and " - " in table.splitlines()[2]
 
 
 # ---- benchmarks/serving.py: every configuration at tiny sizes (the quick preset), its roofline and its parts -------

@@ -142,7 +142,8 @@ def kernels_step(ctx, run):
     if ctx.smoke:
         out = ctx.tmp / "kernels.json"
         run(Command("benchmarks/kernels.py", (ctx.python, "benchmarks/kernels.py", "--smoke", "--repeats", "1",
-                                              "--out", out), 600, output=out, script="benchmarks/kernels.py"))
+                                              "--profile-at", "2x256", "--out", out), 600, output=out,
+                    script="benchmarks/kernels.py"))
         return
     # the whole grid takes longer than one call: the dense and paged decode tables (bf16, int8, FP8 caches; paged at
     # pages of 16 and 32) and prefill each under kernels.py's own deadline (rows written as measured, the targets'
@@ -509,19 +510,20 @@ def _distill_lines(label: str, result: dict) -> list[str]:
     return lines
 
 
-def _profile_lines(row: dict) -> list[str]:
-    """Where a distill step's device time went (benchmarks/op_profile.py), one line a variant."""
-    title = f"{row['variant']} ({row.get('attention_impl', '-')})"
+def _profile_lines(row: dict, title: str | None = None, unit: str = "step") -> list[str]:
+    """Where a distill step's (a kernel call's) device time went (benchmarks/op_profile.py), one line a variant."""
+    title = title or f"{row['variant']} ({row.get('attention_impl', '-')})"
     if row.get("profile_error"):
         return [f"- profile of {title}: **failed** {_first_line(row['profile_error'])}"]
     prof = row.get("profile")
     if not prof:
         return []
-    cats = ", ".join(f"{c['category']} {c['ms']:.0f} ms ({c['share']:.0%}"
+    digits = 0 if unit == "step" else 3  # a kernel call is a fraction of a millisecond
+    cats = ", ".join(f"{c['category']} {c['ms']:.{digits}f} ms ({c['share']:.0%}"
                      + (f", {c['tflops']:.0f} TFLOP/s)" if c.get("tflops") else ")") for c in prof["categories"])
-    top = ", ".join(f"{o['op']} {o['ms']:.1f} ms" for o in prof["ops"][:3])
-    return [f"- profile of {title}: {prof['busy_ms_per_step']:.0f} ms of device ops in a "
-            f"{prof['wall_ms_per_step']:.0f} ms step: {cats}; costliest ops {top}"]
+    top = ", ".join(f"{o['op']} {o['ms']:.{digits + 1}f} ms" for o in prof["ops"][:3])
+    return [f"- profile of {title}: {prof['busy_ms_per_step']:.{digits}f} ms of device ops in a "
+            f"{prof['wall_ms_per_step']:.{digits}f} ms {unit}: {cats}; costliest ops {top}"]
 
 
 def _tune_rows(result: dict) -> list:
@@ -571,6 +573,9 @@ def _kernel_tables(result: dict) -> list[str]:
         lines += _table(["prefill impl", "batch", "seq", "packed", "ms", "TFLOP/s"],
                         [[r["impl"], *point(r, "batch", "seq"), {True: "yes", False: "no"}.get(r.get("packed"), "-"),
                           *_timed_cells(r, prefill, 2)] for r in result["prefill"]])
+    for r in result.get("decode", []) + result.get("paged", []):  # --profile-at's rows: kernel against XLA ops
+        pages = f", pages of {r['page_size']}" if "page_size" in r else ""
+        lines += _profile_lines(r, f"{r['impl']} at {r.get('batch')} x {r.get('context')}{pages}", unit="call")
     return lines
 
 

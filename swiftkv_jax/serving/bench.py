@@ -11,6 +11,8 @@ Per wiring, on `batch` random prompts of exactly `prompt_len` tokens (no padding
   and no early stop, divided by gen_len. The loop feeds the prefill's token, so a run produces
   gen_len + 1 tokens per sequence: exactly what `sk.generate(..., max_new_tokens=gen_len + 1)` returns.
 - decode tokens/s = batch * gen_len / loop time; end-to-end tokens/s = batch * (gen_len + 1) / (TTFT + loop).
+- gen_len 0 times the prefill only: no decode loop is compiled or run, and the decode fields are None (what a
+  prefill-speed comparison, such as the demo's, needs at half the compiles).
 - KV-cache bytes are the allocated cache's, compile times are reported apart from the timings; each timing
   is the median of `repeats` runs after one untimed warm-up, each run on a fresh cache.
 With a device memory bandwidth, a TPOT roofline: bytes one decode step must read (the weights this wiring
@@ -186,18 +188,20 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
             params, abstract_cache, prompts, lengths)
         loop, decode_compile_s = _compile(
             functools.partial(_decode_loop, config=cfg, swiftkv=swiftkv, steps=gen_len),
-            params, abstract_cache, jax.ShapeDtypeStruct((batch,), jnp.int32))
+            params, abstract_cache, jax.ShapeDtypeStruct((batch,), jnp.int32)) if gen_len else (None, None)
     ttfts, loops = [], []
     for run in range(repeats + 1):  # run 0 warms up
         cache = jax.block_until_ready(fresh())
         kv_bytes = int(cache.nbytes)
         (token, cache), ttft = _timed(first, params, cache, prompts, lengths)
-        (out, cache), loop_s = _timed(loop, params, cache, token)
+        if loop is not None:
+            (out, cache), loop_s = _timed(loop, params, cache, token)
+            loops.append(loop_s)
         del cache
         if run:
             ttfts.append(ttft)
-            loops.append(loop_s)
-    ttft, loop_s = statistics.median(ttfts), statistics.median(loops)
+    ttft = statistics.median(ttfts)
+    loop_s = statistics.median(loops[1:]) if loop is not None else None
     row = {
         "wiring": ("swiftkv" if swiftkv else "teacher") if cfg.is_swiftkv else "plain",
         "swiftkv": swiftkv, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats,
@@ -212,18 +216,20 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         "step_param_bytes": step_param_bytes(model, swiftkv),
         "cache_layers": cache_layers(cfg, swiftkv), "kv_cache_bytes": kv_bytes,
         "ttft_s": ttft, "ttft_runs_s": ttfts, "prefill_tokens_per_s": batch * prompt_len / ttft,
-        "tpot_s": loop_s / gen_len, "decode_loop_s": loop_s, "decode_loop_runs_s": loops,
-        "decode_tokens_per_s": batch * gen_len / loop_s, "e2e_tokens_per_s": batch * (gen_len + 1) / (ttft + loop_s),
+        "tpot_s": loop_s and loop_s / gen_len, "decode_loop_s": loop_s, "decode_loop_runs_s": loops[1:],
+        "decode_tokens_per_s": loop_s and batch * gen_len / loop_s,
+        "e2e_tokens_per_s": batch * (gen_len + 1) / (ttft + (loop_s or 0.0)),
         "prefill_compile_s": prefill_compile_s, "decode_compile_s": decode_compile_s,
     }
-    if bandwidth:
+    if bandwidth and loop_s:
         entry = 2 * batch * cfg.num_key_value_heads * as_format(cache_dtype).bytes_per_token_head(cfg.head_dim)
         kv_read = cfg.num_hidden_layers * entry * (prompt_len + (gen_len + 1) / 2)
         step_bytes = row["step_param_bytes"] + kv_read
         row.update(memory_bandwidth=float(bandwidth), step_bytes=int(step_bytes),
                    tpot_roofline_s=step_bytes / bandwidth, roofline_fraction=step_bytes / bandwidth / row["tpot_s"])
     if keep_tokens:
-        row["tokens"] = np.concatenate([np.asarray(token)[:, None], np.asarray(out)], axis=1).tolist()
+        row["tokens"] = np.concatenate([np.asarray(token)[:, None]] + ([np.asarray(out)] if loop else []),
+                                       axis=1).tolist()
     return row
 
 
@@ -245,8 +251,9 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
     mesh: serve tensor-parallel on it (`tensor_parallel.serving_mesh`); kv_cache_bytes then counts every device's.
     """
     for name, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("batch", batch), ("repeats", repeats)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "gen_len" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'gen_len' else 'positive'} int"
+                             f"{' (0: the prefill only)' if name == 'gen_len' else ''}, got {value!r}")
     if prefill_chunk is not None and (prefill_chunk < 1 or prompt_len % prefill_chunk):
         raise ValueError(f"prefill_chunk {prefill_chunk} must divide prompt_len {prompt_len}")
     if memory_bandwidth is not None and not 0 < memory_bandwidth < float("inf"):
@@ -263,7 +270,7 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
     if cfg.is_swiftkv:
         fast, slow = rows
         fast["vs_teacher"] = {
-            "ttft": fast["ttft_s"] / slow["ttft_s"], "tpot": fast["tpot_s"] / slow["tpot_s"],
+            "ttft": fast["ttft_s"] / slow["ttft_s"], "tpot": fast["tpot_s"] / slow["tpot_s"] if gen_len else None,
             "kv_bytes": fast["kv_cache_bytes"] / slow["kv_cache_bytes"],
             "kv_bytes_expected": expected_kv_ratio(cfg),
             "e2e_tokens_per_s": fast["e2e_tokens_per_s"] / slow["e2e_tokens_per_s"]}
@@ -286,15 +293,19 @@ def format_table(rows: list[dict]) -> str:
     header = (f"{'wiring':<9}{'TTFT ms':>10}{'TPOT ms':>10}{'decode tok/s':>14}{'e2e tok/s':>11}"
               f"{'KV layers':>10}{'KV MiB':>10}{'compile s':>12}" + (f"{'roofline':>10}" if roofline else ""))
     lines.append(header)
+    def number(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
     for r in rows:
-        lines.append(f"{r['wiring']:<9}{r['ttft_s'] * 1e3:>10.2f}{r['tpot_s'] * 1e3:>10.3f}"
-                     f"{r['decode_tokens_per_s']:>14.1f}{r['e2e_tokens_per_s']:>11.1f}{r['cache_layers']:>10}"
-                     f"{r['kv_cache_bytes'] / 2**20:>10.1f}"
-                     f"{r['prefill_compile_s']:>6.1f}+{r['decode_compile_s']:<5.1f}"
+        lines.append(f"{r['wiring']:<9}{r['ttft_s'] * 1e3:>10.2f}{number(r['tpot_s'] and r['tpot_s'] * 1e3, '.3f'):>10}"
+                     f"{number(r['decode_tokens_per_s'], '.1f'):>14}{r['e2e_tokens_per_s']:>11.1f}"
+                     f"{r['cache_layers']:>10}{r['kv_cache_bytes'] / 2**20:>10.1f}"
+                     f"{r['prefill_compile_s']:>6.1f}+{number(r['decode_compile_s'], '.1f'):<5}"
                      + (f"{r['roofline_fraction']:>10.1%}" if roofline else ""))
     for r in rows:
         if "vs_teacher" in r:
-            lines.append("swiftkv / teacher: " + ", ".join(f"{k} {v:.3f}" for k, v in r["vs_teacher"].items()))
+            lines.append("swiftkv / teacher: "
+                         + ", ".join(f"{k} {number(v, '.3f')}" for k, v in r["vs_teacher"].items()))
     return "\n".join(lines)
 
 
