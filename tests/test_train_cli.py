@@ -398,7 +398,7 @@ BAD_INPUT = {
     "missing teacher": (["model.teacher=/nonexistent/teacher"], "/nonexistent/teacher"),
     "missing data": (["data.sources=[{path: /nonexistent/chat.jsonl}]"], "/nonexistent/chat.jsonl"),
     "l >= L": (["model.num_key_value_layers=4"], "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
-    "bad mesh": (["mesh.fsdp=3"], "mesh:"),
+    "bad mesh": (["mesh.fsdp=3"], "mesh:"),  # before tokenising: no progress bar precedes the error
     "batch vs grad_accum": (["train.grad_accum=3"], "must be divisible by train.grad_accum (3)"),
     "unknown attention": (["model.attention_impl=flash"],
                           "model.attention_impl='flash' is unknown: training runs one of auto, xla, xla_chunked, "
@@ -430,7 +430,7 @@ def test_a_tokenizer_beyond_the_teachers_vocabulary_is_refused(capsys, assets, t
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["missing data", "l >= L"])
+@pytest.mark.parametrize("name", ["missing data", "l >= L", "bad mesh"])
 def test_bad_input_writes_nothing(capsys, assets, tmp_path, name):
     rc, _, _ = main(capsys, recipe(assets, tmp_path / "run", *BAD_INPUT[name][0]))
     assert rc == 2

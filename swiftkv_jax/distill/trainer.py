@@ -413,11 +413,10 @@ def train(config: TrainConfig, print_fn=print) -> int:
     teacher_config = read_config(config.model.teacher)  # valid: the line above read it
     if latest is not None:
         _check_same_teacher(config, teacher_config, out)
-    # Tokenise before JAX starts its device threads: datasets forks its workers.
+    mesh = make_mesh(config)  # also before tokenising (jax.process_index above has started the devices already)
     tokenizer = _load_tokenizer(config.model)
     check_vocab(tokenizer, vocab_size, config.model)
     dataset = build_dataset(config.data, tokenizer)
-    mesh = make_mesh(config)
     if config.stage == "pretrain":
         model_config, trainable, frozen = student_lib.load_pretrain(config.model, mesh, config.train.seed)
     else:
