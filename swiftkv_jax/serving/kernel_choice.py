@@ -12,6 +12,12 @@ Off a GPU both engines keep the model config's choices (XLA). On a GPU, measured
   config's XLA path: XLA over an int8 cache (0.26..1.22 ms) beat the Mosaic kernel's in-SMEM conversion (0.35..1.56).
 - paged decode (`sk.Engine`, pages of 16): the Triton paged kernel ties or beats Mosaic (0.47 against 0.52 ms at
   32 x 8K, 1.30 against 1.33 at 32 x 32K) but at 64 x 2K (0.345 against 0.325), on any GPU.
+
+Measured again on 2026-11-25 (benchmarks/results/gpu-2026-11-25): prefill, Mosaic 464 TFLOP/s at 8K x 1 against
+cuDNN's causal flag 483 and cuDNN with our mask 146; static decode, Mosaic the fastest at 32 x 32K and 128 x 4K..32K
+(1.16 / 0.66..4.25 ms) but behind XLA at 32 x 4K (0.25 against 0.20 ms; the day before 0.27 against 0.34) and tied
+at 32 x 8K (0.37); paged, Triton 0.19 ms against Mosaic's 0.26 at 32 x 4K. The rules stand: one run each way at the
+small static points is no reason to switch, and the next run profiles them (`benchmarks/kernels.py --profile-at`).
 """
 
 from __future__ import annotations
