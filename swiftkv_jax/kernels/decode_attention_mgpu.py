@@ -23,8 +23,9 @@ for all G heads and T tokens. The warpgroup streams its split's K and V tiles (b
 the copies run ahead of the arithmetic; S = Q K^T by wgmma from SMEM (K^T as `plgpu.transpose_ref` of the tile,
 as jax's attention_mgpu), an online softmax in registers (fp32, base 2), P V by wgmma (P from registers and
 accumulated in place, FA3's form; `interpreter_safe`: P through SMEM into a fresh accumulator, the form jax
-0.10.2's interpreter can run). Each split writes its unnormalised output, max and sum; `merge_partials` combines
-the splits in XLA.
+0.10.2's interpreter can run). Each split writes its unnormalised output (of a single row block, only its real
+rows rounded up to 8: a decode step's 4 of Llama's 64, so XLA merges an eighth of the bytes), max and sum;
+`merge_partials` combines the splits in XLA.
 
 Cost follows the context: a CTA reads keys only up to its rows' largest limit (min(position + 1, length)); keys
 below their smallest limit need no mask, so a decode step masks its last block only. A split past the context
@@ -126,8 +127,8 @@ class MosaicDecodeBlockSizes:
 
 
 def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, stages: int, row_blocks: int,
-            split_len: int, num_keys: int, page_size: int | None, qk_scale: float, scales: str | None,
-            interpreter_safe: bool, interpret: bool):
+            out_rows: int, split_len: int, num_keys: int, page_size: int | None, qk_scale: float,
+            scales: str | None, interpreter_safe: bool, interpret: bool):
     """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`.
     refs: the scales (`scales` "token": k_scale, v_scale laid out as the cache minus H; "layer": one [2] array of
     the per-layer K and V scales, V's applied outside), the block tables if paged, o_ref, m_ref, l_ref, then the
@@ -268,7 +269,9 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
     l_smem[...] = total
     plgpu.commit_smem()
     out_at = (split, batch, kv_head, row_slice)
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[out_at])
+    # the output's first out_rows rows (whole 8-row tiles): a decode's T * G real rows, not wgmma's 64
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)],
+                            o_ref.at[split, batch, kv_head, pl.ds(row_block * out_rows, out_rows)])
     plgpu.copy_smem_to_gmem(m_smem, m_ref.at[out_at])
     plgpu.copy_smem_to_gmem(l_smem, l_ref.at[out_at])
     plgpu.wait_smem_to_gmem(0)
@@ -354,6 +357,10 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
     rows = t * g
     row_blocks = pl.cdiv(rows, _ROWS)
     padded_rows = row_blocks * _ROWS
+    # Rows of the output partials a CTA writes: all 64 of a row block when there are several, else the real rows
+    # rounded up to a TMA tile (a decode step's G = 4 rows: 8, an eighth of the bytes for XLA to merge). The
+    # maxes and sums keep 64 a block: 8 fp32 would be a 32-byte copy, below what the lowering moves.
+    out_rows = _ROWS if row_blocks > 1 else pl.cdiv(rows, _TILE_ROWS) * _TILE_ROWS
     num_splits = block_sizes.splits(num_keys, b * kv_heads * row_blocks, num_sms)
     split_len = pl.cdiv(pl.cdiv(num_keys, num_splits), block_kv) * block_kv
     num_splits = pl.cdiv(num_keys, split_len)
@@ -367,9 +374,9 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
     ranges = _row_ranges(limit, row_blocks, rows)
 
     kernel = functools.partial(_kernel, block_kv=block_kv, stages=stages, row_blocks=row_blocks,
-                               split_len=split_len, num_keys=max(num_keys, block_kv), page_size=page_size,
-                               qk_scale=_LOG2_E / math.sqrt(h), scales=mode, interpreter_safe=interpreter_safe,
-                               interpret=interpret)
+                               out_rows=out_rows, split_len=split_len, num_keys=max(num_keys, block_kv),
+                               page_size=page_size, qk_scale=_LOG2_E / math.sqrt(h), scales=mode,
+                               interpreter_safe=interpreter_safe, interpret=interpret)
 
     def entry(*refs):
         slots = plgpu.SMEM((stages, block_kv, h), storage, **_tiled(storage.itemsize, h * storage.itemsize))
@@ -392,7 +399,8 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
     stats = jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows), jnp.float32)
     outs, maxes, sums = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows, h), jnp.float32), stats, stats),
+        out_type=(jax.ShapeDtypeStruct((num_splits, b, kv_heads, row_blocks * out_rows, h), jnp.float32), stats,
+                  stats),
         grid=(b, kv_heads * row_blocks, num_splits),
         grid_names=("batch", "rows", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -400,6 +408,7 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
     )(ranges, limit, q_rows, *kv, *scale_inputs, *tables)
 
     # base-2 maxes back to natural units; a row that saw no key keeps the contract's MASK_VALUE
+    maxes, sums = maxes[..., :row_blocks * out_rows], sums[..., :row_blocks * out_rows]
     maxes = jnp.where(sums > 0, maxes / _LOG2_E, MASK_VALUE)
     out, m, total = merge_partials(outs, maxes, sums)
     if mode == "layer":  # attention is linear in V: its per-layer scale multiplies the output
