@@ -1,7 +1,7 @@
 """Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
 
     python benchmarks/kernels.py [--parts decode,paged,prefill] [--page-size 16,32] [--deadline S] [--repeats 20]
-                                 [--profile-at 32x4096] [--out PATH]
+                                 [--profile-at 32x4096] [--rivals targets|all] [--out PATH]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
@@ -35,6 +35,11 @@ cache, any other against an fp32 reference); one that disagrees, fails or refuse
 error and is not timed. Timings: compiled first, then the median of --repeats samples, each `inner` calls
 enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
 dispatch latency hides behind the calls queued before it), divided by inner.
+Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default and our kernels
+are timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised dense
+forms, XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets' points
+only, so that one bounded GPU call covers every point of our kernels (on 2026-11-25 the deadline stopped the tables
+at a third of their rows). `--rivals all` times every implementation everywhere.
 Profiles (--profile-at BxS, default 32x4096 on a GPU: the decode target's point furthest from the bandwidth):
 each decode and paged row timed at such a point is then traced (benchmarks/op_profile.py, compiled again without
 XLA's command buffers, which hide each op) for PROFILE_CALLS calls, so its row says how much of its time is the
@@ -57,6 +62,13 @@ SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
 MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are left out
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 PROFILE_CALLS = 10  # traced calls of a profiled row
+# Per table, the implementations `--rivals targets` times at the targets' points only (see the docstring)
+_QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
+RIVALS = {
+    "decode": {"pallas", "pallas_bskh", "jax_pallas", *_QUANTIZED_TRITON},
+    "paged": {"xla", "xla_int8", "xla_float8_e4m3fn", "pallas_f16_int8", "pallas_f16_float8_e4m3fn"},
+    "prefill": {"xla", "jax_mosaic_fp16", "mosaic_smem", "cudnn_mask"},
+}
 
 
 def _error(e: Exception) -> str:
@@ -146,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-at", type=_points, default=None, metavar="BxS,...",
                         help="decode / paged points (batch x context) whose rows are also traced: the kernel's time "
                              "apart from the XLA ops around it (default 32x4096 on a GPU, none elsewhere; '' none)")
+    parser.add_argument("--rivals", choices=("targets", "all"), default=None,
+                        help="where RIVALS are timed: at the targets' points only (default on a GPU) or at every "
+                             "point (default in --smoke)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -179,20 +194,27 @@ def main(argv=None) -> int:
         return 2
     interpret = device.platform == "cpu"
     repeats = args.repeats or (2 if args.smoke else 20)
+    rivals_at = args.rivals or ("all" if args.smoke else "targets")
     profile_at = set(args.profile_at if args.profile_at is not None else
                      ((32, 4096),) if device.platform == "gpu" else ())
     if args.smoke:  # tiny, and N / K = 4 as in Llama-3.1-8B
         heads, kv_heads, head_dim = 8, 2, 32
         decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
+        decode_targets, prefill_targets = decode_points[:1], prefill_points[:1]
     else:
         heads, kv_heads, head_dim = 32, 8, 128
         # K and V of one layer at most MAX_KV_GIB: 256 x 32K would be 34 GB of bf16. The targets' points first:
         # decode at batch >= 32 and context >= 4K, prefill 8K causal against cuDNN.
+        decode_targets = [(b, s) for b in (32, 128) for s in (4096, 8192, 32768)]
+        prefill_targets = [(1, 8192), (4, 8192), (1, 32768)]
         decode_points = leading([(b, s) for b in (32, 64, 128, 256) for s in (2048, 4096, 8192, 16384, 32768)
-                                 if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30],
-                                [(b, s) for b in (32, 128) for s in (4096, 8192, 32768)])
-        prefill_points = leading([(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)],
-                                 [(1, 8192), (4, 8192), (1, 32768)])
+                                 if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30], decode_targets)
+        prefill_points = leading([(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)], prefill_targets)
+
+    def timed_here(table: str, name: str, point: tuple) -> bool:
+        """Whether `name` is timed at this point of `table` (`--rivals`)."""
+        return rivals_at == "all" or name not in RIVALS[table] or point in (
+            prefill_targets if table == "prefill" else decode_targets)
     copy_gib = args.copy_gib or (1 / 64 if args.smoke else 2.0)
     dtype = jnp.bfloat16
     keys = iter(jax.random.split(jax.random.key(0, impl="rbg"), 1024))
@@ -209,7 +231,9 @@ def main(argv=None) -> int:
             "interpret": interpret, "repeats": repeats, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "dtype": "bfloat16", "copy": memory["copy"], "read": memory["read"],
             "measured_bandwidth": memory["bandwidth"], "parts": sorted(parts), "page_sizes": list(args.page_size),
-            "document_tokens": document, "deadline_s": args.deadline, "complete": complete, **tables}, quiet=True)
+            "document_tokens": document, "deadline_s": args.deadline, "complete": complete,
+            "rivals_at": rivals_at, "rivals": {k: sorted(v) for k, v in RIVALS.items()},
+            "target_points": {"decode": decode_targets, "prefill": prefill_targets}, **tables}, quiet=True)
 
     def measure(table: str, row: dict, error, fn=None, inputs=None, derived=None, profile=False) -> dict:
         """row + timings and derived(seconds), or + the error that kept it from being timed, appended to its table;
@@ -347,7 +371,7 @@ def main(argv=None) -> int:
         for b, s in decode_points:
             for row, make, names in passed:
                 point = functools.cache(functools.partial(make, b, s))
-                for name in names:
+                for name in (n for n in names if timed_here(table, n, (b, s))):
                     kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
                                                        head_dim * jnp.dtype(dtype).itemsize)
                     measure(table, {"impl": name, **row, "batch": b, "context": s, "kv_bytes": kv_bytes}, None,
@@ -447,7 +471,7 @@ def main(argv=None) -> int:
                 # packed: each document's own causal triangle
                 work = 4 * b * heads * t * document * head_dim / 2 if packed else flops
                 for name in names:
-                    if packed and name not in segmented:
+                    if (packed and name not in segmented) or not timed_here("prefill", name, (b, t)):
                         continue
                     measure("prefill", {"impl": name, "batch": b, "seq": t, "packed": packed, "flops": work}, None,
                             prefill_impls[name], lambda n=name, p=point: laid_out(n, p()),

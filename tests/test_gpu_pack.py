@@ -448,6 +448,27 @@ def test_kernels_bench_puts_the_targets_points_first():
                                                                                (64, 4096)]
 
 
+def test_kernels_bench_times_rivals_at_the_targets_points_only(tmp_path):
+    """--rivals targets (the GPU default): our kernels and the engines' defaults at every point, the rivals at the
+    targets' points only (in --smoke the first point of each table), so a bounded call covers our kernels."""
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--smoke", "--repeats", "1", "--parts",
+                           "decode,prefill", "--rivals", "targets", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rivals_at"] == "targets"
+    for table, point in (("decode", ("batch", "context")), ("prefill", ("batch", "seq"))):
+        timed = [r for r in result[table] if "time_s" in r]
+        where = lambda impl: {tuple(r[k] for k in point) for r in timed if r["impl"] == impl}  # noqa: E731
+        targets = {tuple(x) for x in result["target_points"][table]}
+        rivals = {r["impl"] for r in timed} & set(result["rivals"][table])
+        ours = {r["impl"] for r in timed} - set(result["rivals"][table])
+        assert rivals and ours, (table, rivals, ours)
+        assert all(where(impl) == targets for impl in rivals), table
+        assert all(where(impl) > targets for impl in ours), table
+
+
 def test_distill_summary_names_each_rows_attention_and_the_failed_steps():
     row = lambda variant, attention, step_s: {"variant": variant, "attention_impl": attention, "remat": "none",
                                               "step_s": step_s, "tokens_per_s": 8192 / step_s, "mfu": 0.3,
