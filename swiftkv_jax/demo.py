@@ -6,7 +6,9 @@ build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs
 when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped, and 50% + 2-way AcrossKV ->
 distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
 print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
-settings left in --out, so a rerun only evaluates. SIGTERM/SIGINT in a training stage save its checkpoint and stop
+settings left in --out, each model's evaluation too (`evaluation_rows.json`, written as each model is evaluated and
+keyed by its checkpoints' files: delete it to evaluate again), so a call stopped by a time limit continues where it
+stopped and a rerun only prints and plots. SIGTERM/SIGINT in a training stage save its checkpoint and stop
 the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget pretrains a
 247M-parameter teacher in bf16 on one GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the
 table, JSON and plots to a folder of their own.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import shutil
 import sys
@@ -295,44 +298,75 @@ def held_out(out: Path, settings: DemoSettings, tokenizer):
     return batches, prompts
 
 
-def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings) -> list[dict]:
-    """One row per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher."""
+EVAL_ROWS = "evaluation_rows.json"  # in --out: each model's row as soon as it is evaluated
+SPEED = ("prefill_time_vs_teacher", "kv_bytes_vs_teacher")  # a row's fields that depend on its (l, g) only
+
+
+def _fingerprint(checkpoint: Path) -> list:
+    """What identifies a checkpoint on disk: its files' names, sizes and modification times."""
+    return sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in checkpoint.iterdir() if f.is_file())
+
+
+def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None
+             ) -> list[dict]:
+    """One row per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher.
+    models: name -> (load() -> Model, Variant or None for the teacher, the checkpoints its row depends on: the
+    teacher's, and a student's own). done: a JSON file of the rows evaluated so far, each with its checkpoints'
+    fingerprints, rewritten after every model: a row whose checkpoints are unchanged is read back instead of
+    evaluated again (`evaluated_earlier`), so a demo that a time limit stopped mid-evaluation continues there."""
+    earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
+    speed = {}  # (l, g) -> SPEED; the teacher wiring of the same weights runs in the same bench call
+    rows = []
+    for name, (load, variant, checkpoints) in models.items():
+        fingerprint = [_fingerprint(c) for c in checkpoints]
+        if earlier.get(name, {}).get("checkpoints") == fingerprint:
+            row = dict(earlier[name]["row"], evaluated_earlier=True)
+        else:
+            row = evaluate_one(teacher, load(), variant, batches, prompts, settings, speed)
+            if done is not None:
+                earlier[name] = {"checkpoints": fingerprint, "row": row}
+                partial = done.with_suffix(".tmp")
+                partial.write_text(json.dumps(earlier, indent=1) + "\n")
+                partial.replace(done)
+        if variant is not None:
+            speed.setdefault((variant.l, variant.g), {k: row[k] for k in SPEED})
+        rows.append({"model": name, **row})
+        _say(f"evaluated {name}{' in an earlier call' if row.get('evaluated_earlier') else ''}: val loss "
+             f"{row['val_loss']:.4f}, KL {row['kl_to_teacher']:.4f} "
+             f"({', '.join(f'{k} {v:.0f} s' for k, v in row['eval_seconds'].items())})")
+    return rows
+
+
+def evaluate_one(teacher, model, variant: Optional[Variant], batches, prompts, settings: DemoSettings,
+                 speed: dict) -> dict:
+    """`evaluate`'s row of one model (its SPEED from an earlier model of the same (l, g) when there is one)."""
     from swiftkv_jax.evaluation.quality import greedy_agreement, held_out_scores
     from swiftkv_jax.serving import bench
 
-    speed = {}  # (l, g) -> ratios; the teacher wiring of the same weights runs in the same bench call
-    rows = []
-    for name, (model, variant) in models.items():
-        row = {"model": name, "layers_skipped": 0.0 if variant is None else variant.fraction(
-            teacher.config.num_hidden_layers), "l": None if variant is None else variant.l,
-               "g": None if variant is None else variant.g,
-               "distilled": None if variant is None else variant.distilled}
-        seconds = row["eval_seconds"] = {}  # where the evaluation's time goes (compiling, on a GPU), per part
+    row = {"layers_skipped": 0.0 if variant is None else variant.fraction(teacher.config.num_hidden_layers),
+           "l": None if variant is None else variant.l, "g": None if variant is None else variant.g,
+           "distilled": None if variant is None else variant.distilled, "evaluated_earlier": False}
+    seconds = row["eval_seconds"] = {}  # where the evaluation's time goes (compiling, on a GPU), per part
 
-        def part(what, fn, *args, **kwargs):
-            start = time.perf_counter()
-            row.update(fn(*args, **kwargs))
-            seconds[what] = round(time.perf_counter() - start, 1)
+    def part(what, fn, *args, **kwargs):
+        start = time.perf_counter()
+        row.update(fn(*args, **kwargs))
+        seconds[what] = round(time.perf_counter() - start, 1)
 
-        part("held_out", held_out_scores, teacher, model, batches)
-        part("greedy", greedy_agreement, teacher, model, prompts, settings.new_tokens)
-        if variant is None:
-            row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
-        else:
-            key = (variant.l, variant.g)
-            if key not in speed:
-                def prefill_speed():  # the prefill only (gen_len 0): no decode loop compiled
-                    result = bench.bench(model, prompt_len=settings.prefill_len, gen_len=0, batch=1, repeats=5,
-                                         cache_dtype="float32")[0]["vs_teacher"]
-                    speed[key] = {"prefill_time_vs_teacher": result["ttft"], "kv_bytes_vs_teacher": result["kv_bytes"]}
-                    return speed[key]
+    part("held_out", held_out_scores, teacher, model, batches)
+    part("greedy", greedy_agreement, teacher, model, prompts, settings.new_tokens)
+    if variant is None:
+        row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
+    elif (variant.l, variant.g) in speed:
+        row.update(speed[(variant.l, variant.g)])
+    else:
+        def prefill_speed():  # the prefill only (gen_len 0): no decode loop compiled
+            ratios = bench.bench(model, prompt_len=settings.prefill_len, gen_len=0, batch=1, repeats=5,
+                                 cache_dtype="float32")[0]["vs_teacher"]
+            return dict(zip(SPEED, (ratios["ttft"], ratios["kv_bytes"])))
 
-                part("prefill_bench", prefill_speed)
-            row.update(speed[key])
-        rows.append(row)
-        _say(f"evaluated {name}: val loss {row['val_loss']:.4f}, KL {row['kl_to_teacher']:.4f} "
-             f"({', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())})")
-    return rows
+        part("prefill_bench", prefill_speed)
+    return row
 
 
 TABLE_ROWS = ("teacher", "swiftkv-50-undistilled", "swiftkv-50", "swiftkv-50-acrosskv2")
@@ -428,14 +462,19 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     teacher_dir = pretrain(out, settings, teacher_init(out, settings, tokenizer))
     lap("pretrain")
     teacher = sk.load(teacher_dir)
-    models = {"teacher": (teacher, None)}
+    models = {"teacher": (lambda: teacher, None, [teacher_dir])}  # each loaded when it is evaluated
     for v in variants(teacher.config.num_hidden_layers):
-        student = sk.load(distill(out, settings, teacher_dir, v)) if v.distilled else sk.to_swiftkv(teacher, v.l, v.g)
-        models[v.name] = (student, v)
+        if v.distilled:
+            student_dir = distill(out, settings, teacher_dir, v)
+            models[v.name] = (functools.partial(sk.load, student_dir), v, [teacher_dir, student_dir])
+        else:
+            models[v.name] = (functools.partial(sk.to_swiftkv, teacher, v.l, v.g), v, [teacher_dir])
     lap("distill")
     batches, prompts = held_out(out, settings, tokenizer)
-    rows = evaluate(teacher, models, batches, prompts, settings)
+    rows = evaluate(teacher, models, batches, prompts, settings, done=out / EVAL_ROWS)
     lap("evaluate")
+    # rows read back from an earlier call: their evaluation was that call's time
+    earlier_eval = sum(sum(r["eval_seconds"].values()) for r in rows if r["evaluated_earlier"])
     checks = shape_checks(rows)
     if name == "gpu":
         checks["gap_closed_target"] = GAP_CLOSED_TARGET
@@ -446,7 +485,8 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     device = jax.devices()[0]
     seconds = time.perf_counter() - start
     result = {"settings": name, "rows": rows, "checks": checks, "seconds": seconds,
-              "seconds_with_earlier_calls": seconds + earlier, "earlier_training_seconds": earlier,
+              "seconds_with_earlier_calls": seconds + earlier + earlier_eval, "earlier_training_seconds": earlier,
+              "earlier_evaluation_seconds": earlier_eval,
               "stage_seconds": stages, "device": f"{device.device_kind} ({device.platform})",
               "estimate": gpu_seconds(settings) if name == "gpu" else None}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -463,7 +503,8 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
         for name_ in RESULT_FILES:
             shutil.copyfile(out / name_, results / name_.replace("/", "_"))
         _say(f"results copied to {results}")
-    resumed = f"; {(seconds + earlier) / 60:.1f} min with earlier calls' training" if earlier else ""
+    resumed = (f"; {(seconds + earlier + earlier_eval) / 60:.1f} min with earlier calls' training and evaluation"
+               if earlier or earlier_eval else "")
     _say(f"done in {seconds / 60:.1f} min{resumed} ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}): "
          f"{out / 'results.md'}, {out / 'results.json'}, {out / 'quality_vs_layers_skipped.png'}, "
          f"{out / 'analysis' / 'similarity.png'}")

@@ -88,6 +88,29 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     layers = demo.SETTINGS["smoke"].architecture["num_hidden_layers"]
     assert stages == sorted(["teacher", *(v.name for v in demo.variants(layers) if v.distilled)])
     assert 0 < demo.earlier_training_seconds(out, layers) < result["seconds"]
+    assert result["earlier_evaluation_seconds"] == 0 and not any(r["evaluated_earlier"] for r in result["rows"])
+    # a call stopped mid-evaluation continues there: the rows written so far (checkpoints unchanged) are read back,
+    # the others evaluated, a reused row's prefill comparison serving the other row of its (l, g); both times count
+    done = json.loads((out / demo.EVAL_ROWS).read_text())
+    assert set(done) == set(rows)
+    redo = {"swiftkv-75", "swiftkv-25-undistilled"}
+    (out / demo.EVAL_ROWS).write_text(json.dumps({k: v for k, v in done.items() if k not in redo}))
+    stdout = run_demo(out, "smoke")
+    again = json.loads((out / "results.json").read_text())
+    by_name = {r["model"]: r for r in again["rows"]}
+    assert {name for name, r in by_name.items() if not r["evaluated_earlier"]} == redo
+    assert "evaluated swiftkv-50 in an earlier call" in stdout and "evaluated swiftkv-75: val loss" in stdout
+    assert all(by_name[name]["val_loss"] == rows[name]["val_loss"] for name in set(rows) - redo)
+    assert by_name["swiftkv-75"]["val_loss"] == pytest.approx(rows["swiftkv-75"]["val_loss"], rel=1e-5)
+    assert "prefill_bench" in by_name["swiftkv-75"]["eval_seconds"]  # its (l, g) had no row left to read
+    assert "prefill_bench" not in by_name["swiftkv-25-undistilled"]["eval_seconds"]
+    assert by_name["swiftkv-25-undistilled"]["prefill_time_vs_teacher"] == by_name["swiftkv-25"][
+        "prefill_time_vs_teacher"]
+    reused = sum(sum(r["eval_seconds"].values()) for r in again["rows"] if r["evaluated_earlier"])
+    assert again["earlier_evaluation_seconds"] == pytest.approx(reused) and reused > 0
+    assert again["seconds_with_earlier_calls"] == pytest.approx(
+        again["seconds"] + again["earlier_training_seconds"] + again["earlier_evaluation_seconds"])
+    assert set(json.loads((out / demo.EVAL_ROWS).read_text())) == set(rows)
     # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
     sweep = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",
