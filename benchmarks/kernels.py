@@ -1,7 +1,7 @@
 """Attention kernels on the GPU: the few-query (decode) kernel and the prefill flash kernel, against their rivals.
 
     python benchmarks/kernels.py [--parts decode,paged,prefill] [--page-size 16,32] [--deadline S] [--repeats 20]
-                                 [--profile-at 32x4096] [--rivals targets|all] [--out PATH]
+                                 [--profile-at 32x4096] [--rivals targets|all] [--layers 16] [--out PATH]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
@@ -35,6 +35,9 @@ cache, any other against an fp32 reference); one that disagrees, fails or refuse
 error and is not timed. Timings: compiled first, then the median of --repeats samples, each `inner` calls
 enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
 dispatch latency hides behind the calls queued before it), divided by inner.
+Layers (--layers L, default 16): at LAYERED_POINTS the engines' decode paths (LAYERED) are also timed as a decode
+step runs them, L layers' caches attended one after another in one program (at most MAX_KV_GIB of K/V in all), and
+reported per layer: one call of one layer pays a launch and its XLA ops apart, which a step spreads over its layers.
 Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default and our kernels
 are timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised dense
 forms, XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets' points
@@ -62,6 +65,8 @@ SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
 MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are left out
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 PROFILE_CALLS = 10  # traced calls of a profiled row
+LAYERED_POINTS = ((32, 4096), (32, 8192))  # decode points (batch, context) furthest from the bandwidth target
+LAYERED = ("xla", "mosaic", "mosaic_smem", "xla_int8", "xla_float8_e4m3fn")  # the static engine's paths
 # Per table, the implementations `--rivals targets` times at the targets' points only (see the docstring)
 _QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
 RIVALS = {
@@ -161,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rivals", choices=("targets", "all"), default=None,
                         help="where RIVALS are timed: at the targets' points only (default on a GPU) or at every "
                              "point (default in --smoke)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the decode-step rows at LAYERED_POINTS (default 16, smoke 2; 0: none)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -380,10 +387,30 @@ def main(argv=None) -> int:
                                                              of_measured_bandwidth=n / seconds / measured_bw),
                             profile=(b, s) in profile_at)
                 del point
+        return [names for _, _, names in passed]
 
     if "decode" in parts:
-        decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
-                     {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})})
+        passed = decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
+                              {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})})
+        layers = args.layers if args.layers is not None else (2 if args.smoke else 16)
+        for b, s in (((2, 256),) if args.smoke else LAYERED_POINTS) if layers else ():
+            # a decode step's attention: `count` layers' caches one after another in one program, per layer
+            count = max(1, min(layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
+            point = functools.cache(lambda b=b, s=s, count=count: [decode_inputs(b, s) for _ in range(count)])
+            for name in (n for n in LAYERED if n in passed[0]):
+                kv_bytes = count * 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
+                                                           head_dim * jnp.dtype(dtype).itemsize)
+                width = 5 + 2 * name_quantized(name)  # inputs a layer: q, k, v, lengths, positions (+ 2 scales)
+
+                def step(*flat, name=name, count=count, width=width):
+                    return [decode_impls[name](*flat[i * width:(i + 1) * width]) for i in range(count)]
+
+                measure("decode", {"impl": name, "batch": b, "context": s, "layers": count, "kv_bytes": kv_bytes},
+                        None, step, lambda n=name, p=point: [x for layer in p() for x in laid_out(n, layer)],
+                        lambda seconds, n=kv_bytes, count=count: dict(
+                            time_per_layer_s=seconds / count, bandwidth=n / seconds,
+                            of_measured_bandwidth=n / seconds / measured_bw))
+            del point
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, page_size, H] through shuffled block
     # tables (sequences' pages scattered over the pool), by each decode_attention_impl's paged form, at each
@@ -486,10 +513,12 @@ def main(argv=None) -> int:
         print(f"\n{title}: 1 query, {heads}/{kv_heads} heads x {head_dim}, bf16; bandwidth = K+V bytes / time")
         print(f"{'impl':<26}" + (f"{'page':>6}" if paged else "") +
               f"{'batch':>6}{'context':>9}{'ms':>10}{'GB/s':>9}{'of measured':>13}")
-        for r in tables[table]:
-            print(f"{r['impl']:<26}" + (f"{r['page_size']:>6}" if paged else "") +
+        for r in tables[table]:  # a decode-step row: its impl, the layers it ran, and its time per layer
+            impl = f"{r['impl']}, {r['layers']} layers" if "layers" in r else r["impl"]
+            ms = r.get("time_per_layer_s", r.get("time_s", 0)) * 1e3
+            print(f"{impl:<26}" + (f"{r['page_size']:>6}" if paged else "") +
                   f"{r.get('batch', '-'):>6}{r.get('context', '-'):>9}" + (
-                      f"  {r['error']}" if "error" in r else f"{r['time_s'] * 1e3:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
+                      f"  {r['error']}" if "error" in r else f"{ms:>10.3f}{r['bandwidth'] / 1e9:>9.1f}"
                                                              f"{r['of_measured_bandwidth']:>13.1%}"))
         for r in tables[table]:  # where the profiled rows' device time went, per category and op
             if "profile" in r or "profile_error" in r:

@@ -257,6 +257,10 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     assert kernels["smoke"] is True and kernels["measured_bandwidth"] == max(kernels[k]["bandwidth"]
                                                                              for k in ("copy", "read"))
     assert {r["page_size"] for r in kernels["paged"]} == set(kernels["page_sizes"]) == {16, 32}
+    step_rows = [r for r in kernels["decode"] if "layers" in r]  # --layers: a decode step's layers, per layer
+    assert step_rows and all(r["layers"] == 2 and r["time_per_layer_s"] == pytest.approx(r["time_s"] / 2)
+                             for r in step_rows if "time_s" in r), why("kernels")
+    assert "xla, per layer of 2" in (out / "summary.md").read_text()
     profiled = [r for r in kernels["decode"] + kernels["paged"] if "profile" in r]  # --profile-at 2x256 only
     assert profiled and {(r["batch"], r["context"]) for r in profiled} == {(2, 256)}, why("kernels")
     assert all(r["profile"]["busy_ms_per_step"] > 0 and r["profile"]["ops"] for r in profiled)

@@ -556,7 +556,10 @@ def _kernel_tables(result: dict) -> list[str]:
     the read probe had the copy alone, and one page size); an impl that failed its check has one row, no point."""
     probes = {k: result[k]["bandwidth"] for k in ("read", "copy") if k in result}
     measured = max(probes.values())
-    decode = lambda r: [_ms(r["time_s"]), f"{r['bandwidth'] / 1e9:.0f}", f"{r['bandwidth'] / measured:.0%}"]
+    # a decode-step row (kernels.py --layers): its time per layer
+    decode = lambda r: [_ms(r.get("time_per_layer_s", r["time_s"])), f"{r['bandwidth'] / 1e9:.0f}",
+                        f"{r['bandwidth'] / measured:.0%}"]
+    impl = lambda r: f"{r['impl']}, per layer of {r['layers']}" if "layers" in r else r["impl"]
     prefill = lambda r: [_ms(r["time_s"]), f"{r['tflops']:.1f}"]
     lines = [f"measured bandwidth {measured / 1e9:.0f} GB/s ("
              + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in probes.items()) + f" GB/s) on "
@@ -564,7 +567,7 @@ def _kernel_tables(result: dict) -> list[str]:
     point = lambda r, *keys: [r.get(k, "-") for k in keys]
     if result.get("decode"):
         lines += _table(["decode impl", "batch", "context", "ms", "GB/s", "of measured"],
-                        [[r["impl"], *point(r, "batch", "context"), *_timed_cells(r, decode, 3)]
+                        [[impl(r), *point(r, "batch", "context"), *_timed_cells(r, decode, 3)]
                          for r in result["decode"]]) + [""]
     if result.get("paged"):
         lines += _table(["paged decode impl", "page", "batch", "context", "ms", "GB/s", "of measured"],
