@@ -409,7 +409,7 @@ def main(argv=None) -> int:
                         None, step, lambda n=name, p=point: [x for layer in p() for x in laid_out(n, layer)],
                         lambda seconds, n=kv_bytes, count=count: dict(
                             time_per_layer_s=seconds / count, bandwidth=n / seconds,
-                            of_measured_bandwidth=n / seconds / measured_bw))
+                            of_measured_bandwidth=n / seconds / measured_bw), profile=(b, s) in profile_at)
             del point
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, page_size, H] through shuffled block
@@ -522,7 +522,8 @@ def main(argv=None) -> int:
                                                              f"{r['of_measured_bandwidth']:>13.1%}"))
         for r in tables[table]:  # where the profiled rows' device time went, per category and op
             if "profile" in r or "profile_error" in r:
-                where = f"{r['impl']}" + (f", pages of {r['page_size']}" if paged else "")
+                where = (f"{r['impl']}" + (f", pages of {r['page_size']}" if paged else "")
+                         + (f", {r['layers']} layers a call" if "layers" in r else ""))
                 print(f"\nprofile of {where} at {r['batch']} x {r['context']}:"
                       + (f" {r['profile_error']}" if "profile_error" in r else ""))
                 if "profile" in r:

@@ -578,7 +578,8 @@ def _kernel_tables(result: dict) -> list[str]:
                         [[r["impl"], *point(r, "batch", "seq"), {True: "yes", False: "no"}.get(r.get("packed"), "-"),
                           *_timed_cells(r, prefill, 2)] for r in result["prefill"]])
     for r in result.get("decode", []) + result.get("paged", []):  # --profile-at's rows: kernel against XLA ops
-        pages = f", pages of {r['page_size']}" if "page_size" in r else ""
+        pages = (f", pages of {r['page_size']}" if "page_size" in r else "") + (
+            f", {r['layers']} layers a call" if "layers" in r else "")
         lines += _profile_lines(r, f"{r['impl']} at {r.get('batch')} x {r.get('context')}{pages}", unit="call")
     return lines
 
