@@ -371,11 +371,14 @@ def main(argv=None) -> int:
     def laid_out(name, inputs):
         return layouts[name](*inputs) if name in layouts else inputs
 
-    def decode_table(table, impls, reference, variants, known):
+    def decode_table(table, impls, reference, variants, known, after_targets=None):
         """variants: (row fields, make_inputs(b, s)) each, its impls checked at a small shape, then timed at every
-        point (the variants of a point side by side)."""
+        point (the variants of a point side by side). after_targets(names of the first variant that passed): run
+        once the targets' points are measured, ahead of the rest (which a --deadline may cut)."""
         passed = [(row, make, checked(table, impls, reference, make(2, 512), known, row)) for row, make in variants]
-        for b, s in decode_points:
+        for i, (b, s) in enumerate(decode_points):
+            if i == len(decode_targets) and after_targets:
+                after_targets(passed[0][2])
             for row, make, names in passed:
                 point = functools.cache(functools.partial(make, b, s))
                 for name in (n for n in names if timed_here(table, n, (b, s))):
@@ -387,17 +390,17 @@ def main(argv=None) -> int:
                                                              of_measured_bandwidth=n / seconds / measured_bw),
                             profile=(b, s) in profile_at)
                 del point
-        return [names for _, _, names in passed]
+        if after_targets and len(decode_points) <= len(decode_targets):  # no point after the targets' ones
+            after_targets(passed[0][2])
 
-    if "decode" in parts:
-        passed = decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
-                              {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})})
+    def decode_steps(passed):
+        """The decode-step rows (--layers) of the LAYERED impls that passed their check."""
         layers = args.layers if args.layers is not None else (2 if args.smoke else 16)
         for b, s in (((2, 256),) if args.smoke else LAYERED_POINTS) if layers else ():
             # a decode step's attention: `count` layers' caches one after another in one program, per layer
             count = max(1, min(layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
             point = functools.cache(lambda b=b, s=s, count=count: [decode_inputs(b, s) for _ in range(count)])
-            for name in (n for n in LAYERED if n in passed[0]):
+            for name in (n for n in LAYERED if n in passed):
                 kv_bytes = count * 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
                                                            head_dim * jnp.dtype(dtype).itemsize)
                 width = 5 + 2 * name_quantized(name)  # inputs a layer: q, k, v, lengths, positions (+ 2 scales)
@@ -411,6 +414,11 @@ def main(argv=None) -> int:
                             time_per_layer_s=seconds / count, bandwidth=n / seconds,
                             of_measured_bandwidth=n / seconds / measured_bw), profile=(b, s) in profile_at)
             del point
+
+    if "decode" in parts:  # the decode-step rows right after the targets' points, ahead of the others
+        decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
+                     {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})},
+                     after_targets=decode_steps)
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, page_size, H] through shuffled block
     # tables (sequences' pages scattered over the pool), by each decode_attention_impl's paged form, at each
