@@ -35,18 +35,20 @@ cache, any other against an fp32 reference); one that disagrees, fails or refuse
 error and is not timed. Timings: compiled first, then the median of --repeats samples, each `inner` calls
 enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
 dispatch latency hides behind the calls queued before it), divided by inner.
-Layers (--layers L, default 16): at LAYERED_POINTS the engines' decode paths (LAYERED) are also timed as a decode
-step runs them, L layers' caches attended one after another in one program (at most MAX_KV_GIB of K/V in all), and
-reported per layer: one call of one layer pays a launch and its XLA ops apart, which a step spreads over its layers.
-Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default and our kernels
-are timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised dense
-forms, XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets' points
-only, so that one bounded GPU call covers every point of our kernels (on 2026-11-25 the deadline stopped the tables
-at a third of their rows). `--rivals all` times every implementation everywhere.
-Profiles (--profile-at BxS, default 32x4096 on a GPU: the decode target's point furthest from the bandwidth):
-each decode and paged row timed at such a point is then traced (benchmarks/op_profile.py, compiled again without
-XLA's command buffers, which hide each op) for PROFILE_CALLS calls, so its row says how much of its time is the
-kernel and how much the XLA ops around it (laying out q, the row limits, merging the splits).
+Layers (--layers L, default 16): at LAYERED_POINTS (right after their own single-call rows, ahead of the other
+points) the static engine's decode paths (LAYERED) are also timed as a decode step runs them, L layers' caches
+attended one after another in one program (at most MAX_KV_GIB of K/V in all), and reported per layer: one call of
+one layer pays a launch and its XLA ops apart, which a step spreads over its layers.
+Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default and our kernels are
+timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised dense forms,
+XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets' points only, so
+that one bounded GPU call covers every point of our kernels (on 2026-11-25 the deadline stopped the tables at a
+third of their rows). `--rivals all` times every implementation everywhere.
+Profiles (--profile-at BxS, default 32x4096 on a GPU: the decode target's point furthest from the bandwidth): the
+PROFILED decode and paged rows timed at such a point (decode-step rows included) are then traced
+(benchmarks/op_profile.py, compiled again without XLA's command buffers, which hide each op) for PROFILE_CALLS
+calls, so its row says how much of its time is the kernel and how much the XLA ops around it (laying out q, the row
+limits, merging the splits).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are lef
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 PROFILE_CALLS = 10  # traced calls of a profiled row
 LAYERED_POINTS = ((32, 4096), (32, 8192))  # decode points (batch, context) furthest from the bandwidth target
-LAYERED = ("xla", "mosaic", "mosaic_smem", "xla_int8", "xla_float8_e4m3fn")  # the static engine's paths
+LAYERED = ("mosaic", "xla", "xla_int8")  # the static engine's defaults on sm_90 (bf16, 1-byte caches), and XLA's bf16
+PROFILED = {"decode": {"mosaic", "mosaic_smem", "xla"}, "paged": {"pallas", "mosaic"}}  # --profile-at's impls
 # Per table, the implementations `--rivals targets` times at the targets' points only (see the docstring)
 _QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
 RIVALS = {
@@ -204,6 +207,8 @@ def main(argv=None) -> int:
     rivals_at = args.rivals or ("all" if args.smoke else "targets")
     profile_at = set(args.profile_at if args.profile_at is not None else
                      ((32, 4096),) if device.platform == "gpu" else ())
+    if args.layers is None:
+        args.layers = 2 if args.smoke else 16
     if args.smoke:  # tiny, and N / K = 4 as in Llama-3.1-8B
         heads, kv_heads, head_dim = 8, 2, 32
         decode_points, prefill_points = [(2, 256), (2, 512)], [(1, 64), (2, 128)]
@@ -217,6 +222,9 @@ def main(argv=None) -> int:
         decode_points = leading([(b, s) for b in (32, 64, 128, 256) for s in (2048, 4096, 8192, 16384, 32768)
                                  if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30], decode_targets)
         prefill_points = leading([(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)], prefill_targets)
+
+    layered_points = [p for p in (((2, 256),) if args.smoke else LAYERED_POINTS) if p in decode_points
+                      ] if args.layers else []
 
     def timed_here(table: str, name: str, point: tuple) -> bool:
         """Whether `name` is timed at this point of `table` (`--rivals`)."""
@@ -376,8 +384,10 @@ def main(argv=None) -> int:
         point (the variants of a point side by side). after_targets(names of the first variant that passed): run
         once the targets' points are measured, ahead of the rest (which a --deadline may cut)."""
         passed = [(row, make, checked(table, impls, reference, make(2, 512), known, row)) for row, make in variants]
+        # after_targets once the LAYERED_POINTS' own rows are measured (the first targets' points)
+        hook_at = 1 + max(decode_points.index(p) for p in layered_points) if layered_points else -1
         for i, (b, s) in enumerate(decode_points):
-            if i == len(decode_targets) and after_targets:
+            if i == hook_at and after_targets:
                 after_targets(passed[0][2])
             for row, make, names in passed:
                 point = functools.cache(functools.partial(make, b, s))
@@ -388,17 +398,16 @@ def main(argv=None) -> int:
                             impls[name], lambda n=name, p=point: laid_out(n, p()),
                             lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds,
                                                              of_measured_bandwidth=n / seconds / measured_bw),
-                            profile=(b, s) in profile_at)
+                            profile=(b, s) in profile_at and name in PROFILED[table])
                 del point
-        if after_targets and len(decode_points) <= len(decode_targets):  # no point after the targets' ones
+        if after_targets and hook_at >= len(decode_points):  # no point after the layered ones
             after_targets(passed[0][2])
 
     def decode_steps(passed):
         """The decode-step rows (--layers) of the LAYERED impls that passed their check."""
-        layers = args.layers if args.layers is not None else (2 if args.smoke else 16)
-        for b, s in (((2, 256),) if args.smoke else LAYERED_POINTS) if layers else ():
+        for b, s in layered_points:
             # a decode step's attention: `count` layers' caches one after another in one program, per layer
-            count = max(1, min(layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
+            count = max(1, min(args.layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
             point = functools.cache(lambda b=b, s=s, count=count: [decode_inputs(b, s) for _ in range(count)])
             for name in (n for n in LAYERED if n in passed):
                 kv_bytes = count * 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
@@ -412,7 +421,8 @@ def main(argv=None) -> int:
                         None, step, lambda n=name, p=point: [x for layer in p() for x in laid_out(n, layer)],
                         lambda seconds, n=kv_bytes, count=count: dict(
                             time_per_layer_s=seconds / count, bandwidth=n / seconds,
-                            of_measured_bandwidth=n / seconds / measured_bw), profile=(b, s) in profile_at)
+                            of_measured_bandwidth=n / seconds / measured_bw),
+                        profile=(b, s) in profile_at and name in PROFILED["decode"])
             del point
 
     if "decode" in parts:  # the decode-step rows right after the targets' points, ahead of the others
