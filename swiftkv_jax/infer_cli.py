@@ -122,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="chunked prefill (must divide --prompt-len)")
     b.add_argument("--memory-bandwidth", type=positive_float, default=None,
-                   help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline")
+                   help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline (none with "
+                        "--gen-len 0)")
     b.add_argument("--seed", type=int, default=0, help="random prompts (and --random-weights)")
     b.add_argument("--output", help="write the results as JSON here")
     b.add_argument("--dry-run", action="store_true",
