@@ -213,11 +213,17 @@ class Stopped(RuntimeError):
         self.status = status
 
 
-TRAIN_SECONDS = "demo_train_seconds.json"  # beside a training stage's export: how long it took
+TRAIN_SECONDS = "demo_train_seconds.json"  # beside a training stage's export: how long it took, over all its calls
+STOPPED_SECONDS = "demo_train_seconds_stopped.json"  # a stage a signal stopped: its seconds up to its checkpoint
+
+
+def _seconds(path: Path) -> float:
+    return json.loads(path.read_text())["seconds"] if path.is_file() else 0.0
 
 
 def _train(recipe: str, overrides: list[str], export: Path) -> None:
-    """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted."""
+    """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted. Its seconds,
+    those of the calls a signal stopped included (they end in a checkpoint, so no work is lost), go beside it."""
     from swiftkv_jax import configuration
     from swiftkv_jax.distill import trainer
     from swiftkv_jax.distill.config import TrainConfig
@@ -230,20 +236,25 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
     start = time.perf_counter()
     status = trainer.train(config)
+    seconds = time.perf_counter() - start
+    before = _seconds(run_dir / STOPPED_SECONDS)  # earlier calls' part of this stage
     if status:  # a signal stopped it, its checkpoint saved: the later stages need its export
+        (run_dir / STOPPED_SECONDS).write_text(json.dumps({"seconds": round(before + seconds, 1)}) + "\n")
         raise Stopped(status, f"{recipe} stopped in {run_dir} (status {status}), its checkpoint saved: run the same "
                               f"command again to continue from it")
-    seconds = time.perf_counter() - start
-    (run_dir / TRAIN_SECONDS).write_text(json.dumps({"seconds": round(seconds, 1)}) + "\n")
-    _say(f"{recipe} -> {export} in {seconds:.0f} s")
+    (run_dir / TRAIN_SECONDS).write_text(json.dumps({"seconds": round(before + seconds, 1),
+                                                     "this_call_seconds": round(seconds, 1)}) + "\n")
+    _say(f"{recipe} -> {export} in {seconds:.0f} s" + (f" ({before + seconds:.0f} s with earlier calls)"
+                                                        if before else ""))
 
 
 def earlier_training_seconds(out: Path, layers: int) -> float:
     """Seconds of the demo's training stages (the teacher's and its distilled students', not a recipe sweep's rows
-    beside them) that earlier calls finished: what a demo resumed after a time limit adds to its own time. A stage
-    stopped mid-way counts from its last checkpoint only."""
+    beside them) that earlier calls spent: a finished stage's whole time, a stopped one's up to its checkpoint.
+    What a demo resumed after a time limit adds to its own time."""
     runs = [out / "teacher", *(out / "distill" / v.name for v in variants(layers) if v.distilled)]
-    return sum(json.loads((r / TRAIN_SECONDS).read_text())["seconds"] for r in runs if (r / TRAIN_SECONDS).is_file())
+    return sum(_seconds(r / TRAIN_SECONDS) if (r / TRAIN_SECONDS).is_file() else _seconds(r / STOPPED_SECONDS)
+               for r in runs)
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:

@@ -80,14 +80,18 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     assert "resumed from step 3" in stdout
     rows = check_table(out, stdout)
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
-    # each finished training stage leaves its seconds beside its export, for a later call's total; this call
-    # finished them all itself (the stopped one's had none)
+    # each finished training stage leaves its seconds beside its export, for a later call's total; the stopped
+    # call's pretraining (up to its checkpoint) is an earlier call's time, and the teacher's total includes it
     result = json.loads((out / "results.json").read_text())
-    assert result["earlier_training_seconds"] == 0 and result["seconds_with_earlier_calls"] == result["seconds"]
+    stopped_s = json.loads((out / "teacher" / demo.STOPPED_SECONDS).read_text())["seconds"]
+    assert 0 < stopped_s == result["earlier_training_seconds"]
+    assert result["seconds_with_earlier_calls"] == pytest.approx(result["seconds"] + stopped_s)
+    teacher_s = json.loads((out / "teacher" / demo.TRAIN_SECONDS).read_text())
+    assert teacher_s["seconds"] == pytest.approx(stopped_s + teacher_s["this_call_seconds"], abs=0.11)
     stages = sorted(p.parent.name for p in out.glob(f"**/{demo.TRAIN_SECONDS}"))
     layers = demo.SETTINGS["smoke"].architecture["num_hidden_layers"]
     assert stages == sorted(["teacher", *(v.name for v in demo.variants(layers) if v.distilled)])
-    assert 0 < demo.earlier_training_seconds(out, layers) < result["seconds"]
+    assert stopped_s < demo.earlier_training_seconds(out, layers) < result["seconds"] + stopped_s
     assert result["earlier_evaluation_seconds"] == 0 and not any(r["evaluated_earlier"] for r in result["rows"])
     # a call stopped mid-evaluation continues there: the rows written so far (checkpoints unchanged) are read back,
     # the others evaluated, a reused row's prefill comparison serving the other row of its (l, g); both times count
