@@ -39,11 +39,11 @@ Layers (--layers L, default 16): at LAYERED_POINTS (right after their own single
 points) the static engine's decode paths (LAYERED) are also timed as a decode step runs them, L layers' caches
 attended one after another in one program (at most MAX_KV_GIB of K/V in all), and reported per layer: one call of
 one layer pays a launch and its XLA ops apart, which a step spreads over its layers.
-Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default and our kernels are
-timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised dense forms,
-XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets' points only, so
-that one bounded GPU call covers every point of our kernels (on 2026-11-25 the deadline stopped the tables at a
-third of their rows). `--rivals all` times every implementation everywhere.
+Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default on sm_90 and our
+kernels are timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised
+dense forms, XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets'
+points only, so that one bounded GPU call covers every point of our kernels (on 2026-11-25 the deadline stopped the
+tables at a third of their rows). `--rivals all` times every implementation everywhere.
 Profiles (--profile-at BxS, default 32x4096 on a GPU: the decode target's point furthest from the bandwidth): the
 PROFILED decode and paged rows timed at such a point (decode-step rows included) are then traced
 (benchmarks/op_profile.py, compiled again without XLA's command buffers, which hide each op) for PROFILE_CALLS
@@ -146,6 +146,12 @@ def _points(text: str) -> tuple:
         raise ValueError(text) from None
 
 
+def _non_negative(text: str) -> int:
+    if int(text) < 0:
+        raise ValueError(text)
+    return int(text)
+
+
 def _page_sizes(text: str) -> tuple:
     sizes = tuple(int(x) for x in text.split(",") if x.strip())
     if not sizes or min(sizes) < 1:
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rivals", choices=("targets", "all"), default=None,
                         help="where RIVALS are timed: at the targets' points only (default on a GPU) or at every "
                              "point (default in --smoke)")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=_non_negative, default=None,
                         help="layers of the decode-step rows at LAYERED_POINTS (default 16, smoke 2; 0: none)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
@@ -382,7 +388,7 @@ def main(argv=None) -> int:
     def decode_table(table, impls, reference, variants, known, after_targets=None):
         """variants: (row fields, make_inputs(b, s)) each, its impls checked at a small shape, then timed at every
         point (the variants of a point side by side). after_targets(names of the first variant that passed): run
-        once the targets' points are measured, ahead of the rest (which a --deadline may cut)."""
+        once the LAYERED_POINTS' own rows are measured, ahead of the other points (which a --deadline may cut)."""
         passed = [(row, make, checked(table, impls, reference, make(2, 512), known, row)) for row, make in variants]
         # after_targets once the LAYERED_POINTS' own rows are measured (the first targets' points)
         hook_at = 1 + max(decode_points.index(p) for p in layered_points) if layered_points else -1
@@ -425,7 +431,7 @@ def main(argv=None) -> int:
                         profile=(b, s) in profile_at and name in PROFILED["decode"])
             del point
 
-    if "decode" in parts:  # the decode-step rows right after the targets' points, ahead of the others
+    if "decode" in parts:  # the decode-step rows right after their own points' rows, ahead of the others
         decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
                      {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})},
                      after_targets=decode_steps)
@@ -545,7 +551,7 @@ def main(argv=None) -> int:
                 print(f"\nprofile of {where} at {r['batch']} x {r['context']}:"
                       + (f" {r['profile_error']}" if "profile_error" in r else ""))
                 if "profile" in r:
-                    op_profile.print_profile(r["profile"], ops=6, print_fn=lambda line: print("  " + line))
+                    op_profile.print_profile(r["profile"], ops=6, print_fn=lambda line: print("  " + line), digits=3)
     if tables["prefill"]:
         print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16 (_float8_e4m3fn: K/V read from an FP8 "
               f"cache, dequantised by XLA first, as the engines do); TFLOP/s of 4*B*N*T*T*H/2")

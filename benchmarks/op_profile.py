@@ -327,19 +327,19 @@ def profile_steps(step: Callable[[], object], steps: int, hlo_text: str, top: in
         return summarize(xspace, HloIndex(hlo_text), steps, wall, top)
 
 
-def print_profile(summary: dict, title: str = "", ops: int = 12, print_fn=print) -> None:
-    """The category table, then the costliest ops."""
-    print_fn(f"profile{' of ' + title if title else ''}: {summary['busy_ms_per_step']:.1f} ms of device ops per "
-             f"step against {summary['wall_ms_per_step']:.1f} ms wall ({summary['idle_share']:.0%} idle; "
+def print_profile(summary: dict, title: str = "", ops: int = 12, print_fn=print, digits: int = 2) -> None:
+    """The category table, then the costliest ops (times to `digits` decimals of a millisecond)."""
+    print_fn(f"profile{' of ' + title if title else ''}: {summary['busy_ms_per_step']:.{digits}f} ms of device ops per "
+             f"step against {summary['wall_ms_per_step']:.{digits}f} ms wall ({summary['idle_share']:.0%} idle; "
              f"{summary['ops_timed']} ops; {summary['source']})")
     print_fn(f"  {'category':<22}{'ms/step':>10}{'share':>8}{'GFLOP':>10}{'TFLOP/s':>9}")
     for c in summary["categories"]:
         tf = f"{c['tflops']:>9.3g}" if c["tflops"] else f"{'':>9}"
-        print_fn(f"  {c['category']:<22}{c['ms']:>10.2f}{c['share']:>8.1%}{c['gflop']:>10.0f}{tf}")
+        print_fn(f"  {c['category']:<22}{c['ms']:>10.{digits}f}{c['share']:>8.1%}{c['gflop']:>10.0f}{tf}")
     print_fn(f"  {'op':<44}{'category':<20}{'ms/step':>9}{'share':>7}{'runs':>6}{'TFLOP/s':>9}")
     for r in summary["ops"][:ops]:
         tf = f"{r['tflops']:>9.3g}" if r["tflops"] else f"{'':>9}"
-        print_fn(f"  {r['op'][:43]:<44}{r['category'][:19]:<20}{r['ms']:>9.2f}{r['share']:>7.1%}"
+        print_fn(f"  {r['op'][:43]:<44}{r['category'][:19]:<20}{r['ms']:>9.{digits}f}{r['share']:>7.1%}"
                  f"{r['executions']:>6.0f}{tf}")
 
 

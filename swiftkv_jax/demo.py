@@ -326,12 +326,18 @@ def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings, do
     fingerprints, rewritten after every model: a row whose checkpoints are unchanged is read back instead of
     evaluated again (`evaluated_earlier`), so a demo that a time limit stopped mid-evaluation continues there."""
     earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
-    speed = {}  # (l, g) -> SPEED; the teacher wiring of the same weights runs in the same bench call
+    fingerprints = {name: [_fingerprint(c) for c in checkpoints] for name, (_, _, checkpoints) in models.items()}
+    reusable = {name: dict(earlier[name]["row"], evaluated_earlier=True) for name in models
+                if earlier.get(name, {}).get("checkpoints") == fingerprints[name]
+                and ROW_FIELDS <= set(earlier[name].get("row", {}))}  # a row of this code's fields only
+    # (l, g) -> SPEED, from any reused row first: the teacher wiring of the same weights runs in the same bench call
+    speed = {(v.l, v.g): {k: reusable[name][k] for k in SPEED} for name, (_, v, _) in models.items()
+             if v is not None and name in reusable}
     rows = []
-    for name, (load, variant, checkpoints) in models.items():
-        fingerprint = [_fingerprint(c) for c in checkpoints]
-        if earlier.get(name, {}).get("checkpoints") == fingerprint:
-            row = dict(earlier[name]["row"], evaluated_earlier=True)
+    for name, (load, variant, _) in models.items():
+        fingerprint = fingerprints[name]
+        if name in reusable:
+            row = reusable[name]
         else:
             row = evaluate_one(teacher, load(), variant, batches, prompts, settings, speed)
             if done is not None:
@@ -389,6 +395,7 @@ COLUMNS = (("val_loss", "val loss (nats/token)", "{:.4f}"), ("accuracy", "next-t
            ("greedy_agreement", "greedy agreement ({new_tokens})", "{:.3f}"),
            ("prefill_time_vs_teacher", "prefill time @{prefill_len} vs teacher", "{:.3f}"),
            ("kv_bytes_vs_teacher", "KV bytes vs teacher", "{:.3f}"))
+ROW_FIELDS = {"eval_seconds", *SPEED, *(key for key, _, _ in COLUMNS)}  # what a reused row must have
 
 
 def markdown_table(rows: list[dict], settings: DemoSettings, names=TABLE_ROWS) -> str:

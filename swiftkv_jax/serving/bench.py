@@ -11,8 +11,8 @@ Per wiring, on `batch` random prompts of exactly `prompt_len` tokens (no padding
   and no early stop, divided by gen_len. The loop feeds the prefill's token, so a run produces
   gen_len + 1 tokens per sequence: exactly what `sk.generate(..., max_new_tokens=gen_len + 1)` returns.
 - decode tokens/s = batch * gen_len / loop time; end-to-end tokens/s = batch * (gen_len + 1) / (TTFT + loop).
-- gen_len 0 times the prefill only: no decode loop is compiled or run, and the decode fields are None (what a
-  prefill-speed comparison, such as the demo's, needs at half the compiles).
+- gen_len 0 times the prefill only: no decode loop is compiled or run, the decode fields are None and its runs
+  [] (what a prefill-speed comparison, such as the demo's, needs at half the compiles).
 - KV-cache bytes are the allocated cache's, compile times are reported apart from the timings; each timing
   is the median of `repeats` runs after one untimed warm-up, each run on a fresh cache.
 With a device memory bandwidth, a TPOT roofline: bytes one decode step must read (the weights this wiring
@@ -228,7 +228,7 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         row.update(memory_bandwidth=float(bandwidth), step_bytes=int(step_bytes),
                    tpot_roofline_s=step_bytes / bandwidth, roofline_fraction=step_bytes / bandwidth / row["tpot_s"])
     if keep_tokens:
-        row["tokens"] = np.concatenate([np.asarray(token)[:, None]] + ([np.asarray(out)] if loop else []),
+        row["tokens"] = np.concatenate([np.asarray(token)[:, None]] + ([np.asarray(out)] if loop is not None else []),
                                        axis=1).tolist()
     return row
 
