@@ -174,6 +174,24 @@ def test_distillation_step_with_cudnn_lowers_for_cuda(cuda_lowering, max_segment
     assert sorted(cudnn_calls(text)) == [(call, mask)] * 3 + [(call + "Backward", mask)]
 
 
+@pytest.mark.parametrize("remat, recomputed", [("dots", 0), ("full", 1)])
+def test_remat_dots_keeps_the_cudnn_forward(cuda_lowering, remat, recomputed):
+    """Under remat `dots` the trained layers' backward does not run cuDNN's attention forward again: the policy
+    saves its outputs beside the matmuls' (one forward call each for the layers below l, the teacher's and the
+    student's above it, as without remat); `full` saves nothing, so the student's forward runs once more."""
+    from distill_fixtures import init_state, jit_step, student
+
+    config = tiny_config(hidden_size=128, head_dim=64, dtype="bfloat16", attention_impl="cudnn",
+                         max_segments_per_row=1)
+    config, trainable, frozen = student(config, l=2)
+    config = config.replace(remat=remat)
+    fn, optimizer = jit_step(config)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(config.vocab_size, batch=2, length=128, seed=4).items()}
+    text = fn.trace(init_state(trainable, optimizer), frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(cudnn_calls(text)) == ([("fmhaSoftmax", "CAUSAL")] * (3 + recomputed)
+                                         + [("fmhaSoftmaxBackward", "CAUSAL")])
+
+
 @pytest.mark.parametrize("variant", ["ours", "naive"])
 @pytest.mark.parametrize("impl", ["cudnn", "cudnn:8"])
 def test_the_8b_benchmark_step_with_cudnn_lowers_for_cuda(cuda_lowering, impl, variant):

@@ -237,9 +237,19 @@ class DecoderLayer(nn.Module):
         return ((h, h_in) if isinstance(carry, tuple) else h), cache
 
 
+def _dots_and_cudnn_attention(prim, *args, **params) -> bool:
+    """Save the matmuls' outputs (no batch dims: the projections and the MLP) and cuDNN attention's forward
+    outputs (its output and softmax statistics, jax's `dot_product_attention_fwd` primitives): the backward pass
+    then recomputes only elementwise work, not the attention forward (a lowered step held one more cuDNN forward
+    call a trained layer without them). Its cost: a layer's attention output and statistics, ~2 bytes a hidden
+    unit a token, as MaxText's policies that save the attention context."""
+    return (jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+            or prim.name.startswith("dot_product_attention_fwd"))
+
+
 _REMAT_POLICIES = {
     "full": None,  # save nothing inside the layer
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _dots_and_cudnn_attention,
 }
 
 
