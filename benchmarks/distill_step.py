@@ -322,8 +322,7 @@ def _child(preset_name: str, variant: str, attention_impl: str, profile: int = 0
     if profile:  # after the timed steps, so tracing costs them nothing
         state = [args]
         try:  # a copy without command buffers on a GPU, so the trace names each op (op_profile)
-            profiled = (fn.lower(*args).compile(compiler_options=op_profile.PROFILE_COMPILER_OPTIONS)
-                        if device.platform == "gpu" else compiled)
+            profiled = op_profile.compile_for_profile(fn.lower(*args)) if device.platform == "gpu" else compiled
 
             def one_step():
                 state[0] = run(profiled, state[0])

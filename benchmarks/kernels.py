@@ -132,8 +132,7 @@ def profiled(fn, inputs, calls: int = PROFILE_CALLS) -> dict:
     CUDA graphs show as ops with no HLO behind them); its top ops only."""
     import jax
 
-    options = op_profile.PROFILE_COMPILER_OPTIONS if jax.devices()[0].platform == "gpu" else None
-    compiled = jax.jit(fn).lower(*inputs).compile(compiler_options=options)
+    compiled = op_profile.compile_for_profile(jax.jit(fn).lower(*inputs))
     jax.block_until_ready(compiled(*inputs))
     return op_profile.profile_steps(lambda: compiled(*inputs), calls, compiled.as_text(), top=8)
 

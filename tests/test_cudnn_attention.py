@@ -154,6 +154,20 @@ CUDNN_FORMS = [(1, "fmhaSoftmax", "CAUSAL"), (4, "fmhaSoftmax", "PADDING_CAUSAL"
                (None, "fmhaScaleBiasSoftmax", "NO_MASK")]
 
 
+def step_cudnn_calls(max_segments, **replace) -> list[tuple[str, str]]:
+    """The cuDNN calls (sorted) of the tiny distillation step with attention_impl="cudnn", lowered for CUDA; replace:
+    fields of the student's config (e.g. remat)."""
+    from distill_fixtures import init_state, jit_step, student
+
+    config = tiny_config(hidden_size=128, head_dim=64, dtype="bfloat16", attention_impl="cudnn",
+                         max_segments_per_row=max_segments)
+    config, trainable, frozen = student(config, l=2)
+    fn, optimizer = jit_step(config.replace(**replace))
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(config.vocab_size, batch=2, length=128, seed=4).items()}
+    text = fn.trace(init_state(trainable, optimizer), frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(cudnn_calls(text))
+
+
 @pytest.mark.parametrize("max_segments, call, mask", CUDNN_FORMS)
 def test_distillation_step_with_cudnn_lowers_for_cuda(cuda_lowering, max_segments, call, mask):
     """The whole distillation step (teacher, SwiftKV student, loss, gradients, Adam) with attention_impl="cudnn"
@@ -161,17 +175,9 @@ def test_distillation_step_with_cudnn_lowers_for_cuda(cuda_lowering, max_segment
     layout through jax's private API (at most 4 documents a row: sequence lengths and offsets), our mask as a bias.
     jax checks the layouts, shapes and offsets we hand it while lowering, so a wrong call fails here and not in a GPU
     call; the program holds that form's forward and backward calls and no other."""
-    from distill_fixtures import init_state, jit_step, student
-
-    config = tiny_config(hidden_size=128, head_dim=64, dtype="bfloat16", attention_impl="cudnn",
-                         max_segments_per_row=max_segments)
-    config, trainable, frozen = student(config, l=2)
-    fn, optimizer = jit_step(config)
-    batch = {k: jnp.asarray(v) for k, v in packed_batch(config.vocab_size, batch=2, length=128, seed=4).items()}
-    text = fn.trace(init_state(trainable, optimizer), frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
     # the layers run in scans: one forward call each for the layers below l, the teacher's and the student's above
     # it; one backward call for the student's (the only trainable attention)
-    assert sorted(cudnn_calls(text)) == [(call, mask)] * 3 + [(call + "Backward", mask)]
+    assert step_cudnn_calls(max_segments) == [(call, mask)] * 3 + [(call + "Backward", mask)]
 
 
 @pytest.mark.parametrize("remat, recomputed", [("dots", 0), ("full", 1)])
@@ -179,17 +185,8 @@ def test_remat_dots_keeps_the_cudnn_forward(cuda_lowering, remat, recomputed):
     """Under remat `dots` the trained layers' backward does not run cuDNN's attention forward again: the policy
     saves its outputs beside the matmuls' (one forward call each for the layers below l, the teacher's and the
     student's above it, as without remat); `full` saves nothing, so the student's forward runs once more."""
-    from distill_fixtures import init_state, jit_step, student
-
-    config = tiny_config(hidden_size=128, head_dim=64, dtype="bfloat16", attention_impl="cudnn",
-                         max_segments_per_row=1)
-    config, trainable, frozen = student(config, l=2)
-    config = config.replace(remat=remat)
-    fn, optimizer = jit_step(config)
-    batch = {k: jnp.asarray(v) for k, v in packed_batch(config.vocab_size, batch=2, length=128, seed=4).items()}
-    text = fn.trace(init_state(trainable, optimizer), frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
-    assert sorted(cudnn_calls(text)) == ([("fmhaSoftmax", "CAUSAL")] * (3 + recomputed)
-                                         + [("fmhaSoftmaxBackward", "CAUSAL")])
+    assert step_cudnn_calls(1, remat=remat) == ([("fmhaSoftmax", "CAUSAL")] * (3 + recomputed)
+                                                + [("fmhaSoftmaxBackward", "CAUSAL")])
 
 
 @pytest.mark.parametrize("variant", ["ours", "naive"])

@@ -196,12 +196,12 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         (token, cache), ttft = _timed(first, params, cache, prompts, lengths)
         if loop is not None:
             (out, cache), loop_s = _timed(loop, params, cache, token)
-            loops.append(loop_s)
         del cache
         if run:
             ttfts.append(ttft)
+            loops += [loop_s] if loop is not None else []
     ttft = statistics.median(ttfts)
-    loop_s = statistics.median(loops[1:]) if loop is not None else None
+    loop_s = statistics.median(loops) if loops else None
     row = {
         "wiring": ("swiftkv" if swiftkv else "teacher") if cfg.is_swiftkv else "plain",
         "swiftkv": swiftkv, "batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "repeats": repeats,
@@ -216,7 +216,7 @@ def _bench_wiring(model: Model, swiftkv: bool, prompts, *, gen_len, repeats, cac
         "step_param_bytes": step_param_bytes(model, swiftkv),
         "cache_layers": cache_layers(cfg, swiftkv), "kv_cache_bytes": kv_bytes,
         "ttft_s": ttft, "ttft_runs_s": ttfts, "prefill_tokens_per_s": batch * prompt_len / ttft,
-        "tpot_s": loop_s and loop_s / gen_len, "decode_loop_s": loop_s, "decode_loop_runs_s": loops[1:],
+        "tpot_s": loop_s and loop_s / gen_len, "decode_loop_s": loop_s, "decode_loop_runs_s": loops,
         "decode_tokens_per_s": loop_s and batch * gen_len / loop_s,
         "e2e_tokens_per_s": batch * (gen_len + 1) / (ttft + (loop_s or 0.0)),
         "prefill_compile_s": prefill_compile_s, "decode_compile_s": decode_compile_s,
