@@ -14,7 +14,8 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   (`pallas.ops.gpu.decode_attention.gqa`; its API takes K/V as [B, K, S, H], so it transposes the cache on every
   call, and that copy is part of its time), and ours on Mosaic GPU (`mosaic`: decode_attention_mgpu, the dense
   cache read in place by TMA, wgmma, FA3's P V form; `mosaic_smem`: the form jax's interpreter runs, compiled;
-  paged: paged_attention_mgpu, one TMA copy per page). Paged `pallas_f16_<fmt>`: our Triton kernel over a 1-byte
+  `mosaic_2cta`: 64-key blocks in 2 slots, small enough that two CTAs share an SM; paged: paged_attention_mgpu, one
+  TMA copy per page). Paged `pallas_f16_<fmt>`: our Triton kernel over a 1-byte
   pool with its values converted straight to fp16 (`DecodeBlockSizes.dequant_dtype`), at the default block sizes,
   beside `pallas_<fmt>` (to bf16 through fp32, at the tuning table's block sizes where it has some: until a GPU
   run fills the table, the same defaults).
@@ -68,12 +69,13 @@ MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are lef
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 PROFILE_CALLS = 10  # traced calls of a profiled row
 LAYERED_POINTS = ((32, 4096), (32, 8192))  # decode points (batch, context) furthest from the bandwidth target
-LAYERED = ("mosaic", "xla", "xla_int8")  # the static engine's defaults on sm_90 (bf16, 1-byte caches), and XLA's bf16
-PROFILED = {"decode": {"mosaic", "mosaic_smem", "xla"}, "paged": {"pallas", "mosaic"}}  # --profile-at's impls
+# the static engine's defaults on sm_90 (bf16, 1-byte caches), XLA's bf16, and the Mosaic kernel at two CTAs an SM
+LAYERED = ("mosaic", "xla", "xla_int8", "mosaic_2cta")
+PROFILED = {"decode": {"mosaic", "mosaic_smem", "mosaic_2cta", "xla"}, "paged": {"pallas", "mosaic"}}  # --profile-at
 # Per table, the implementations `--rivals targets` times at the targets' points only (see the docstring)
 _QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
 RIVALS = {
-    "decode": {"pallas", "pallas_bskh", "jax_pallas", *_QUANTIZED_TRITON},
+    "decode": {"pallas", "pallas_bskh", "jax_pallas", "mosaic_2cta", *_QUANTIZED_TRITON},
     "paged": {"xla", "xla_int8", "xla_float8_e4m3fn", "pallas_f16_int8", "pallas_f16_float8_e4m3fn"},
     "prefill": {"xla", "jax_mosaic_fp16", "mosaic_smem", "cudnn_mask"},
 }
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from swiftkv_jax.kernels.decode_attention import decode_attention
-    from swiftkv_jax.kernels.decode_attention_mgpu import decode_attention_mgpu
+    from swiftkv_jax.kernels.decode_attention_mgpu import MosaicDecodeBlockSizes, decode_attention_mgpu
     from swiftkv_jax.kernels.flash_attention import flash_attention
     from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
     from swiftkv_jax.kernels.paged_attention import paged_attention
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
     from swiftkv_jax.model.paged import paged_attend
 
     name_quantized = lambda name: name.endswith(("_int8", "_float8_e4m3fn"))  # noqa: E731
+    two_ctas = MosaicDecodeBlockSizes(block_kv=64, max_concurrent_steps=2)  # `mosaic_2cta`
 
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.smoke:
@@ -338,9 +341,13 @@ def main(argv=None) -> int:
         # jax's interpreter runs (P through SMEM) compiled
         "mosaic": lambda q, k, v, n, p: decode_attention_mgpu(q, k, v, n, p),
         "mosaic_smem": lambda q, k, v, n, p: decode_attention_mgpu(q, k, v, n, p, interpreter_safe=True),
+        # 64-key blocks in 2 slots: two CTAs share an SM (`resident_ctas`), one's start and epilogue behind the
+        # other's copies
+        "mosaic_2cta": lambda q, k, v, n, p: decode_attention_mgpu(q, k, v, n, p, block_sizes=two_ctas),
     }
     # interpreted, the Mosaic kernels take minutes at these shapes (tests/ interpret them at tiny ones)
-    mosaic_gpu_only = {name: "Mosaic GPU kernel: timed on a GPU only" for name in ("mosaic", "mosaic_smem")
+    mosaic_gpu_only = {name: "Mosaic GPU kernel: timed on a GPU only" for name in ("mosaic", "mosaic_smem",
+                                                                                    "mosaic_2cta")
                        } if interpret else {}
     layouts = {"pallas_bskh": bskh}
     try:

@@ -342,12 +342,12 @@ def test_model_picks_them_by_name():
 
 
 def test_shared_memory_counts_the_p_tile_only_in_the_form_that_has_it():
-    """Three slots of 128 int8 keys at head dim 128 fit a Hopper block's shared memory with P in registers (the
+    """Four slots of 128 int8 keys at head dim 128 fit a Hopper block's shared memory with P in registers (the
     compiled form) but not with P's tile in SMEM (the interpreter's form): the compiled form lowers, the other is
     refused before launching."""
     from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES
 
-    blocks = MosaicDecodeBlockSizes(block_kv=128, max_concurrent_steps=3)
+    blocks = MosaicDecodeBlockSizes(block_kv=128, max_concurrent_steps=4)
     assert blocks.smem_bytes(128, 1, p_in_smem=False) <= SMEM_BYTES < blocks.smem_bytes(128, 1, p_in_smem=True)
     S, b, k, keys, h = jax.ShapeDtypeStruct, 4, 2, 1024, 128
     args = (S((b, 1, 4 * k, h), jnp.bfloat16), S((b, k, keys, h), jnp.int8), S((b, k, keys, h), jnp.int8),
@@ -361,6 +361,37 @@ def test_shared_memory_counts_the_p_tile_only_in_the_form_that_has_it():
                 traced()
         else:
             assert "mosaic_gpu" in traced().lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_shared_memory_is_what_the_lowering_requests_and_two_ctas_share_an_sm(monkeypatch):
+    """smem_bytes is the scoped SMEM jax's Mosaic GPU lowering itself requests for the kernel (its resource estimate,
+    read during lowering for CUDA on the CPU), in both forms, over 16- and 8-bit caches. The epilogue's fp32 tile
+    reuses the K / V slots' bytes, so 64-key blocks in 2 slots (3 over an 8-bit cache) let two CTAs share an SM;
+    128-key blocks do not."""
+    lowering = pytest.importorskip("jax._src.pallas.mosaic_gpu.lowering")
+    if not hasattr(lowering, "_estimate_resources"):
+        pytest.skip("this jax's Mosaic GPU lowering has no _estimate_resources")
+    from swiftkv_jax.kernels.decode_attention_mgpu import resident_ctas
+
+    requested, original = [], lowering._estimate_resources
+    monkeypatch.setattr(lowering, "_estimate_resources",
+                        lambda ctx, jaxpr: requested.append(original(ctx, jaxpr).smem_scratch_bytes)
+                        or original(ctx, jaxpr))
+    S, b, k, keys, h = jax.ShapeDtypeStruct, 4, 2, 1024, 128
+    for dtype, block_kv, stages, resident in (("bfloat16", 128, 2, 1), ("bfloat16", 64, 2, 2), ("bfloat16", 64, 3, 1),
+                                              ("int8", 128, 2, 1), ("int8", 64, 3, 2), ("int8", 64, 4, 1)):
+        blocks = MosaicDecodeBlockSizes(block_kv=block_kv, max_concurrent_steps=stages)
+        scales = (S((b, k, keys), jnp.float32),) * 2 if dtype == "int8" else ()
+        for interpreter_safe in (False, True):
+            requested.clear()
+            jax.jit(lambda q, kc, vc, lengths, positions, *sc: decode_attention_mgpu(
+                q, kc, vc, lengths, positions, block_sizes=blocks, interpret=False, interpreter_safe=interpreter_safe,
+                **dict(zip(("k_scale", "v_scale"), sc)))).trace(
+                S((b, 1, 4 * k, h), jnp.bfloat16), S((b, k, keys, h), dtype), S((b, k, keys, h), dtype),
+                S((b,), jnp.int32), S((b, 1), jnp.int32), *scales).lower(lowering_platforms=("cuda",))
+            smem = blocks.smem_bytes(h, jnp.dtype(dtype).itemsize, p_in_smem=interpreter_safe)
+            assert max(requested) == smem, (dtype, block_kv, stages, interpreter_safe)
+        assert resident_ctas(blocks.smem_bytes(h, jnp.dtype(dtype).itemsize, p_in_smem=False)) == resident
 
 
 @pytest.mark.parametrize("interpreter_safe", [False, True], ids=["fa3_form", "interpreter_form"])

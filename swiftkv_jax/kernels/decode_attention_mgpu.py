@@ -24,8 +24,9 @@ the copies run ahead of the arithmetic; S = Q K^T by wgmma from SMEM (K^T as `pl
 as jax's attention_mgpu), an online softmax in registers (fp32, base 2), P V by wgmma (P from registers and
 accumulated in place, FA3's form; `interpreter_safe`: P through SMEM into a fresh accumulator, the form jax
 0.10.2's interpreter can run). Each split writes its unnormalised output (of a single row block, only its real
-rows rounded up to 8: a decode step's 4 of Llama's 64, so XLA merges an eighth of the bytes), max and sum;
-`merge_partials` combines the splits in XLA.
+rows rounded up to 8: a decode step's 4 of Llama's 64, so XLA merges an eighth of the bytes), max and sum, through
+an SMEM scope opened after the loop's has closed (the fp32 tile reuses the slots' bytes); `merge_partials`
+combines the splits in XLA.
 
 Cost follows the context: a CTA reads keys only up to its rows' largest limit (min(position + 1, length)); keys
 below their smallest limit need no mask, so a decode step masks its last block only. A split past the context
@@ -62,7 +63,7 @@ from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_q
                                          no_keys, normalize)
 from swiftkv_jax.kernels.tuning import call_shapes
 
-__all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu"]
+__all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu", "resident_ctas"]
 
 _LOG2_E = math.log2(math.e)
 _ROWS = 64  # query rows per CTA: wgmma's M for one warpgroup
@@ -72,6 +73,19 @@ _QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # read in place by TMA, converted to
 _TILE_ROWS = 8  # a TMA copy into a tiled SMEM tile covers whole 8-row tiles of its GMEM array
 _SCALE_COPY_KEYS = 32  # fp32 scales in one TMA copy: jax's Mosaic GPU lowering moves multiples of 128 bytes
 _DEFAULT_SMS = 132  # H100 SXM; the device's own count is used when it has one
+_SMEM_ALIGNMENT = 1024  # jax's Mosaic GPU lowering rounds each SMEM buffer up to this
+_REDUCTION_SCRATCH = 2048  # and reserves this much for a reduction (CompilerParams.reduction_scratch_bytes)
+SM_SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, which resident CTAs share (each also reserves 1 KiB)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _SMEM_ALIGNMENT) * _SMEM_ALIGNMENT
+
+
+def resident_ctas(smem_bytes: int) -> int:
+    """How many CTAs of `smem_bytes` each fit one Hopper SM at once (shared memory decides here: 128 threads a
+    CTA)."""
+    return SM_SMEM_BYTES // (smem_bytes + 1024)
 
 
 def _is_int(n) -> bool:
@@ -88,9 +102,11 @@ class MosaicDecodeBlockSizes:
       per SM (a shape-free setting, which the tuning table keeps).
     ctas_per_sm: what num_splits 0 aims at (>= 1): more splits hide each CTA's start and merge behind others' copies
       but add partial results for XLA to merge.
-    SMEM per CTA is about 2 * (64 + 2 * slots * block_kv) * H + 4 * 64 * H bytes (16-bit cache; an 8-bit one
-    takes 1 byte a slot element, plus the two converted 16-bit tiles and the keys' scales); a config that does not
-    fit raises before launching.
+    SMEM per CTA (`smem_bytes`) is about 2 * (64 + 2 * slots * block_kv) * H bytes over a 16-bit cache (an 8-bit
+    one takes 1 byte a slot element, plus the two converted 16-bit tiles and the keys' scales); the epilogue's fp32
+    output tile reuses the slots' bytes. At H = 128, 64-key blocks in 2 slots (3 over an 8-bit cache) let two CTAs
+    share an SM (`resident_ctas`), so one's start and epilogue overlap the other's copies; 128-key blocks, one. A
+    config that does not fit a block raises before launching.
     """
 
     block_kv: int = 128
@@ -112,15 +128,17 @@ class MosaicDecodeBlockSizes:
             raise ValueError(f"MosaicDecodeBlockSizes.ctas_per_sm must be an int >= 1, got {self.ctas_per_sm!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, p_in_smem: bool = True) -> int:
-        """Shared memory of one CTA over a cache of `itemsize` bytes an element: the Q tile, K and V slots, P's
-        tile (only the `interpreter_safe` form has one: `p_in_smem`), the fp32 output tile and row vectors; for an
-        8-bit cache also the converted K and V tiles and the slots' per-token scales."""
-        slots = 2 * self.max_concurrent_steps * self.block_kv
-        p_tile = _ROWS * self.block_kv if p_in_smem else 0
-        tiles = 2 * (_ROWS * head_dim + p_tile) + itemsize * slots * head_dim
+        """Shared memory of one CTA over a cache of `itemsize` bytes an element, as jax's Mosaic GPU lowering
+        requests it: each buffer rounded up to 1 KiB, the larger of two scopes. The loop's: the Q tile, the K and V
+        slots, the rows' limits, P's tile (only the `interpreter_safe` form has one: `p_in_smem`), for an 8-bit
+        cache the converted K and V tiles and the slots' per-token scales (counted for per-layer scales too), and
+        the scratch a reduction reserves. The epilogue's (`_write_partials`): the fp32 output tile, maxes and sums."""
+        slots = self.max_concurrent_steps * self.block_kv
+        loop = (_aligned(2 * _ROWS * head_dim) + 2 * _aligned(itemsize * slots * head_dim) + _aligned(4 * _ROWS)
+                + (_aligned(2 * _ROWS * self.block_kv) if p_in_smem else 0) + _REDUCTION_SCRATCH)
         if itemsize == 1:
-            tiles += 2 * 2 * self.block_kv * head_dim + 4 * slots
-        return tiles + 4 * (_ROWS * head_dim + 3 * _ROWS)
+            loop += 2 * _aligned(2 * self.block_kv * head_dim) + 2 * _aligned(4 * slots)
+        return max(loop, _aligned(4 * _ROWS * head_dim) + 2 * _aligned(4 * _ROWS))
 
     def splits(self, num_keys: int, ctas: int, num_sms: int = _DEFAULT_SMS) -> int:
         """How many splits a launch of `ctas` CTAs per split uses over `num_keys` keys (each split >= one block)."""
@@ -130,23 +148,24 @@ class MosaicDecodeBlockSizes:
 
 
 def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, stages: int, row_blocks: int,
-            out_rows: int, split_len: int, num_keys: int, page_size: int | None, qk_scale: float,
+            split_len: int, num_keys: int, page_size: int | None, qk_scale: float,
             scales: str | None, interpreter_safe: bool, interpret: bool):
-    """One CTA: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys of split `split`.
-    refs: the scales (`scales` "token": k_scale, v_scale laid out as the cache minus H; "layer": one [2] array of
-    the per-layer K and V scales, V's applied outside), the block tables if paged, o_ref, m_ref, l_ref, then the
-    scoped SMEM and barriers."""
+    """One CTA's pass over its keys: rows [64 * row_block, + 64) of KV head `kv_head` of sequence `batch`, keys
+    of split `split`; returns its unnormalised output, maxes (base 2) and sums in registers (`_write_partials`
+    stores them). refs: the scales (`scales` "token": k_scale, v_scale laid out as the cache minus H; "layer": one
+    [2] array of the per-layer K and V scales, V's applied outside), the block tables if paged, then the scoped
+    SMEM and barriers."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_scale_refs = {None: 0, "layer": 1, "token": 2}[scales]
-    scale_refs, (*tables, o_ref, m_ref, l_ref, scoped) = refs[:num_scale_refs], refs[num_scale_refs:]
+    scale_refs, (*tables, scoped) = refs[:num_scale_refs], refs[num_scale_refs:]
 
     # Register layouts matter to the Mosaic GPU compiler only; jax 0.10's interpreter has no rule for layout_cast
     # or plgpu.load, so interpreted code reads refs plainly
     layout_cast = (lambda x, layout: x) if interpret else plgpu.layout_cast  # noqa: E731
     load = (lambda ref, layout: ref[...]) if interpret else (  # noqa: E731
         lambda ref, layout: plgpu.load(ref, (), layout=layout))
-    (q_smem, k_smem, v_smem, limit_smem, p_smem, o_smem, m_smem, l_smem, kd_smem, vd_smem, ks_smem, vs_smem), \
+    (q_smem, k_smem, v_smem, limit_smem, p_smem, kd_smem, vd_smem, ks_smem, vs_smem), \
         (q_barrier, limit_barrier), k_barriers, v_barriers = scoped
     if scales == "layer":  # K's per-layer scale multiplies the scores (V's multiplies the output, outside)
         qk_scale = qk_scale * scale_refs[0][0]
@@ -265,13 +284,23 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
              layout_cast(jnp.full((_ROWS,), MASK_VALUE, jnp.float32), rows),
              layout_cast(jnp.zeros((_ROWS,), jnp.float32), rows))
     carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-    acc, m, total = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+    return lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
 
+
+def _write_partials(o_ref, m_ref, l_ref, acc, m, total, o_smem, m_smem, l_smem, *, row_blocks: int, out_rows: int):
+    """A CTA's epilogue: its output, maxes and sums through SMEM to GMEM by TMA. Its SMEM is a scope of its own,
+    opened after the loop's has closed, so the fp32 output tile reuses the K / V slots' bytes: a CTA needs the larger
+    of the two scopes, not their sum (with 64-key blocks in two slots, two CTAs fit an SM)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    batch, rows_id, split = lax.axis_index("batch"), lax.axis_index("rows"), lax.axis_index("split")
+    kv_head = lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype))
+    row_block = lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype))
     o_smem[...] = acc
     m_smem[...] = m
     l_smem[...] = total
     plgpu.commit_smem()
-    out_at = (split, batch, kv_head, row_slice)
+    out_at = (split, batch, kv_head, pl.ds(row_block * _ROWS, _ROWS))
     # the output's first out_rows rows (whole 8-row tiles): a decode's T * G real rows, not wgmma's 64
     plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)],
                             o_ref.at[split, batch, kv_head, pl.ds(row_block * out_rows, out_rows)])
@@ -377,27 +406,29 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
     ranges = _row_ranges(limit, row_blocks, rows)
 
     kernel = functools.partial(_kernel, block_kv=block_kv, stages=stages, row_blocks=row_blocks,
-                               out_rows=out_rows, split_len=split_len, num_keys=max(num_keys, block_kv),
+                               split_len=split_len, num_keys=max(num_keys, block_kv),
                                page_size=page_size, qk_scale=_LOG2_E / math.sqrt(h), scales=mode,
                                interpreter_safe=interpreter_safe, interpret=interpret)
 
     def entry(*refs):
+        *inputs, o_ref, m_ref, l_ref = refs
         slots = plgpu.SMEM((stages, block_kv, h), storage, **_tiled(storage.itemsize, h * storage.itemsize))
         smem = (plgpu.SMEM((_ROWS, h), dtype, **_tiled(2)),
                 slots,
                 slots,
                 plgpu.SMEM((_ROWS,), jnp.int32),
                 plgpu.SMEM((_ROWS, block_kv), dtype, **_tiled(2)) if interpreter_safe else None,
-                plgpu.SMEM((_ROWS, h), jnp.float32, **_tiled(4)),
-                plgpu.SMEM((_ROWS,), jnp.float32),
-                plgpu.SMEM((_ROWS,), jnp.float32),
                 # a quantised cache: the tiles wgmma reads (converted), and each key's scales beside its tile
                 *(plgpu.SMEM((block_kv, h), dtype, **_tiled(2)) if quantized else None for _ in "kv"),
                 *(plgpu.SMEM((stages, block_kv), jnp.float32) if mode == "token" else None for _ in "kv"))
         copies = block_kv // min(page_size, block_kv) if page_size else 1  # TMA copies a K (V) tile arrives by
         tile_barriers = plgpu.Barrier(num_arrivals=copies * (2 if mode == "token" else 1), num_barriers=stages)
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, (plgpu.Barrier(), plgpu.Barrier()),
-                      tile_barriers, tile_barriers)
+        partials = pl.run_scoped(lambda *scoped: kernel(*inputs, scoped), smem, (plgpu.Barrier(), plgpu.Barrier()),
+                                 tile_barriers, tile_barriers)
+        pl.run_scoped(lambda *out_smem: _write_partials(o_ref, m_ref, l_ref, *partials, *out_smem,
+                                                        row_blocks=row_blocks, out_rows=out_rows),
+                      plgpu.SMEM((_ROWS, h), jnp.float32, **_tiled(4)), plgpu.SMEM((_ROWS,), jnp.float32),
+                      plgpu.SMEM((_ROWS,), jnp.float32))
 
     stats = jax.ShapeDtypeStruct((num_splits, b, kv_heads, padded_rows), jnp.float32)
     outs, maxes, sums = plgpu.kernel(
