@@ -17,11 +17,13 @@ table, JSON and plots to a folder of their own.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -46,6 +48,7 @@ class DemoSettings:
     prefill_len: int = 1024
     pretrain_overrides: tuple = ()  # recipe keys for this budget (e.g. bf16 compute on a GPU)
     distill_overrides: tuple = ()
+    eval_workers: int = 1      # (l, g)s whose quality is scored at once (`evaluate`: compiling overlaps running)
 
 
 SETTINGS = {
@@ -62,13 +65,15 @@ SETTINGS = {
 # tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 300 steps
 # each. ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s (gpu_seconds), plus compiling and evaluation. On an
 # H200 with cuDNN attention (2026-11-25): pretraining 136 s, each student 36-48 s, 92.6% of the 50% gap closed; the
-# evaluation of the 8 models was not finished by 513 s, so the whole is not yet timed. The students' rate, from CPU
-# sweeps of the 50% student (benchmarks/results/demo/README.md): the best rate halved when the width doubled (muP's
-# 1/width: 8e-3 at width 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the steps (480: 91% of the gap
-# closed at 1.6e-2, width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows a step (width 256: 89/88%
-# at 4e-3/8e-3); too high costs far more than too low (width 256, 120 steps: 82/85/80/64% at 2e-3/4e-3/8e-3/1.6e-2).
-# Width 1024: 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more steps. The GPU pack's `sweep`
-# part checks half and twice it, and its tokens in twice the steps of half the rows.
+# evaluation of the 8 models was not finished by 513 s, so the whole is not yet timed. Its first 5 models took about
+# 170 s there, and about 60 s when a resumed call found their programs in JAX's compilation cache: compiling is most
+# of it, so the 4 (l, g)s are now scored at once (eval_workers), each compiling while the others run.
+# The students' rate, from CPU sweeps of the 50% student (benchmarks/results/demo/README.md): the best rate halved
+# when the width doubled (muP's 1/width: 8e-3 at width 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the
+# steps (480: 91% of the gap closed at 1.6e-2, width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows
+# a step (width 256: 89/88% at 4e-3/8e-3); too high costs far more than too low (width 256, 120 steps: 82/85/80/64%
+# at 2e-3/4e-3/8e-3/1.6e-2). Width 1024: 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more
+# steps. The GPU pack's `sweep` part checks half and twice it, and its tokens in twice the steps of half the rows.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
                 "model.remat=dots", "model.attention_impl=auto", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
@@ -77,7 +82,8 @@ SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, ba
                                                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
                                pretrain_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",
                                                                   "checkpoint.every=400"),
-                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",))  # (above)
+                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",),  # (above)
+                               eval_workers=4)
 ASSUMED_MFU, PEAK_FLOPS = 0.30, 989e12  # gpu_seconds' assumptions (H100/H200 dense bf16), not measurements
 
 
@@ -107,7 +113,7 @@ def gpu_seconds(settings: DemoSettings, mfu: float = ASSUMED_MFU, peak: float = 
 # The test suite's: the quick pipeline on a budget too small to learn anything (its table is complete, not ordered).
 SETTINGS["smoke"] = dataclasses.replace(SETTINGS["quick"], max_files=100, vocab_size=512, seq_len=64, batch_size=8,
                                         pretrain_steps=20, distill_steps=5, val_rows=8, prompts=4, prompt_tokens=16,
-                                        new_tokens=8, prefill_len=128)
+                                        new_tokens=8, prefill_len=128, eval_workers=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +172,10 @@ def check_device(name: str) -> None:
 
 
 def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
-    """One --out per settings: a run of other settings would mix models; refuse instead of overwriting."""
-    record = json.loads(json.dumps({"settings": name, **dataclasses.asdict(settings)}))  # tuples as JSON lists
+    """One --out per settings: a run of other settings would mix models; refuse instead of overwriting. (How many
+    models are evaluated at once changes no result: not part of the record.)"""
+    fields = {k: v for k, v in dataclasses.asdict(settings).items() if k != "eval_workers"}
+    record = json.loads(json.dumps({"settings": name, **fields}))  # tuples as JSON lists
     path = out / "demo_settings.json"
     if path.is_file() and json.loads(path.read_text()) != record:
         raise ValueError(f"{out} holds a demo run with other settings (see {path}): choose another --out, or delete it")
@@ -323,8 +331,14 @@ def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings, do
     """One row per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher.
     models: name -> (load() -> Model, Variant or None for the teacher, the checkpoints its row depends on: the
     teacher's, and a student's own). done: a JSON file of the rows evaluated so far, each with its checkpoints'
-    fingerprints, rewritten after every model: a row whose checkpoints are unchanged is read back instead of
-    evaluated again (`evaluated_earlier`), so a demo that a time limit stopped mid-evaluation continues there."""
+    fingerprints, rewritten as each row is complete: a row whose checkpoints are unchanged is read back instead of
+    evaluated again (`evaluated_earlier`), so a demo that a time limit stopped mid-evaluation continues there.
+
+    The prefill comparisons (one per (l, g): the two rows of an (l, g) share it) are timed first, one at a time with
+    nothing else on the device. Then the quality scores: the teacher's first (every model's scores run it), then
+    `settings.eval_workers` (l, g)s at once, the rows of one (l, g), which share their programs, one after the other
+    in one thread, so that one model's compiling (most of the evaluation's time on a GPU) overlaps another's
+    running. Their `eval_seconds` are then wall times under that sharing."""
     earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
     fingerprints = {name: [_fingerprint(c) for c in checkpoints] for name, (_, _, checkpoints) in models.items()}
     reusable = {name: dict(earlier[name]["row"], evaluated_earlier=True) for name in models
@@ -333,37 +347,72 @@ def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings, do
     # (l, g) -> SPEED, from any reused row first: the teacher wiring of the same weights runs in the same bench call
     speed = {(v.l, v.g): {k: reusable[name][k] for k in SPEED} for name, (_, v, _) in models.items()
              if v is not None and name in reusable}
-    rows = []
-    for name, (load, variant, _) in models.items():
-        fingerprint = fingerprints[name]
-        if name in reusable:
-            row = reusable[name]
-        else:
-            row = evaluate_one(teacher, load(), variant, batches, prompts, settings, speed)
-            if done is not None:
-                earlier[name] = {"checkpoints": fingerprint, "row": row}
-                partial = done.with_suffix(".tmp")
-                partial.write_text(json.dumps(earlier, indent=1) + "\n")
-                partial.replace(done)
-        if variant is not None:
-            speed.setdefault((variant.l, variant.g), {k: row[k] for k in SPEED})
-        rows.append({"model": name, **row})
-        _say(f"evaluated {name}{' in an earlier call' if row.get('evaluated_earlier') else ''}: val loss "
-             f"{row['val_loss']:.4f}, KL {row['kl_to_teacher']:.4f} "
-             f"({', '.join(f'{k} {v:.0f} s' for k, v in row['eval_seconds'].items())})")
-    return rows
+    pending = [name for name in models if name not in reusable]
+    loaded = {}  # name -> Model, from its bench until its row is complete
+
+    def model(name: str):
+        if name not in loaded:
+            loaded[name] = models[name][0]()
+        return loaded[name]
+
+    bench_seconds = {}
+    for name in pending:
+        variant = models[name][1]
+        if variant is not None and (variant.l, variant.g) not in speed:
+            start = time.perf_counter()
+            speed[(variant.l, variant.g)] = prefill_speed(model(name), settings)
+            bench_seconds[name] = round(time.perf_counter() - start, 1)
+
+    rows, lock = dict(reusable), threading.Lock()
+    for name, row in reusable.items():
+        _say_evaluated(name, row)
+
+    def evaluate_rows(names: list) -> None:  # one (l, g)'s rows, one after the other
+        for name in names:
+            variant = models[name][1]
+            row = quality_row(teacher, model(name), variant, batches, prompts, settings)
+            if variant is None:
+                row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
+            else:
+                row.update(speed[(variant.l, variant.g)])
+            if name in bench_seconds:
+                row["eval_seconds"]["prefill_bench"] = bench_seconds[name]
+            del loaded[name]
+            with lock:
+                rows[name] = row
+                if done is not None:
+                    earlier[name] = {"checkpoints": fingerprints[name], "row": row}
+                    partial = done.with_suffix(".tmp")
+                    partial.write_text(json.dumps(earlier, indent=1) + "\n")
+                    partial.replace(done)
+                _say_evaluated(name, row)
+
+    groups = {}  # (l, g) or None (the teacher) -> its pending rows, in order
+    for name in pending:
+        variant = models[name][1]
+        groups.setdefault(None if variant is None else (variant.l, variant.g), []).append(name)
+    evaluate_rows(groups.pop(None, []))
+    with concurrent.futures.ThreadPoolExecutor(settings.eval_workers) as pool:
+        for future in [pool.submit(evaluate_rows, names) for names in groups.values()]:
+            future.result()  # a worker's exception, raised here
+    return [{"model": name, **rows[name]} for name in models]
 
 
-def evaluate_one(teacher, model, variant: Optional[Variant], batches, prompts, settings: DemoSettings,
-                 speed: dict) -> dict:
-    """`evaluate`'s row of one model (its SPEED from an earlier model of the same (l, g) when there is one)."""
+def _say_evaluated(name: str, row: dict) -> None:
+    _say(f"evaluated {name}{' in an earlier call' if row.get('evaluated_earlier') else ''}: val loss "
+         f"{row['val_loss']:.4f}, KL {row['kl_to_teacher']:.4f} "
+         f"({', '.join(f'{k} {v:.0f} s' for k, v in row['eval_seconds'].items())})")
+
+
+def quality_row(teacher, model, variant: Optional[Variant], batches, prompts, settings: DemoSettings) -> dict:
+    """`evaluate`'s row of one model without its SPEED: held-out scores and greedy agreement, and the seconds of
+    each (`eval_seconds`: where the evaluation's time goes, compiling on a GPU)."""
     from swiftkv_jax.evaluation.quality import greedy_agreement, held_out_scores
-    from swiftkv_jax.serving import bench
 
     row = {"layers_skipped": 0.0 if variant is None else variant.fraction(teacher.config.num_hidden_layers),
            "l": None if variant is None else variant.l, "g": None if variant is None else variant.g,
            "distilled": None if variant is None else variant.distilled, "evaluated_earlier": False}
-    seconds = row["eval_seconds"] = {}  # where the evaluation's time goes (compiling, on a GPU), per part
+    seconds = row["eval_seconds"] = {}
 
     def part(what, fn, *args, **kwargs):
         start = time.perf_counter()
@@ -372,18 +421,17 @@ def evaluate_one(teacher, model, variant: Optional[Variant], batches, prompts, s
 
     part("held_out", held_out_scores, teacher, model, batches)
     part("greedy", greedy_agreement, teacher, model, prompts, settings.new_tokens)
-    if variant is None:
-        row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
-    elif (variant.l, variant.g) in speed:
-        row.update(speed[(variant.l, variant.g)])
-    else:
-        def prefill_speed():  # the prefill only (gen_len 0): no decode loop compiled
-            ratios = bench.bench(model, prompt_len=settings.prefill_len, gen_len=0, batch=1, repeats=5,
-                                 cache_dtype="float32")[0]["vs_teacher"]
-            return dict(zip(SPEED, (ratios["ttft"], ratios["kv_bytes"])))
-
-        part("prefill_bench", prefill_speed)
     return row
+
+
+def prefill_speed(model, settings: DemoSettings) -> dict:
+    """SPEED of a SwiftKV model: its prefill time and KV bytes over its teacher wiring's (the same weights), timed
+    side by side in one bench call, the prefill only (gen_len 0: no decode loop compiled)."""
+    from swiftkv_jax.serving import bench
+
+    ratios = bench.bench(model, prompt_len=settings.prefill_len, gen_len=0, batch=1, repeats=5,
+                         cache_dtype="float32")[0]["vs_teacher"]
+    return dict(zip(SPEED, (ratios["ttft"], ratios["kv_bytes"])))
 
 
 TABLE_ROWS = ("teacher", "swiftkv-50-undistilled", "swiftkv-50", "swiftkv-50-acrosskv2")
