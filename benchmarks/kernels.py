@@ -24,7 +24,9 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal flag), the engine's cuDNN path
   (attention_impl="cudnn": our position mask as a bias), jax's Mosaic GPU kernel (`attention_mgpu`, causal, no
   segments: what Pallas on Hopper reaches; `jax_mosaic_fp16`: it supports float16 only, so it runs on float16
-  copies of the inputs, q scaled by 1/sqrt(H) as it does not, made before timing), ours on Mosaic GPU (`mosaic`:
+  copies of the inputs, q scaled by 1/sqrt(H) as it does not, made before timing), jax's Pallas Triton kernel
+  (`jax_triton`: `mha`, causal, at its default blocks, K/V heads repeated to the query heads before timing: what
+  Triton-Pallas reaches, beside ours, `pallas`), ours on Mosaic GPU (`mosaic`:
   flash_attention_mgpu in FA3's form; `mosaic_smem`: the form jax's interpreter runs, compiled;
   `mosaic_float8_e4m3fn`: K/V from an FP8 cache, which the engines dequantise with XLA before the kernel) and XLA
   (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of memory at the largest shapes, reported so).
@@ -77,7 +79,7 @@ _QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
 RIVALS = {
     "decode": {"pallas", "pallas_bskh", "jax_pallas", "mosaic_2cta", *_QUANTIZED_TRITON},
     "paged": {"xla", "xla_int8", "xla_float8_e4m3fn", "pallas_f16_int8", "pallas_f16_float8_e4m3fn"},
-    "prefill": {"xla", "jax_mosaic_fp16", "mosaic_smem", "cudnn_mask"},
+    "prefill": {"xla", "jax_mosaic_fp16", "jax_triton", "mosaic_smem", "cudnn_mask"},
 }
 
 
@@ -514,12 +516,25 @@ def main(argv=None) -> int:
     else:
         mosaic_error = (None if getattr(attention_mgpu, "cuda_versions", True) is not None else
                         "Mosaic GPU needs jaxlib's CUDA plugin, even to lower (none on this machine)")
+    # jax's bundled Pallas Triton kernel (`pallas.ops.gpu.attention.mha`, causal, no segments) at its own defaults
+    # (128 x 128 blocks, 8 warps at head dim 128, 2 stages): what Triton-Pallas reaches, beside ours. It takes as many
+    # K/V heads as query heads, so K and V are repeated to them before timing.
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as jax_triton
+        prefill_impls["jax_triton"] = lambda q, k, v, p, g: jax_triton.mha(q, k, v, None, sm_scale=head_dim**-0.5,
+                                                                           causal=True, interpret=interpret)
+        layouts["jax_triton"] = lambda q, k, v, p, g: (
+            q, *(jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v)), p, g)
+        triton_error = None
+    except (ImportError, AttributeError) as e:
+        triton_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
     if "prefill" in parts:
         # our Mosaic GPU kernel interpreted takes minutes even at the small shape (tests/ interpret it at tiny ones)
         known = {**{name: "Mosaic GPU kernel: timed on a GPU only"
                     for name in ("mosaic", "mosaic_smem", "mosaic_float8_e4m3fn") if interpret},
-                 **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {})}
+                 **({"jax_mosaic_fp16": mosaic_error} if mosaic_error else {}),
+                 **({"jax_triton": triton_error} if triton_error else {})}
         names = checked("prefill", prefill_impls, prefill_reference, prefill_inputs(1, 256), known, {})
         for b, t in prefill_points:
             flops = 4 * b * heads * t * t * head_dim / 2
