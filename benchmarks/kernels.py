@@ -390,6 +390,9 @@ def main(argv=None) -> int:
         return (normal(b, 1, heads, head_dim), normal(b, kv_heads, s, head_dim), normal(b, kv_heads, s, head_dim),
                 jnp.full((b,), s, jnp.int32), jnp.full((b, 1), s - 1, jnp.int32))
 
+    def layer_kv_bytes(name, b, s):  # one layer's K and V (quantised: 1 byte a value, an fp32 scale a token and head)
+        return 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else head_dim * jnp.dtype(dtype).itemsize)
+
     def laid_out(name, inputs):
         return layouts[name](*inputs) if name in layouts else inputs
 
@@ -406,8 +409,7 @@ def main(argv=None) -> int:
             for row, make, names in passed:
                 point = functools.cache(functools.partial(make, b, s))
                 for name in (n for n in names if timed_here(table, n, (b, s))):
-                    kv_bytes = 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
-                                                       head_dim * jnp.dtype(dtype).itemsize)
+                    kv_bytes = layer_kv_bytes(name, b, s)
                     measure(table, {"impl": name, **row, "batch": b, "context": s, "kv_bytes": kv_bytes}, None,
                             impls[name], lambda n=name, p=point: laid_out(n, p()),
                             lambda seconds, n=kv_bytes: dict(bandwidth=n / seconds,
@@ -424,8 +426,7 @@ def main(argv=None) -> int:
             count = max(1, min(args.layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
             point = functools.cache(lambda b=b, s=s, count=count: [decode_inputs(b, s) for _ in range(count)])
             for name in (n for n in LAYERED if n in passed):
-                kv_bytes = count * 2 * b * s * kv_heads * (head_dim + 4 if name_quantized(name) else
-                                                           head_dim * jnp.dtype(dtype).itemsize)
+                kv_bytes = count * layer_kv_bytes(name, b, s)
                 width = 5 + 2 * name_quantized(name)  # inputs a layer: q, k, v, lengths, positions (+ 2 scales)
 
                 def step(*flat, name=name, count=count, width=width):

@@ -147,6 +147,13 @@ class MosaicDecodeBlockSizes:
         return max(1, min(wanted, blocks))
 
 
+def _cta_position(row_blocks: int):
+    """(sequence, KV head, block of 64 query rows, split) of this CTA, from the grid (batch, rows, split)."""
+    rows_id = lax.axis_index("rows")
+    return (lax.axis_index("batch"), lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype)),
+            lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype)), lax.axis_index("split"))
+
+
 def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, stages: int, row_blocks: int,
             split_len: int, num_keys: int, page_size: int | None, qk_scale: float,
             scales: str | None, interpreter_safe: bool, interpret: bool):
@@ -169,9 +176,7 @@ def _kernel(ranges_ref, limits_ref, q_ref, k_ref, v_ref, *refs, block_kv: int, s
         (q_barrier, limit_barrier), k_barriers, v_barriers = scoped
     if scales == "layer":  # K's per-layer scale multiplies the scores (V's multiplies the output, outside)
         qk_scale = qk_scale * scale_refs[0][0]
-    batch, rows_id, split = lax.axis_index("batch"), lax.axis_index("rows"), lax.axis_index("split")
-    kv_head = lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype))
-    row_block = lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype))
+    batch, kv_head, row_block, split = _cta_position(row_blocks)
     dtype, head_dim = q_ref.dtype, q_ref.shape[3]
     row_slice = pl.ds(row_block * _ROWS, _ROWS)
 
@@ -293,9 +298,7 @@ def _write_partials(o_ref, m_ref, l_ref, acc, m, total, o_smem, m_smem, l_smem, 
     of the two scopes, not their sum (with 64-key blocks in two slots, two CTAs fit an SM)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    batch, rows_id, split = lax.axis_index("batch"), lax.axis_index("rows"), lax.axis_index("split")
-    kv_head = lax.div(rows_id, jnp.array(row_blocks, rows_id.dtype))
-    row_block = lax.rem(rows_id, jnp.array(row_blocks, rows_id.dtype))
+    batch, kv_head, row_block, split = _cta_position(row_blocks)
     o_smem[...] = acc
     m_smem[...] = m
     l_smem[...] = total
