@@ -2,21 +2,23 @@
 
     python demo.py [--quick | --budget full|quick|gpu] [--out artifacts/demo] [--results DIR]
 
-build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs/stdlib-teacher.yaml; skipped
-when its export exists) -> SwiftKV transform at 25/50/75% of the layers skipped, and 50% + 2-way AcrossKV ->
-distil each with the same step budget (configs/stdlib-swiftkv.yaml) -> evaluate on the held-out split ->
-print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of the same
-settings left in --out, each model's evaluation too (`evaluation_rows.json`, written as each model is evaluated and
-keyed by its checkpoints' files: delete it to evaluate again), so a call stopped by a time limit continues where it
-stopped and a rerun only prints and plots. SIGTERM/SIGINT in a training stage save its checkpoint and stop
-the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget pretrains a
-247M-parameter teacher in bf16 on one GPU (its time from FLOP arithmetic: `gpu_seconds`); --results copies the
-table, JSON and plots to a folder of their own.
+build the corpus and a byte-level BPE -> pretrain a small Llama teacher (configs/stdlib-teacher.yaml; skipped when
+its export exists) -> time each SwiftKV wiring's prefill against the teacher's -> SwiftKV transform at 25/50/75% of
+the layers skipped, and 50% + 2-way AcrossKV -> distil each with the same step budget (configs/stdlib-swiftkv.yaml)
+-> evaluate on the held-out split (on the gpu budget each model as soon as it exists, beside the next distillation:
+`Evaluation`) -> print the table, write it as Markdown + JSON, and plot. Every stage reuses what an earlier run of
+the same settings left in --out, each model's evaluation too (`evaluation_rows.json`, written as each model is
+evaluated and keyed by its checkpoints' files: delete it to evaluate again), so a call stopped by a time limit
+continues where it stopped and a rerun only prints and plots. SIGTERM/SIGINT in a training stage save its checkpoint
+and stop the demo (exit status 128 + the signal's number); the same command continues from there. The gpu budget
+pretrains a 247M-parameter teacher in bf16 on one GPU (its time from FLOP arithmetic: `gpu_seconds`); --results
+copies the table, JSON and plots to a folder of their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -48,7 +50,8 @@ class DemoSettings:
     prefill_len: int = 1024
     pretrain_overrides: tuple = ()  # recipe keys for this budget (e.g. bf16 compute on a GPU)
     distill_overrides: tuple = ()
-    eval_workers: int = 1      # (l, g)s whose quality is scored at once (`evaluate`: compiling overlaps running)
+    eval_workers: int = 1      # models whose quality is scored at once (`Evaluation`: compiling overlaps running)
+    evaluate_while_distilling: bool = False  # score each model as soon as it exists, beside the next distillation
 
 
 SETTINGS = {
@@ -67,7 +70,9 @@ SETTINGS = {
 # H200 with cuDNN attention (2026-11-25): pretraining 136 s, each student 36-48 s, 92.6% of the 50% gap closed; the
 # evaluation of the 8 models was not finished by 513 s, so the whole is not yet timed. Its first 5 models took about
 # 170 s there, and about 60 s when a resumed call found their programs in JAX's compilation cache: compiling is most
-# of it, so the 4 (l, g)s are now scored at once (eval_workers), each compiling while the others run.
+# of it, so models are now scored on 4 threads (eval_workers) as soon as they exist, while the later students distil
+# (evaluate_while_distilling): what is left after the last distillation is that student's scores, whose programs its
+# undistilled twin compiled (the AcrossKV student, which has none, distils first), and the analysis.
 # The students' rate, from CPU sweeps of the 50% student (benchmarks/results/demo/README.md): the best rate halved
 # when the width doubled (muP's 1/width: 8e-3 at width 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the
 # steps (480: 91% of the gap closed at 1.6e-2, width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows
@@ -83,7 +88,7 @@ SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, ba
                                pretrain_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",
                                                                   "checkpoint.every=400"),
                                distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",),  # (above)
-                               eval_workers=4)
+                               eval_workers=4, evaluate_while_distilling=True)
 ASSUMED_MFU, PEAK_FLOPS = 0.30, 989e12  # gpu_seconds' assumptions (H100/H200 dense bf16), not measurements
 
 
@@ -113,7 +118,8 @@ def gpu_seconds(settings: DemoSettings, mfu: float = ASSUMED_MFU, peak: float = 
 # The test suite's: the quick pipeline on a budget too small to learn anything (its table is complete, not ordered).
 SETTINGS["smoke"] = dataclasses.replace(SETTINGS["quick"], max_files=100, vocab_size=512, seq_len=64, batch_size=8,
                                         pretrain_steps=20, distill_steps=5, val_rows=8, prompts=4, prompt_tokens=16,
-                                        new_tokens=8, prefill_len=128, eval_workers=2)
+                                        new_tokens=8, prefill_len=128, eval_workers=2,
+                                        evaluate_while_distilling=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +177,13 @@ def check_device(name: str) -> None:
                          f"--quick or the full budget on a CPU")
 
 
+SCHEDULING = ("eval_workers", "evaluate_while_distilling")  # DemoSettings that change when, not what
+
+
 def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
     """One --out per settings: a run of other settings would mix models; refuse instead of overwriting. (How many
-    models are evaluated at once changes no result: not part of the record.)"""
-    fields = {k: v for k, v in dataclasses.asdict(settings).items() if k != "eval_workers"}
+    models are evaluated at once, and when, changes no result: not part of the record.)"""
+    fields = {k: v for k, v in dataclasses.asdict(settings).items() if k not in SCHEDULING}
     record = json.loads(json.dumps({"settings": name, **fields}))  # tuples as JSON lists
     path = out / "demo_settings.json"
     if path.is_file() and json.loads(path.read_text()) != record:
@@ -280,13 +289,18 @@ def pretrain(out: Path, settings: DemoSettings, init_dir: Path) -> Path:
     return run_dir / "model_hf"
 
 
+def student_export(out: Path, variant: Variant) -> Path:
+    """Where `distill` exports the student of `variant` (Hugging Face format)."""
+    return out / "distill" / variant.name / "student_hf"
+
+
 def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Variant) -> Path:
-    run_dir = out / "distill" / variant.name
+    run_dir = student_export(out, variant).parent
     _train("stdlib-swiftkv.yaml", [f"model.teacher={teacher_dir}", f"model.num_key_value_layers={variant.l}",
                                    f"model.key_value_group_size={variant.g}"]
            + common_overrides(out, settings, settings.distill_steps, run_dir) + list(settings.distill_overrides),
-           run_dir / "student_hf")
-    return run_dir / "student_hf"
+           student_export(out, variant))
+    return student_export(out, variant)
 
 
 def held_out(out: Path, settings: DemoSettings, tokenizer):
@@ -326,76 +340,121 @@ def _fingerprint(checkpoint: Path) -> list:
     return sorted([f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in checkpoint.iterdir() if f.is_file())
 
 
-def evaluate(teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None
-             ) -> list[dict]:
-    """One row per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher.
-    models: name -> (load() -> Model, Variant or None for the teacher, the checkpoints its row depends on: the
-    teacher's, and a student's own). done: a JSON file of the rows evaluated so far, each with its checkpoints'
-    fingerprints, rewritten as each row is complete: a row whose checkpoints are unchanged is read back instead of
-    evaluated again (`evaluated_earlier`), so a demo that a time limit stopped mid-evaluation continues there.
+class Evaluation:
+    """The demo's rows, one per model: held-out scores, agreement, and prefill time / KV bytes relative to the teacher,
+    scored while the later students are still distilling (`settings.evaluate_while_distilling`).
 
-    The prefill comparisons (one per (l, g): the two rows of an (l, g) share it) are timed first, one at a time with
-    nothing else on the device. Then the quality scores: the teacher's first (every model's scores run it), then
-    `settings.eval_workers` (l, g)s at once, the rows of one (l, g), which share their programs, one after the other
-    in one thread, so that one model's compiling (most of the evaluation's time on a GPU) overlaps another's
-    running. Their `eval_seconds` are then wall times under that sharing."""
-    earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
-    fingerprints = {name: [_fingerprint(c) for c in checkpoints] for name, (_, _, checkpoints) in models.items()}
-    reusable = {name: dict(earlier[name]["row"], evaluated_earlier=True) for name in models
-                if earlier.get(name, {}).get("checkpoints") == fingerprints[name]
-                and ROW_FIELDS <= set(earlier[name].get("row", {}))}  # a row of this code's fields only
-    # (l, g) -> SPEED, from any reused row first: the teacher wiring of the same weights runs in the same bench call
-    speed = {(v.l, v.g): {k: reusable[name][k] for k in SPEED} for name, (_, v, _) in models.items()
-             if v is not None and name in reusable}
-    pending = [name for name in models if name not in reusable]
-    loaded = {}  # name -> Model, from its bench until its row is complete
+    models: name -> (load() -> Model, its Variant or None for the teacher, the checkpoints its row depends on: the
+    teacher's, and a student's own), in the table's order. done: a JSON file of the rows evaluated so far, each with
+    its checkpoints' fingerprints, rewritten as each row is complete: a row whose checkpoints are unchanged is read
+    back instead of evaluated again (`evaluated_earlier`), so a demo that a time limit stopped continues there.
 
-    def model(name: str):
-        if name not in loaded:
-            loaded[name] = models[name][0]()
-        return loaded[name]
+    1. `time_prefills()`: each (l, g)'s prefill comparison (the two rows of an (l, g) share it), timed one at a time
+       with nothing else on the device, on the teacher's undistilled SwiftKV wiring: the program a student of that
+       (l, g) runs, and a time does not depend on the weights, so no student need exist yet.
+    2. `start(name)` once a model's checkpoints exist: its quality scores run on `settings.eval_workers` threads,
+       the teacher's before any other's (every row runs the teacher's programs), the rows of one (l, g), which share
+       their programs, one after the other. One model compiles (most of the evaluation's time on a GPU) while
+       another runs, and while the next student distils. Their `eval_seconds` are wall times under that sharing.
+    3. `also(fn, ...)`: other work on the same threads (the teacher's layer analysis).
+       With `evaluate_while_distilling` off (the CPU budgets: 2 cores have nothing to spare) what 2 and 3 start
+       waits until `rows()`.
+    4. `rows()`: every row, once all are scored. Leaving the `with` block on an error cancels what has not started.
+    """
 
-    bench_seconds = {}
-    for name in pending:
-        variant = models[name][1]
-        if variant is not None and (variant.l, variant.g) not in speed:
+    def __init__(self, teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None):
+        self.teacher, self.models, self.batches, self.prompts, self.settings = teacher, models, batches, prompts, \
+            settings
+        self.done = done
+        self.earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
+        self.results, self.bench_seconds, self.speed = {}, {}, {}  # name -> row; name -> s; (l, g) -> SPEED
+        self.lock, self.teacher_scored = threading.Lock(), threading.Event()
+        self.group_locks = collections.defaultdict(threading.Lock)  # (l, g) -> held while one of its rows is scored
+        self.pool = concurrent.futures.ThreadPoolExecutor(settings.eval_workers)
+        self.futures, self.held = [], []
+
+    def __enter__(self) -> "Evaluation":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self.pool.shutdown(wait=kind is None, cancel_futures=kind is not None)
+
+    def _reusable(self, name: str) -> Optional[dict]:
+        """The row an earlier call wrote for `name` if its checkpoints are those on disk now (and it has every field
+        this code writes), else None."""
+        entry, checkpoints = self.earlier.get(name, {}), self.models[name][2]
+        if not all(c.is_dir() for c in checkpoints) or not ROW_FIELDS <= set(entry.get("row", {})):
+            return None
+        fingerprints = [_fingerprint(c) for c in checkpoints]
+        return dict(entry["row"], evaluated_earlier=True) if entry.get("checkpoints") == fingerprints else None
+
+    def time_prefills(self) -> None:
+        import swiftkv_jax as sk
+
+        groups = {}  # (l, g) -> its rows' names, in order
+        for name, (_, variant, _) in self.models.items():
+            if variant is not None:
+                groups.setdefault((variant.l, variant.g), []).append(name)
+        for (l, g), names in groups.items():
+            reused = next((row for row in map(self._reusable, names) if row is not None), None)
+            if reused is not None:  # the same (l, g) and teacher: the comparison an earlier call timed
+                self.speed[(l, g)] = {k: reused[k] for k in SPEED}
+                continue
             start = time.perf_counter()
-            speed[(variant.l, variant.g)] = prefill_speed(model(name), settings)
-            bench_seconds[name] = round(time.perf_counter() - start, 1)
+            self.speed[(l, g)] = prefill_speed(sk.to_swiftkv(self.teacher, l, g), self.settings)
+            self.bench_seconds[names[0]] = round(time.perf_counter() - start, 1)
 
-    rows, lock = dict(reusable), threading.Lock()
-    for name, row in reusable.items():
-        _say_evaluated(name, row)
+    def start(self, name: str) -> None:
+        row = self._reusable(name)
+        if row is not None:
+            self._record(name, row, written=True)
+            if self.models[name][1] is None:
+                self.teacher_scored.set()
+        else:
+            self.also(self._score, name)
 
-    def evaluate_rows(names: list) -> None:  # one (l, g)'s rows, one after the other
-        for name in names:
-            variant = models[name][1]
-            row = quality_row(teacher, model(name), variant, batches, prompts, settings)
-            if variant is None:
-                row.update(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0)
-            else:
-                row.update(speed[(variant.l, variant.g)])
-            if name in bench_seconds:
-                row["eval_seconds"]["prefill_bench"] = bench_seconds[name]
-            del loaded[name]
-            with lock:
-                rows[name] = row
-                if done is not None:
-                    earlier[name] = {"checkpoints": fingerprints[name], "row": row}
-                    partial = done.with_suffix(".tmp")
-                    partial.write_text(json.dumps(earlier, indent=1) + "\n")
-                    partial.replace(done)
-                _say_evaluated(name, row)
+    def also(self, fn, *args, **kwargs) -> None:
+        if self.settings.evaluate_while_distilling:
+            self.futures.append(self.pool.submit(fn, *args, **kwargs))
+        else:
+            self.held.append(functools.partial(fn, *args, **kwargs))
 
-    groups = {}  # (l, g) or None (the teacher) -> its pending rows, in order
-    for name in pending:
-        variant = models[name][1]
-        groups.setdefault(None if variant is None else (variant.l, variant.g), []).append(name)
-    evaluate_rows(groups.pop(None, []))
-    with concurrent.futures.ThreadPoolExecutor(settings.eval_workers) as pool:
-        for future in [pool.submit(evaluate_rows, names) for names in groups.values()]:
+    def rows(self) -> list[dict]:
+        self.futures += [self.pool.submit(fn) for fn in self.held]
+        self.held = []
+        for future in self.futures:
             future.result()  # a worker's exception, raised here
-    return [{"model": name, **rows[name]} for name in models]
+        return [{"model": name, **self.results[name]} for name in self.models]
+
+    def _score(self, name: str) -> None:
+        load, variant, checkpoints = self.models[name]
+        if variant is None:
+            try:
+                self._record(name, self._quality(load(), None))
+            finally:  # the students' rows wait for it; on an error they run (and rows() raises it)
+                self.teacher_scored.set()
+            return
+        self.teacher_scored.wait()
+        with self.group_locks[(variant.l, variant.g)]:
+            self._record(name, self._quality(load(), variant))
+
+    def _quality(self, model, variant: Optional[Variant]) -> dict:
+        row = quality_row(self.teacher, model, variant, self.batches, self.prompts, self.settings)
+        row.update(dict(prefill_time_vs_teacher=1.0, kv_bytes_vs_teacher=1.0) if variant is None
+                   else self.speed[(variant.l, variant.g)])
+        return row
+
+    def _record(self, name: str, row: dict, written: bool = False) -> None:
+        if name in self.bench_seconds and not written:
+            row["eval_seconds"]["prefill_bench"] = self.bench_seconds[name]
+        with self.lock:
+            self.results[name] = row
+            if self.done is not None and not written:
+                self.earlier[name] = {"checkpoints": [_fingerprint(c) for c in self.models[name][2]], "row": row}
+                partial = self.done.with_suffix(".tmp")
+                partial.write_text(json.dumps(self.earlier, indent=1) + "\n")
+                partial.replace(self.done)
+            _say_evaluated(name, row)
 
 
 def _say_evaluated(name: str, row: dict) -> None:
@@ -508,6 +567,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
 
     import swiftkv_jax as sk
 
+    from swiftkv_jax.evaluation.analyze import analyze
     from swiftkv_jax.evaluation.report import check_output_folder
 
     settings = SETTINGS[name] if attention is None else with_attention(SETTINGS[name], attention)
@@ -528,16 +588,28 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     teacher_dir = pretrain(out, settings, teacher_init(out, settings, tokenizer))
     lap("pretrain")
     teacher = sk.load(teacher_dir)
-    models = {"teacher": (lambda: teacher, None, [teacher_dir])}  # each loaded when it is evaluated
-    for v in variants(teacher.config.num_hidden_layers):
-        if v.distilled:
-            student_dir = distill(out, settings, teacher_dir, v)
-            models[v.name] = (functools.partial(sk.load, student_dir), v, [teacher_dir, student_dir])
-        else:
-            models[v.name] = (functools.partial(sk.to_swiftkv, teacher, v.l, v.g), v, [teacher_dir])
-    lap("distill")
+    layers = teacher.config.num_hidden_layers
+    models = {"teacher": (lambda: teacher, None, [teacher_dir])}  # each loaded when it is scored
+    for v in variants(layers):
+        student = student_export(out, v)
+        models[v.name] = ((functools.partial(sk.load, student), v, [teacher_dir, student]) if v.distilled
+                          else (functools.partial(sk.to_swiftkv, teacher, v.l, v.g), v, [teacher_dir]))
     batches, prompts = held_out(out, settings, tokenizer)
-    rows = evaluate(teacher, models, batches, prompts, settings, done=out / EVAL_ROWS)
+    with Evaluation(teacher, models, batches, prompts, settings, done=out / EVAL_ROWS) as evaluation:
+        evaluation.time_prefills()
+        lap("prefill_bench")
+        evaluation.start("teacher")
+        evaluation.also(analyze, str(teacher_dir), str(out / "corpus" / "validation.parquet"),
+                        max_tokens=4 * settings.seq_len * 8, max_length=settings.seq_len, out_dir=str(out / "analysis"))
+        for v in variants(layers):
+            if not v.distilled:
+                evaluation.start(v.name)
+        # the AcrossKV student first: it has no undistilled twin whose scores compile its programs
+        for v in sorted((v for v in variants(layers) if v.distilled), key=lambda v: v.g == 1):
+            distill(out, settings, teacher_dir, v)
+            evaluation.start(v.name)
+        lap("distill")
+        rows = evaluation.rows()
     lap("evaluate")
     # rows read back from an earlier call: their evaluation was that call's time
     earlier_eval = sum(sum(r["eval_seconds"].values()) for r in rows if r["evaluated_earlier"])
@@ -557,10 +629,6 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
               "estimate": gpu_seconds(settings) if name == "gpu" else None}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(rows, out / "quality_vs_layers_skipped.png")
-    from swiftkv_jax.evaluation.analyze import analyze
-
-    analyze(str(teacher_dir), str(out / "corpus" / "validation.parquet"), max_tokens=4 * settings.seq_len * 8,
-            max_length=settings.seq_len, out_dir=str(out / "analysis"))
     print(table)
     print(f"\ndistillation closes {checks['gap_closed_by_distillation_at_50']:.0%} of the 50% gap; quality falls "
           f"{'faster' if checks['quality_falls_faster_beyond_50'] else 'NOT faster'} beyond 50% skipped")

@@ -5,6 +5,7 @@ ordered as the method says it must be. The default suite runs the same pipeline 
 minute), too small to learn anything: its table must be complete and finite, its arithmetic columns exact.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -79,6 +80,11 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     stdout = run_demo(out, "smoke")
     assert "resumed from step 3" in stdout
     rows = check_table(out, stdout)
+    # models are scored while the later students distil: the AcrossKV student (no undistilled twin) distils first,
+    # the undistilled rows are in before the last student is
+    exports = [line for line in stdout.splitlines() if "stdlib-swiftkv.yaml ->" in line]
+    assert len(exports) == 4 and "swiftkv-50-acrosskv2" in exports[0]
+    assert stdout.index("evaluated swiftkv-25-undistilled") < stdout.index(exports[-1])
     assert json.loads((out / "demo_settings.json").read_text())["settings"] == "smoke"
     # each finished training stage leaves its seconds beside its export, for a later call's total; the stopped
     # call's pretraining (up to its checkpoint) is an earlier call's time, and the teacher's total includes it
@@ -148,6 +154,87 @@ def test_quick_demo_table_is_complete_finite_and_ordered(tmp_path):
     assert teacher["val_loss"] <= rows["swiftkv-50"]["val_loss"] + 1e-3
     assert 0 < rows["swiftkv-50"]["prefill_time_vs_teacher"] < 1
     assert result["checks"]["distilled_better_than_undistilled"]
+
+
+def _scheduled(tmp_path, monkeypatch, **settings):
+    """An Evaluation over stub models (teacher; (2, 1): "a", "a-undistilled"; (1, 1): "b") whose scoring only records
+    when each row starts and ends, and a row of (1, 1) or (2, 1) waits, up to 10 s, for one of the other (l, g) to be
+    scoring too. Returns (evaluation, events, prefill speeds timed)."""
+    import threading
+
+    events, lock, benched = [], threading.Lock(), []
+    meet = threading.Barrier(2, timeout=10)
+
+    def quality_row(teacher, model, variant, batches, prompts, settings_):
+        with lock:
+            events.append(("start", model))
+        if model in ("a-undistilled", "b"):
+            meet.wait()  # BrokenBarrierError unless the two (l, g)s are scored at once
+        with lock:
+            events.append(("end", model))
+        return {"val_loss": 1.0, "kl_to_teacher": 0.0, "eval_seconds": {}}
+
+    monkeypatch.setattr(demo, "quality_row", quality_row)
+    monkeypatch.setattr(demo, "prefill_speed", lambda model, settings_: benched.append(model) or dict.fromkeys(
+        demo.SPEED, 0.5))
+    monkeypatch.setattr("swiftkv_jax.to_swiftkv", lambda teacher, l, g: f"wiring {l} {g}")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    variants = {"teacher": None, "a": demo.Variant("a", 2), "a-undistilled": demo.Variant("a-undistilled", 2,
+                                                                                          distilled=False),
+                "b": demo.Variant("b", 1)}
+    models = {name: (lambda name=name: name, v, [checkpoint]) for name, v in variants.items()}
+    settings_ = dataclasses.replace(demo.SETTINGS["smoke"], **settings)
+    return demo.Evaluation("teacher", models, [], [], settings_, done=tmp_path / demo.EVAL_ROWS), events, benched
+
+
+def test_evaluation_scores_the_teacher_first_then_one_row_of_an_l_g_at_a_time(tmp_path, monkeypatch):
+    """The schedule the GPU demo relies on (the smoke run above scores for real): one prefill comparison per (l, g),
+    on the teacher's wiring, before any score; the teacher's row before any other; the rows of an (l, g) one after
+    the other, different (l, g)s at once; rows written as each ends."""
+    evaluation, events, benched = _scheduled(tmp_path, monkeypatch, eval_workers=3, evaluate_while_distilling=True)
+    with evaluation:
+        evaluation.time_prefills()
+        assert benched == ["wiring 2 1", "wiring 1 1"] and events == []
+        for name in ("teacher", "a-undistilled", "b", "a"):
+            evaluation.start(name)
+        rows = evaluation.rows()
+    assert [r["model"] for r in rows] == ["teacher", "a", "a-undistilled", "b"]
+    assert events[:2] == [("start", "teacher"), ("end", "teacher")]
+    (start_u, end_u), (start_a, end_a) = ([events.index((edge, name)) for edge in ("start", "end")]
+                                          for name in ("a-undistilled", "a"))
+    assert end_u < start_a or end_a < start_u  # the rows of (2, 1) never overlap
+    by_name = {r["model"]: r for r in rows}
+    assert by_name["a"]["eval_seconds"]["prefill_bench"] >= 0 and "prefill_bench" not in by_name["a-undistilled"][
+        "eval_seconds"]  # the (l, g)'s first row carries its comparison's seconds
+    assert by_name["b"]["prefill_time_vs_teacher"] == 0.5
+    assert set(json.loads((tmp_path / demo.EVAL_ROWS).read_text())) == set(by_name)
+
+
+def test_evaluation_on_a_cpu_budget_waits_and_an_error_cancels_what_has_not_started(tmp_path, monkeypatch):
+    """evaluate_while_distilling off: nothing is scored before rows(). On: an error (a stopped distillation) leaves
+    at once, and the rows not yet started never are."""
+    import threading
+
+    evaluation, events, _ = _scheduled(tmp_path, monkeypatch, eval_workers=2, evaluate_while_distilling=False)
+    with evaluation:
+        evaluation.time_prefills()
+        for name in ("teacher", "a-undistilled", "b", "a"):
+            evaluation.start(name)
+        assert events == []
+        assert len(evaluation.rows()) == 4 and len(events) == 8
+
+    evaluation, events, _ = _scheduled(tmp_path / "again", monkeypatch, eval_workers=1,
+                                       evaluate_while_distilling=True)
+    release = threading.Event()
+    evaluation.also(release.wait, 10)  # occupies the one thread
+    with pytest.raises(demo.Stopped), evaluation:
+        evaluation.time_prefills()
+        evaluation.start("teacher")
+        raise demo.Stopped(143, "stopped")
+    release.set()
+    evaluation.pool.shutdown(wait=True)
+    assert events == []  # the teacher's row was cancelled, not run
 
 
 def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
