@@ -364,19 +364,23 @@ def test_shared_memory_counts_the_p_tile_only_in_the_form_that_has_it():
 
 
 def test_shared_memory_is_what_the_lowering_requests_and_two_ctas_share_an_sm(monkeypatch):
-    """smem_bytes is the scoped SMEM jax's Mosaic GPU lowering itself requests for the kernel (its resource estimate,
-    read during lowering for CUDA on the CPU), in both forms, over 16- and 8-bit caches. The epilogue's fp32 tile
-    reuses the K / V slots' bytes, so 64-key blocks in 2 slots (3 over an 8-bit cache) let two CTAs share an SM;
-    128-key blocks do not."""
+    """smem_bytes is the SMEM jax's Mosaic GPU lowering itself requests for the kernel (its resource estimate, read
+    during lowering for CUDA on the CPU: the scoped scratch, none for reductions, and the barriers), in both forms,
+    over 16- and 8-bit caches. The epilogue's fp32 tile reuses the K / V slots' bytes, so 64-key blocks in 2 slots
+    (3 over an 8-bit cache) let two CTAs share an SM; 128-key blocks do not."""
     lowering = pytest.importorskip("jax._src.pallas.mosaic_gpu.lowering")
     if not hasattr(lowering, "_estimate_resources"):
         pytest.skip("this jax's Mosaic GPU lowering has no _estimate_resources")
     from swiftkv_jax.kernels.decode_attention_mgpu import resident_ctas
 
     requested, original = [], lowering._estimate_resources
-    monkeypatch.setattr(lowering, "_estimate_resources",
-                        lambda ctx, jaxpr: requested.append(original(ctx, jaxpr).smem_scratch_bytes)
-                        or original(ctx, jaxpr))
+
+    def estimate(ctx, jaxpr):  # the scratch, then 8 bytes a barrier: the launch's dynamic SMEM
+        resources = original(ctx, jaxpr)
+        requested.append(resources.smem_scratch_bytes + 8 * sum(b.num_barriers for b in resources.barriers))
+        return resources
+
+    monkeypatch.setattr(lowering, "_estimate_resources", estimate)
     S, b, k, keys, h = jax.ShapeDtypeStruct, 4, 2, 1024, 128
     for dtype, block_kv, stages, resident in (("bfloat16", 128, 2, 1), ("bfloat16", 64, 2, 2), ("bfloat16", 64, 3, 1),
                                               ("int8", 128, 2, 1), ("int8", 64, 3, 2), ("int8", 64, 4, 1)):

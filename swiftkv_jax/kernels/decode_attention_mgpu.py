@@ -74,7 +74,10 @@ _TILE_ROWS = 8  # a TMA copy into a tiled SMEM tile covers whole 8-row tiles of 
 _SCALE_COPY_KEYS = 32  # fp32 scales in one TMA copy: jax's Mosaic GPU lowering moves multiples of 128 bytes
 _DEFAULT_SMS = 132  # H100 SXM; the device's own count is used when it has one
 _SMEM_ALIGNMENT = 1024  # jax's Mosaic GPU lowering rounds each SMEM buffer up to this
-_REDUCTION_SCRATCH = 2048  # and reserves this much for a reduction (CompilerParams.reduction_scratch_bytes)
+# jax's lowering reserves CompilerParams.reduction_scratch_bytes (default 2048) of SMEM in any kernel with a
+# reduction, for one across warps. This kernel's reduce rows of the WGMMA layout, each within its warp: none reserved
+_REDUCTION_SCRATCH = 0
+_MBARRIER_BYTES = 8  # each barrier's SMEM, after the scratch (jax's Mosaic GPU launch)
 SM_SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, which resident CTAs share (each also reserves 1 KiB)
 
 
@@ -129,16 +132,19 @@ class MosaicDecodeBlockSizes:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, p_in_smem: bool = True) -> int:
         """Shared memory of one CTA over a cache of `itemsize` bytes an element, as jax's Mosaic GPU lowering
-        requests it: each buffer rounded up to 1 KiB, the larger of two scopes. The loop's: the Q tile, the K and V
-        slots, the rows' limits, P's tile (only the `interpreter_safe` form has one: `p_in_smem`), for an 8-bit
-        cache the converted K and V tiles and the slots' per-token scales (counted for per-layer scales too), and
-        the scratch a reduction reserves. The epilogue's (`_write_partials`): the fp32 output tile, maxes and sums."""
+        requests it: the scratch, each buffer rounded up to 1 KiB and the larger of two scopes, then the barriers
+        (Q's, the limits', one a slot for K and one for V). The loop's scope: the Q tile, the K and V slots, the
+        rows' limits, P's tile (only the `interpreter_safe` form has one: `p_in_smem`), for an 8-bit cache the
+        converted K and V tiles and the slots' per-token scales (counted for per-layer scales too), and the
+        scratch a reduction reserves (none). The epilogue's (`_write_partials`): the fp32 output tile, maxes and
+        sums."""
         slots = self.max_concurrent_steps * self.block_kv
         loop = (_aligned(2 * _ROWS * head_dim) + 2 * _aligned(itemsize * slots * head_dim) + _aligned(4 * _ROWS)
                 + (_aligned(2 * _ROWS * self.block_kv) if p_in_smem else 0) + _REDUCTION_SCRATCH)
         if itemsize == 1:
             loop += 2 * _aligned(2 * self.block_kv * head_dim) + 2 * _aligned(4 * slots)
-        return max(loop, _aligned(4 * _ROWS * head_dim) + 2 * _aligned(4 * _ROWS))
+        barriers = (2 + 2 * self.max_concurrent_steps) * _MBARRIER_BYTES
+        return max(loop, _aligned(4 * _ROWS * head_dim) + 2 * _aligned(4 * _ROWS)) + barriers
 
     def splits(self, num_keys: int, ctas: int, num_sms: int = _DEFAULT_SMS) -> int:
         """How many splits a launch of `ctas` CTAs per split uses over `num_keys` keys (each split >= one block)."""
@@ -440,7 +446,7 @@ def _split_k(q, lengths, q_positions, kv, scales, tables, *, kv_heads: int, num_
                   stats),
         grid=(b, kv_heads * row_blocks, num_splits),
         grid_names=("batch", "rows", "split"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params("decode_attention_mgpu") if interpret else False,
     )(ranges, limit, q_rows, *kv, *scale_inputs, *tables)
 
