@@ -363,9 +363,8 @@ class Evaluation:
     """
 
     def __init__(self, teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None):
-        self.teacher, self.models, self.batches, self.prompts, self.settings = teacher, models, batches, prompts, \
-            settings
-        self.done = done
+        self.teacher, self.models, self.settings, self.done = teacher, models, settings, done
+        self.batches, self.prompts = batches, prompts
         self.earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
         self.results, self.bench_seconds, self.speed = {}, {}, {}  # name -> row; name -> s; (l, g) -> SPEED
         self.lock, self.teacher_scored = threading.Lock(), threading.Event()
@@ -427,7 +426,7 @@ class Evaluation:
         return [{"model": name, **self.results[name]} for name in self.models]
 
     def _score(self, name: str) -> None:
-        load, variant, checkpoints = self.models[name]
+        load, variant, _ = self.models[name]
         if variant is None:
             try:
                 self._record(name, self._quality(load(), None))
