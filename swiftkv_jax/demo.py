@@ -295,12 +295,12 @@ def student_export(out: Path, variant: Variant) -> Path:
 
 
 def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Variant) -> Path:
-    run_dir = student_export(out, variant).parent
+    export = student_export(out, variant)
     _train("stdlib-swiftkv.yaml", [f"model.teacher={teacher_dir}", f"model.num_key_value_layers={variant.l}",
                                    f"model.key_value_group_size={variant.g}"]
-           + common_overrides(out, settings, settings.distill_steps, run_dir) + list(settings.distill_overrides),
-           student_export(out, variant))
-    return student_export(out, variant)
+           + common_overrides(out, settings, settings.distill_steps, export.parent) + list(settings.distill_overrides),
+           export)
+    return export
 
 
 def held_out(out: Path, settings: DemoSettings, tokenizer):
@@ -463,7 +463,7 @@ def _say_evaluated(name: str, row: dict) -> None:
 
 
 def quality_row(teacher, model, variant: Optional[Variant], batches, prompts, settings: DemoSettings) -> dict:
-    """`evaluate`'s row of one model without its SPEED: held-out scores and greedy agreement, and the seconds of
+    """`Evaluation`'s row of one model without its SPEED: held-out scores and greedy agreement, and the seconds of
     each (`eval_seconds`: where the evaluation's time goes, compiling on a GPU)."""
     from swiftkv_jax.evaluation.quality import greedy_agreement, held_out_scores
 

@@ -205,7 +205,7 @@ def test_evaluation_scores_the_teacher_first_then_one_row_of_an_l_g_at_a_time(tm
                                           for name in ("a-undistilled", "a"))
     assert end_u < start_a or end_a < start_u  # the rows of (2, 1) never overlap
     by_name = {r["model"]: r for r in rows}
-    assert by_name["a"]["eval_seconds"]["prefill_bench"] >= 0 and "prefill_bench" not in by_name["a-undistilled"][
+    assert "prefill_bench" in by_name["a"]["eval_seconds"] and "prefill_bench" not in by_name["a-undistilled"][
         "eval_seconds"]  # the (l, g)'s first row carries its comparison's seconds
     assert by_name["b"]["prefill_time_vs_teacher"] == 0.5
     assert set(json.loads((tmp_path / demo.EVAL_ROWS).read_text())) == set(by_name)
