@@ -3,6 +3,7 @@
 `main([...])` runs in-process for speed; one subprocess run proves the module entry point.
 """
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -237,8 +238,20 @@ def test_a_damaged_checkpoint_prints_one_line_up_to_the_exit(src, tmp_path, caps
     assert not (tmp_path / "dst").exists()
 
 
+def _closed_loop_error(from_native: bool) -> RuntimeError:
+    """The error `call_soon_threadsafe` raises on a closed loop; from_native: with the traceback a native caller
+    (TensorStore's callback) reports, which starts in `call_soon_threadsafe`, rather than in a Python caller."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        return e.with_traceback(e.__traceback__.tb_next) if from_native else e
+    raise AssertionError("a closed loop accepted a callback")
+
+
 def test_only_orbax_abandoned_reads_are_dropped(monkeypatch):
-    """The filter drops the two kinds of noise and hands anything else to the hook that was there."""
+    """The filter drops the two kinds of unraisable noise and hands anything else to the hook that was there."""
     from swiftkv_jax.checkpoints import orbax as orbax_checkpoints
 
     seen = []
@@ -256,11 +269,59 @@ def test_only_orbax_abandoned_reads_are_dropped(monkeypatch):
         ours = Exception("read failed")
         ours.__cause__ = stop
     coroutine.close()
-    closed_loop = RuntimeError("Event loop is closed")
+    closed_loop, our_closed_loop = _closed_loop_error(from_native=True), _closed_loop_error(from_native=False)
     other = RuntimeError("something else")
     for unraisable in (SimpleNamespace(exc_value=closed_loop, object=None),
+                       SimpleNamespace(exc_value=our_closed_loop, object=None),
                        SimpleNamespace(exc_value=other, object=None),
                        SimpleNamespace(exc_value=ours, object=coroutine)):
         sys.unraisablehook(unraisable)
-    assert [u.exc_value for u in seen] == [other, ours]
+    assert [u.exc_value for u in seen] == [our_closed_loop, other, ours]
     assert orbax_checkpoints.is_abandoned_read_noise(SimpleNamespace(exc_value=closed_loop, object=None))
+
+
+def test_only_orbax_abandoned_tasks_leave_asyncio_unlogged(monkeypatch):
+    """Orbax's reader tasks and their gathering future, collected with their exceptions unread (asyncio logs each,
+    many lines), are dropped from asyncio's logger once a read is guarded; anyone else's still reach its handlers.
+    The tasks are real and collected as Orbax's are; the Orbax one's coroutine is compiled as a file of Orbax's."""
+    import gc
+    import logging
+
+    from swiftkv_jax.checkpoints import orbax as orbax_checkpoints
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # _drop_abandoned_read_noise replaces it
+    logger = logging.getLogger("asyncio")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        with orbax_checkpoints.unreadable_orbax("ckpt"):
+            pass
+        source = "async def read():\n    raise ValueError('OUT_OF_RANGE')\n"
+        for filename in (orbax_checkpoints.ORBAX_SOURCES + "checkpoint/reader.py", __file__):
+            namespace = {}
+            exec(compile(source, filename, "exec"), namespace)
+            loop = asyncio.new_event_loop()
+            task = loop.create_task(namespace["read"]())
+            gathered = loop.run_until_complete(_gather_unread(namespace["read"]))
+            loop.run_until_complete(asyncio.sleep(0))  # both ran and failed; nobody reads their exceptions
+            loop.close()
+            del task, gathered
+            gc.collect()
+    finally:
+        logger.removeHandler(handler)
+    firsts = sorted(r.getMessage().split("\n", 1)[0] for r in records)
+    assert firsts == ["Task exception was never retrieved", "_GatheringFuture exception was never retrieved"], firsts
+    task_record = next(r for r in records if r.getMessage().startswith("Task"))
+    assert f"defined at {__file__}" in task_record.getMessage()
+
+
+async def _gather_unread(read):
+    """A gathering future over one reader, failed and left unread (as Orbax's `asyncio.gather` of its reads is once
+    the first fails)."""
+    gathered = asyncio.gather(read())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    return gathered

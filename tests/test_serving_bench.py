@@ -243,10 +243,17 @@ def test_the_sweep_runs_multiples_of_each_configs_own_throughput(serving_run):
     data, runs = serving_run
     for name in ("teacher", "swiftkv-tokens"):
         swept = [r for (n, rate), r in runs.items() if n == name and rate != "inf" and r["status"] == "ok"]
-        own = [r for r in swept if not r["teachers_highest_sustained_rate"]]
-        assert own and own[0]["multiple_of_rate_inf"] == pytest.approx(0.5)
-        assert own[0]["rate"] == pytest.approx(0.5 * runs[(name, "inf")]["requests_per_s"], rel=1e-2)
         assert all(isinstance(r["sustained"], bool) for r in swept)
+        # its own multiple, run, or skipped because a lower rate (the teacher's, for SwiftKV) was not sustained:
+        # whether 8 requests on 2 busy cores keep up with their arrivals is the machine's to say
+        [own] = [r for (n, rate), r in runs.items() if n == name and rate != "inf"
+                 and not r.get("teachers_highest_sustained_rate")]
+        assert own["rate"] == pytest.approx(0.5 * runs[(name, "inf")]["requests_per_s"], rel=1e-2)
+        if own["status"] == "ok":
+            assert own["multiple_of_rate_inf"] == pytest.approx(0.5)
+        else:
+            assert own["reason"] == "a lower rate was not sustained"
+            assert any(r["rate"] < own["rate"] and not r["sustained"] for r in swept)
     teacher_rates = [r["rate"] for (n, rate), r in runs.items() if n == "teacher" and rate != "inf"]
     for name in ("swiftkv-tokens", "swiftkv-cost", "swiftkv-fp8"):  # each SwiftKV engine at the teacher's rate
         at = [r for (n, rate), r in runs.items() if n == name and r.get("teachers_highest_sustained_rate")]

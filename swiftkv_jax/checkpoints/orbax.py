@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -83,14 +84,16 @@ def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.
 @contextlib.contextmanager
 def unreadable_orbax(directory, fix: str = f"it is incomplete or corrupt: {REDOWNLOAD}"):
     """Orbax's and TensorStore's errors on a damaged checkpoint (many, from its threads) as one CheckpointError
-    naming the directory, the root cause's first sentence (its advice is Orbax's API, not ours) and `fix`; the
-    tracebacks Orbax's abandoned reads would print afterwards are dropped (`is_abandoned_read_noise`)."""
+    naming the directory, the root cause's first sentence (its advice is Orbax's API, not ours) and `fix`. The
+    noise Orbax's abandoned reads print after the first failure (`is_abandoned_read_noise`,
+    `is_abandoned_task_log`) is dropped from before the read on: some of it comes from Orbax's threads while the
+    error is still on its way here (seen under load, 2026-11-25)."""
+    _drop_abandoned_read_noise()
     try:
         yield
     except CheckpointError:
         raise
     except Exception as e:
-        _drop_abandoned_read_noise()
         cause = e
         while cause.__cause__ is not None:
             cause = cause.__cause__
@@ -105,18 +108,43 @@ ORBAX_SOURCES = str(Path(ocp.__file__).parent.parent) + os.sep  # orbax/ (orbax.
 def is_abandoned_read_noise(unraisable) -> bool:
     """What Orbax's other reads print once one read of a restore has failed (`sys.unraisablehook`'s argument).
     Orbax closes the event loop that ran them: TensorStore's callbacks into it fail ("Event loop is closed",
-    reported with no object), and each reader coroutine still pending, closed when it is collected, turns the
-    GeneratorExit into an Exception (Orbax's `except BaseException` around a read): dozens of tracebacks after
-    the one error that matters, at any time up to the interpreter's exit."""
+    reported with no object, raised in `call_soon_threadsafe` called from native code: no Python frame above it),
+    and each reader coroutine still pending, closed when it is collected, turns the GeneratorExit into an Exception
+    (Orbax's `except BaseException` around a read): dozens of tracebacks after the one error that matters, at any
+    time up to the interpreter's exit."""
     exc, obj = unraisable.exc_value, unraisable.object
     if inspect.iscoroutine(obj):
         return isinstance(exc.__cause__, GeneratorExit) and obj.cr_code.co_filename.startswith(ORBAX_SOURCES)
-    return obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+    tb = exc.__traceback__
+    return (obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb is not None
+            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+
+
+def is_abandoned_task_log(record: logging.LogRecord) -> bool:
+    """asyncio's report (logger "asyncio", dozens of lines each) of a task or future of Orbax's reads collected
+    with its exception unread ("Task exception was never retrieved", "_GatheringFuture ...") or still pending,
+    once a read of the restore has failed: its coroutine is defined in Orbax's sources, or its exception was
+    raised there."""
+    message = record.getMessage()
+    first = message.split("\n", 1)[0]
+    if not (first.endswith(" exception was never retrieved") or first == "Task was destroyed but it is pending!"):
+        return False
+    if f"defined at {ORBAX_SOURCES}" in message:
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(ORBAX_SOURCES)
+
+
+def _keep_task_log(record: logging.LogRecord) -> bool:  # one function, so that adding it again adds nothing
+    return not is_abandoned_task_log(record)
 
 
 def _drop_abandoned_read_noise():
-    """Chains a filter of `is_abandoned_read_noise` in front of the unraisable hook (once a process): everything
-    else still reaches the hook that was there."""
+    """Chains a filter of `is_abandoned_read_noise` in front of the unraisable hook and puts one of
+    `is_abandoned_task_log` on asyncio's logger (once a process): everything else still reaches the hook that was
+    there and the logger's handlers."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_orbax_reads", False):
         return
@@ -127,3 +155,4 @@ def _drop_abandoned_read_noise():
 
     hook.drops_abandoned_orbax_reads = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_keep_task_log)
