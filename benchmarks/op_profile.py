@@ -47,6 +47,9 @@ CONTROL = {"while", "conditional", "call", "async-start", "async-done", "tuple",
 # whole runs of ops as one launch, which the trace shows as `command_buffer_N` ops with no HLO behind them (the
 # 2026-11-25 8B profile: 99% of the step), so the profiled copy is compiled without them (xprof issue #3070)
 PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+# categories, in the order a table lists them
+CATEGORIES = ("matmul", "attention (cuDNN)", "Pallas kernel", "reduction fusion", "elementwise fusion",
+              "data movement", "collective", "other", "not in the HLO")
 
 
 def compile_for_profile(lowered):
@@ -55,9 +58,6 @@ def compile_for_profile(lowered):
 
     gpu = jax.devices()[0].platform == "gpu"
     return lowered.compile(compiler_options=PROFILE_COMPILER_OPTIONS if gpu else None)
-# categories, in the order a table lists them
-CATEGORIES = ("matmul", "attention (cuDNN)", "Pallas kernel", "reduction fusion", "elementwise fusion",
-              "data movement", "collective", "other", "not in the HLO")
 
 
 @dataclass

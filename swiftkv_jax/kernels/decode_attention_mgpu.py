@@ -78,7 +78,8 @@ _SMEM_ALIGNMENT = 1024  # jax's Mosaic GPU lowering rounds each SMEM buffer up t
 # reduction, for one across warps. This kernel's reduce rows of the WGMMA layout, each within its warp: none reserved
 _REDUCTION_SCRATCH = 0
 _MBARRIER_BYTES = 8  # each barrier's SMEM, after the scratch (jax's Mosaic GPU launch)
-SM_SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, which resident CTAs share (each also reserves 1 KiB)
+SM_SMEM_BYTES = 228 * 1024  # Hopper's shared memory per SM, which resident CTAs share
+_CTA_RESERVED_SMEM = 1024  # what the hardware reserves of it for each resident CTA
 
 
 def _aligned(n: int) -> int:
@@ -88,7 +89,7 @@ def _aligned(n: int) -> int:
 def resident_ctas(smem_bytes: int) -> int:
     """How many CTAs of `smem_bytes` each fit one Hopper SM at once (shared memory decides here: 128 threads a
     CTA)."""
-    return SM_SMEM_BYTES // (smem_bytes + 1024)
+    return SM_SMEM_BYTES // (smem_bytes + _CTA_RESERVED_SMEM)
 
 
 def _is_int(n) -> bool:
