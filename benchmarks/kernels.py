@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py [--parts decode,paged,prefill] [--page-size 16,32] [--deadline S] [--repeats 20]
                                  [--profile-at 32x4096] [--rivals targets|all] [--layers 16] [--out PATH]
+                                 [--decode-points 32x4096,32x8192] [--prefill-points 1x8192,1x2048]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
@@ -30,8 +31,10 @@ Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
   flash_attention_mgpu in FA3's form; `mosaic_smem`: the form jax's interpreter runs, compiled;
   `mosaic_float8_e4m3fn`: K/V from an FP8 cache, which the engines dequantise with XLA before the kernel) and XLA
   (`xla_attention`, fp32 logits [B, N, T, T]: it runs out of memory at the largest shapes, reported so).
-Rows are written to the JSON as they are measured (`--deadline S`: no point is started after S seconds, the rest
-recorded as not measured; `complete` says whether the run finished). The points the targets need come first
+`--decode-points` / `--prefill-points` replace the grids by the points given (every implementation timed at each: a
+short GPU call for the points still open). Rows are written to the JSON as they are measured (`--deadline S`: no
+point is started after S seconds, the rest recorded as not measured; `complete` says whether the run finished).
+The points the targets need come first
 (decode at batch 32 and 128 x context 4K, 8K, 32K; prefill 8K x 1, 8K x 4, 32K x 1), the rest after. Each
 implementation is first checked at one small shape (a quantised row against the XLA path over the same quantised
 cache, any other against an fp32 reference); one that disagrees, fails or refuses the shape gets one row with its
@@ -180,6 +183,11 @@ def main(argv=None) -> int:
                              "point (default in --smoke)")
     parser.add_argument("--layers", type=_non_negative, default=None,
                         help="layers of the decode-step rows at LAYERED_POINTS (default 16, smoke 2; 0: none)")
+    parser.add_argument("--decode-points", type=_points, default=None, metavar="BxS,...",
+                        help="the decode and paged tables' points (batch x context) instead of the whole grid; every "
+                             "implementation is timed at each (they count as the targets' points)")
+    parser.add_argument("--prefill-points", type=_points, default=None, metavar="BxT,...",
+                        help="the prefill table's points (batch x tokens), likewise")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
@@ -233,6 +241,11 @@ def main(argv=None) -> int:
                                  if 2 * b * s * kv_heads * head_dim * 2 <= MAX_KV_GIB * 2**30], decode_targets)
         prefill_points = leading([(b, t) for t in (2048, 8192, 16384, 32768) for b in (1, 2, 4)], prefill_targets)
 
+    # chosen points replace the grid and count as the targets' (every rival timed at each), in the order given
+    if args.decode_points is not None:
+        decode_points = decode_targets = list(args.decode_points)
+    if args.prefill_points is not None:
+        prefill_points = prefill_targets = list(args.prefill_points)
     layered_points = [p for p in (((2, 256),) if args.smoke else LAYERED_POINTS) if p in decode_points
                       ] if args.layers else []
 

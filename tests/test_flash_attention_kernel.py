@@ -229,7 +229,7 @@ def test_block_sizes_reject_invalid_values(kwargs, message):
 
 def test_block_sizes_are_frozen_and_hashable():
     sizes = FlashBlockSizes.for_head_dim(128)
-    assert sizes.num_warps == 8 and hash(sizes) == hash(FlashBlockSizes(64, 64, 8, 2))
+    assert sizes.num_warps == 8 and hash(sizes) == hash(FlashBlockSizes(128, 64, 8, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         sizes.block_q = 32
 

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACK = REPO / "benchmarks" / "gpu"
 sys.path.insert(0, str(PACK))
 
+import pack  # noqa: E402
 import pack_runner  # noqa: E402
 import pack_steps  # noqa: E402
 import pack_wheels  # noqa: E402
@@ -471,6 +472,63 @@ def test_kernels_bench_times_rivals_at_the_targets_points_only(tmp_path):
         assert rivals and ours, (table, rivals, ours)
         assert all(where(impl) == targets for impl in rivals), table
         assert all(where(impl) > targets for impl in ours), table
+
+
+def test_kernels_bench_at_chosen_points_times_every_implementation_there_only(tmp_path):
+    """--decode-points / --prefill-points replace the grids: each timed implementation, rivals included, at exactly
+    the points given (the short GPU call for the points still open)."""
+    out = tmp_path / "k.json"
+    proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--smoke", "--repeats", "1", "--parts",
+                           "decode,prefill", "--layers", "0", "--decode-points", "2x512", "--prefill-points", "1x64",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["target_points"] == {"decode": [[2, 512]], "prefill": [[1, 64]]}
+    for table, point, want in (("decode", ("batch", "context"), {(2, 512)}), ("prefill", ("batch", "seq"), {(1, 64)})):
+        timed = [r for r in result[table] if "time_s" in r]
+        assert {tuple(r[k] for k in point) for r in timed} == want, table
+        assert {r["impl"] for r in timed} & set(result["rivals"][table]), table  # rivals timed there too
+
+
+def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
+    """A short call (15 minutes of device time hold about one full call): the kernels step's parts and the tune
+    step's own deadline shrink to what is left of the step, so their scripts stop by themselves (a tune point cut
+    by its deadline keeps its best candidate; one killed keeps nothing); chosen points reach kernels.py."""
+    assert pack_steps.fitted([200, 140, 120], None, 45) == [200, 140, 120]
+    assert pack_steps.fitted([200, 140, 120], 10_000, 45) == [200, 140, 120]  # never scaled up
+    assert pack_steps.fitted([200, 100], 240, 20) == [133, 66] and pack_steps.fitted([200], 30, 45) == [10]
+    assert pack_steps.parse_kernel_points(" 32x4096, 32X8192") == "32x4096,32x8192"
+    for bad in ("32", "32x0", "ax4096", ""):
+        with pytest.raises(ValueError, match="BATCHxLENGTH"):
+            pack_steps.parse_kernel_points(bad)
+
+    seen = []
+    ctx = Context(smoke=False, python=sys.executable, repo=REPO, tmp=tmp_path, ends_at=time.monotonic() + 300,
+                  kernel_points={"decode": "32x4096,32x8192", "prefill": "1x8192"})
+    pack_steps.kernels_step(ctx, seen.append)
+    argvs = [[str(a) for a in cmd.argv] for cmd in seen]
+    assert [a[a.index("--parts") + 1] for a in argvs] == ["decode", "paged", "prefill"]
+    assert [a[a.index("--decode-points") + 1] for a in argvs[:2]] == ["32x4096,32x8192"] * 2
+    assert argvs[2][argvs[2].index("--prefill-points") + 1] == "1x8192" and "--decode-points" not in argvs[2]
+    assert sum(cmd.limit_s for cmd in seen) <= 300
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import kernels
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    with pytest.raises(SystemExit) as exited:  # every argv parses with the script's own parser (--help after it)
+        kernels.main([*argvs[0][2:], "--help"])
+    assert exited.value.code == 0
+
+    seen.clear()
+    pack_steps.tune_step(dataclasses.replace(ctx, ends_at=time.monotonic() + 200), seen.append)
+    (cmd,) = seen
+    argv = [str(a) for a in cmd.argv]
+    assert float(argv[argv.index("--deadline") + 1]) <= 200 - pack_steps.TUNE_MARGIN_S and cmd.limit_s <= 200
+
+    parsed = pack.parser().parse_args(["run", "--out", str(tmp_path), "--decode-points", "32x4096",
+                                       "--prefill-points", "1x8192,1x2048"])
+    assert (parsed.decode_points, parsed.prefill_points) == ("32x4096", "1x8192,1x2048")
 
 
 def test_distill_summary_names_each_rows_attention_and_the_failed_steps():

@@ -10,6 +10,7 @@ shows), and summary.md, rebuilt after every step from all the step files there, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -82,6 +83,12 @@ class Context:
     distill_parts: tuple = ("8b", "1b", "dryrun")    # the distill step's commands (pack_steps.DISTILL_PARTS)
     tune_only: Optional[str] = None                  # tune_kernels.py --only (default: every point, in order)
     demo_attention: Optional[str] = None             # demo.py --attention (default: the gpu budget's own)
+    kernel_points: dict = field(default_factory=dict)  # kernels.py --decode-points / --prefill-points ("BxS,...")
+    ends_at: Optional[float] = None                  # time.monotonic() by which the running step must end
+
+    def seconds_left(self) -> Optional[float]:
+        """What is left of the running step (its limit or the call's deadline, the sooner); None outside a step."""
+        return None if self.ends_at is None else self.ends_at - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ def run_step(step: Step, ctx: Context, deadline: float, echo=None, inject_failur
     runner = StepRun(step, ctx, deadline, echo, on_record)
     error = None
     try:
-        step.fn(ctx, runner.run)
+        step.fn(dataclasses.replace(ctx, ends_at=runner.end), runner.run)
     except Exception:  # noqa: BLE001 - a broken step is recorded; the next one runs
         error = traceback.format_exc()
     if inject_failure:

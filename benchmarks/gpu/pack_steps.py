@@ -138,6 +138,31 @@ def _junit(path: Path) -> dict:
     return {**counts, "failed": failed[:30]}
 
 
+KERNEL_PARTS = (("decode", 200), ("paged", 140), ("prefill", 120))  # kernels.py --parts, each with its --deadline
+KERNEL_OVERHEAD_S = 45  # a kernels.py command beyond its deadline: start-up, the bandwidth probes, the row under way
+
+
+def fitted(deadlines: list, left, overhead: float) -> list:
+    """`deadlines` (seconds, one a command run in turn), scaled down together so that they and `overhead` a command
+    fit the `left` seconds (None: no limit); never up, and never below 10 s each."""
+    if left is None:
+        return list(deadlines)
+    scale = min(1.0, max(0.0, left - overhead * len(deadlines)) / sum(deadlines))
+    return [max(10, int(d * scale)) for d in deadlines]
+
+
+def parse_kernel_points(text: str) -> str:
+    """"32x4096, 32x8192" -> "32x4096,32x8192" (kernels.py's BxS points, checked here on the host)."""
+    items = [item.strip().lower() for item in text.split(",") if item.strip()]
+    for item in items:
+        batch, _, length = item.partition("x")
+        if not (batch.isdigit() and length.isdigit()) or not int(batch) or not int(length):
+            raise ValueError(f"kernel point {item!r}: want BATCHxLENGTH, e.g. 32x4096")
+    if not items:
+        raise ValueError("no kernel points given: want BATCHxLENGTH,..., e.g. 32x4096,32x8192")
+    return ",".join(items)
+
+
 def kernels_step(ctx, run):
     if ctx.smoke:
         out = ctx.tmp / "kernels.json"
@@ -149,11 +174,15 @@ def kernels_step(ctx, run):
     # pages of 16 and 32) and prefill each under kernels.py's own deadline (rows written as measured, the targets'
     # points first; points not started recorded as such). Prefill's targets take the fewest rows. Decode has the
     # most time: its targets' points took all of 160 s on 2026-11-25, and its decode-step and profiled rows come
-    # right after the first two; the paged table's rivals now run at the targets' points only.
-    for parts, deadline in (("decode", 200), ("paged", 140), ("prefill", 120)):
+    # right after the first two; the paged table's rivals now run at the targets' points only. --decode-points and
+    # --prefill-points narrow the tables to the points still open; the deadlines shrink to the time left.
+    deadlines = fitted([deadline for _, deadline in KERNEL_PARTS], ctx.seconds_left(), KERNEL_OVERHEAD_S)
+    for (parts, _), deadline in zip(KERNEL_PARTS, deadlines):
         out = ctx.tmp / f"kernels_{parts}.json"
-        argv = (ctx.python, "benchmarks/kernels.py", "--parts", parts, "--deadline", str(deadline), "--out", out)
-        run(Command(f"benchmarks/kernels.py --parts {parts}", argv, deadline + 45, output=out,
+        points = ctx.kernel_points.get("prefill" if parts == "prefill" else "decode")
+        argv = (ctx.python, "benchmarks/kernels.py", "--parts", parts, "--deadline", str(deadline), "--out", out,
+                *((f"--{'prefill' if parts == 'prefill' else 'decode'}-points", points) if points else ()))
+        run(Command(f"benchmarks/kernels.py --parts {parts}", argv, deadline + KERNEL_OVERHEAD_S, output=out,
                     script="benchmarks/kernels.py"))
 
 
@@ -330,16 +359,19 @@ def peers_step(ctx, run):
 
 TUNE_SMOKE_POINTS = "decode"  # the other points' smoke runs in tests/test_kernel_tuning.py
 TUNE_DEADLINE_S = 480
+TUNE_MARGIN_S = 60  # the step's limit beyond tune_kernels.py's deadline: the candidate under way, the winner's check
 
 
 def tune_step(ctx, run):
     out = ctx.tmp / "tune_kernels.json"
     script = "benchmarks/tune_kernels.py"
     only = ctx.tune_only or (TUNE_SMOKE_POINTS if ctx.smoke else None)
-    # its own deadline leaves the step's limit room for the candidate under way and the winner's check
-    argv = (ctx.python, script, *(("--smoke",) if ctx.smoke else ("--deadline", TUNE_DEADLINE_S)), "--out", out,
+    # its own deadline leaves the step's limit room for the candidate under way and the winner's check, and ends
+    # inside the call's: a point cut by its deadline keeps its best candidate, one killed keeps nothing
+    (deadline,) = fitted([TUNE_DEADLINE_S], ctx.seconds_left(), TUNE_MARGIN_S)
+    argv = (ctx.python, script, *(("--smoke",) if ctx.smoke else ("--deadline", deadline)), "--out", out,
             *(("--only", only) if only else ()))
-    run(Command(f"{script}" + (f" --only {only}" if only else ""), argv, 300 if ctx.smoke else TUNE_DEADLINE_S + 60,
+    run(Command(f"{script}" + (f" --only {only}" if only else ""), argv, 300 if ctx.smoke else deadline + TUNE_MARGIN_S,
                 output=out, script=script))
 
 

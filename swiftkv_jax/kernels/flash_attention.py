@@ -28,10 +28,11 @@ Backend: a Triton-style `pl.pallas_call` (BlockSpecs, `fori_loop`, `jnp` ops; no
   with Mosaic GPU, so the params are always passed (`_triton_compiler_params`, guarded for naming changes).
   The Triton backend is deprecated as of JAX 0.11; Mosaic GPU (warpgroup MMA, TMA) is Hopper's native
   path and a later kernel may move there.
-- On an H200 (benchmarks/results/gpu-2026-11-24, before the unmasked run and the longest-first order): 98-106
-  TFLOP/s causal bf16 at 8K-32K against cuDNN's 429-577; Hopper's default is the Mosaic kernel
-  (flash_attention_mgpu.py), this one serves other GPUs. Its block sizes are `benchmarks/tune_kernels.py`'s to
-  pick (the `gpu`-marked tests run it compiled).
+- On an H200 (benchmarks/results/gpu-2026-11-24 and -25, at 64 x 64 tiles under 8 warps): 98-106 TFLOP/s causal
+  bf16 at 8K-32K, then 146-162 with the unmasked run and the longest-first order, against cuDNN's 429-577; Hopper's
+  default is the Mosaic kernel (flash_attention_mgpu.py), this one serves other GPUs. Its block sizes are
+  `benchmarks/tune_kernels.py`'s to pick (the `gpu`-marked tests run it compiled); the defaults follow what the
+  compiled kernel's layouts showed (`FlashBlockSizes.for_head_dim`).
 
 Forward only (serving prefill): `pl.program_id` is not differentiable; training uses the XLA paths.
 """
@@ -91,8 +92,15 @@ class FlashBlockSizes:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> FlashBlockSizes:
-        """Defaults (unmeasured; the usual Triton choices): more warps for wider heads."""
-        return cls(block_q=64, block_k=64, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        """Defaults where the tuning table has no entry: 64 x 64 tiles in one warpgroup (4 warps) for heads of <= 64,
+        128-row tiles in two warpgroups (8 warps) for wider ones, 2 stages (96.5 KiB of shared memory at head dim
+        128, which fits every GPU since Ampere). Hopper's MMA gives each warp 16 rows: 8 warps over 64 rows computed
+        the scores twice and moved P between two layouts through shared memory (benchmarks/triton_static.py reads
+        that off the compiled kernel on a CPU); 4 warps over 128 rows spill registers. Not yet timed: a GPU's
+        `tune_kernels.py` entry replaces them."""
+        if head_dim <= 64:
+            return cls(block_q=64, block_k=64, num_warps=4, num_stages=2)
+        return cls(block_q=128, block_k=64, num_warps=8, num_stages=2)
 
 
 def _triton_compiler_params(block_sizes: FlashBlockSizes):
@@ -261,6 +269,8 @@ def _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     s, kv_heads = k.shape[1], k.shape[2]
     group = n // kv_heads
     block_q, block_k = _round_block(block_sizes.block_q, t), _round_block(block_sizes.block_k, s)
+    if block_q < block_sizes.block_q:  # a short input's smaller tile: no more warps than its rows give 16 each
+        block_sizes = dataclasses.replace(block_sizes, num_warps=min(block_sizes.num_warps, max(4, block_q // 16)))
     t_pad, s_pad = pl.cdiv(t, block_q) * block_q, pl.cdiv(s, block_k) * block_k
     h_pad = max(_MIN_BLOCK, pl.next_power_of_2(h))  # zero columns change no dot product; sliced off after
 
