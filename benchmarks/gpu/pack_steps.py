@@ -179,9 +179,10 @@ def kernels_step(ctx, run):
     deadlines = fitted([deadline for _, deadline in KERNEL_PARTS], ctx.seconds_left(), KERNEL_OVERHEAD_S)
     for (parts, _), deadline in zip(KERNEL_PARTS, deadlines):
         out = ctx.tmp / f"kernels_{parts}.json"
-        points = ctx.kernel_points.get("prefill" if parts == "prefill" else "decode")
+        table = "prefill" if parts == "prefill" else "decode"  # the paged table's points are the decode ones
+        points = ctx.kernel_points.get(table)
         argv = (ctx.python, "benchmarks/kernels.py", "--parts", parts, "--deadline", str(deadline), "--out", out,
-                *((f"--{'prefill' if parts == 'prefill' else 'decode'}-points", points) if points else ()))
+                *((f"--{table}-points", points) if points else ()))
         run(Command(f"benchmarks/kernels.py --parts {parts}", argv, deadline + KERNEL_OVERHEAD_S, output=out,
                     script="benchmarks/kernels.py"))
 
