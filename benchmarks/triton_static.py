@@ -103,9 +103,9 @@ def _configs(text: str, head_dim: int) -> list:
     if text == "defaults":
         return [default]
     if text == "candidates":
-        sys.path.insert(0, str(Path(__file__).parent))
-        from tune_kernels import CANDIDATES
-        return [default, *(FlashBlockSizes(**c) for c in CANDIDATES["flash"] if FlashBlockSizes(**c) != default)]
+        from tune_kernels import CANDIDATES  # beside this script, as results_file is
+        candidates = [FlashBlockSizes(**c) for c in CANDIDATES["flash"]]
+        return [default, *(c for c in candidates if c != default)]
     return [FlashBlockSizes(*(int(n) for n in item.lower().split("x"))) for item in text.split(",") if item.strip()]
 
 
