@@ -4,6 +4,7 @@
                                  [--profile-at 32x4096] [--rivals targets|all] [--layers 16] [--out PATH]
                                  [--decode-points 32x4096,32x8192] [--prefill-points 1x8192,1x2048]
     python benchmarks/kernels.py --smoke   # any machine: tiny shapes, kernels in interpret mode on CPU
+    python benchmarks/kernels.py --fits-of benchmarks/results/gpu-DATE/kernels.json   # any machine: cost fits
 
 Llama-3.1-8B heads (32 query heads, 8 KV heads, head_dim 128), bf16.
 - Decode: one query token per sequence over a full cache, batch 32..256 x context 2K..32K (K/V of a layer at most
@@ -55,6 +56,11 @@ PROFILED decode and paged rows timed at such a point (decode-step rows included)
 (benchmarks/op_profile.py, compiled again without XLA's command buffers, which hide each op) for PROFILE_CALLS
 calls, so its row says how much of its time is the kernel and how much the XLA ops around it (laying out q, the row
 limits, merging the splits).
+Cost fits (printed under each decode table, `cost_fits` in the JSON; `--fits-of` computes them from a results file
+already written): each implementation's rows of one batch (and page size; a decode step's rows per layer) fitted to
+time = fixed + K/V bytes / stream. On the 2026-11-25 H200 run, at batch 32, our Mosaic kernel streamed at 4020 GB/s
+(102% of the measured bandwidth) past ~98 us a call, XLA at 3252 GB/s past ~30 us: the decode target at 32 x 4K
+(~134 us of bytes) is lost to the fixed part, which the decode-step rows say whether a step pays once per layer.
 """
 
 from __future__ import annotations
@@ -84,6 +90,72 @@ RIVALS = {
     "paged": {"xla", "xla_int8", "xla_float8_e4m3fn", "pallas_f16_int8", "pallas_f16_float8_e4m3fn"},
     "prefill": {"xla", "jax_mosaic_fp16", "jax_triton", "mosaic_smem", "cudnn_mask"},
 }
+
+
+def cost_fits(rows: list, measured_bw: float) -> list:
+    """Where a decode kernel's time goes beyond streaming K/V: per implementation (and page size, batch, and
+    single call or decode step) timed at two or more contexts, the least-squares line time = fixed + bytes /
+    stream through its rows (a decode-step row per layer: its time and bytes / layers). `fixed_s` is what a call
+    (or a layer of a step) costs whatever the context (launch, XLA ops around the kernel, each CTA's start and
+    epilogue, splits merged); `stream_bandwidth` is how fast the kernel reads the bytes past that. At two contexts
+    the line passes through both rows; `worst_residual` (relative) says how well it fits more."""
+    import numpy as np
+
+    groups: dict = {}
+    for r in rows:
+        if "time_s" not in r or "kv_bytes" not in r:
+            continue
+        layers = r.get("layers", 1)
+        key = (r["impl"], r.get("page_size"), r["batch"], r.get("layers"))
+        groups.setdefault(key, []).append((r["context"], r["kv_bytes"] / layers, r["time_s"] / layers))
+    fits = []
+    for (impl, page_size, batch, layers), points in groups.items():
+        if len({c for c, _, _ in points}) < 2:
+            continue
+        nbytes, seconds = (np.array([p[i] for p in points], np.float64) for i in (1, 2))
+        per_byte, fixed = np.polyfit(nbytes, seconds, 1)
+        stream = 1 / per_byte if per_byte > 0 else None
+        fits.append({"impl": impl, "page_size": page_size, "batch": batch, "layers": layers,
+                     "contexts": sorted(c for c, _, _ in points), "fixed_s": float(fixed),
+                     "stream_bandwidth": stream and float(stream),
+                     "stream_of_measured": stream and float(stream / measured_bw),
+                     "worst_residual": float(np.max(np.abs(fixed + per_byte * nbytes - seconds) / seconds))})
+    return fits
+
+
+def print_cost_fits(fits: list, title: str) -> None:
+    if not fits:
+        return
+    print(f"\n{title}: time = fixed + K/V bytes / stream, fitted over each implementation's contexts (per layer "
+          f"for a decode step's rows)")
+    print(f"{'impl':<26}{'page':>6}{'batch':>6}  {'contexts':<22}{'fixed us':>10}{'stream GB/s':>13}"
+          f"{'of measured':>13}{'residual':>10}")
+    for f in fits:
+        impl = f"{f['impl']}, {f['layers']} layers" if f["layers"] else f["impl"]
+        stream = (f"{f['stream_bandwidth'] / 1e9:>13.0f}{f['stream_of_measured']:>13.1%}" if f["stream_bandwidth"]
+                  else f"{'-':>13}{'-':>13}")
+        print(f"{impl:<26}{f['page_size'] or '-':>6}{f['batch']:>6}  {','.join(map(str, f['contexts'])):<22}"
+              f"{f['fixed_s'] * 1e6:>10.1f}{stream}{f['worst_residual']:>10.1%}")
+
+
+def print_fits_of(path: str) -> int:
+    """--fits-of: the cost fits of a results file already written (this script's JSON, or a GPU pack step's whose
+    commands hold it), computed from its rows."""
+    import json
+
+    record = json.loads(open(path).read())
+    results = [record] if "decode" in record else [c["result"] for c in record.get("commands", [])
+                                                   if isinstance(c.get("result"), dict) and "decode" in c["result"]]
+    if not results:
+        print(f"{path} holds no benchmarks/kernels.py results (no decode / paged rows)", file=sys.stderr)
+        return 2
+    for result in results:  # runs before 2026-11-25 measured a copy only
+        measured = result.get("measured_bandwidth") or result["copy"]["bandwidth"]
+        print(f"\n{result['command']}: {result.get('device')}, commit {result.get('commit', '?')[:12]}, measured "
+              f"bandwidth {measured / 1e9:.0f} GB/s")
+        for table in ("decode", "paged"):
+            print_cost_fits(cost_fits(result.get(table, []), measured), f"{table} cost fits")
+    return 0
 
 
 def _error(e: Exception) -> str:
@@ -190,9 +262,13 @@ def main(argv=None) -> int:
                         help="the prefill table's points (batch x tokens), likewise")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
+    parser.add_argument("--fits-of", metavar="JSON", help="print the decode and paged cost fits of a results file "
+                                                           "already written (any machine) and exit")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "
                                       f"with --smoke {SMOKE_OUT})")
     args = parser.parse_args(argv)
+    if args.fits_of:
+        return print_fits_of(args.fits_of)
     parts = set(args.parts.split(","))
     if not parts or parts - {"decode", "paged", "prefill"}:
         parser.error(f"--parts {args.parts!r}: choose from decode, paged, prefill")
@@ -271,7 +347,8 @@ def main(argv=None) -> int:
             "measured_bandwidth": memory["bandwidth"], "parts": sorted(parts), "page_sizes": list(args.page_size),
             "document_tokens": document, "deadline_s": args.deadline, "complete": complete,
             "rivals_at": rivals_at, "rivals": {k: sorted(v) for k, v in RIVALS.items()},
-            "target_points": {"decode": decode_targets, "prefill": prefill_targets}, **tables}, quiet=True)
+            "target_points": {"decode": decode_targets, "prefill": prefill_targets}, **tables,
+            "cost_fits": {t: cost_fits(tables[t], memory["bandwidth"]) for t in ("decode", "paged")}}, quiet=True)
 
     def measure(table: str, row: dict, error, fn=None, inputs=None, derived=None, profile=False) -> dict:
         """row + timings and derived(seconds), or + the error that kept it from being timed, appended to its table;
@@ -587,6 +664,7 @@ def main(argv=None) -> int:
                       + (f" {r['profile_error']}" if "profile_error" in r else ""))
                 if "profile" in r:
                     op_profile.print_profile(r["profile"], ops=6, print_fn=lambda line: print("  " + line), digits=3)
+        print_cost_fits(cost_fits(tables[table], measured_bw), f"{table} cost fits")
     if tables["prefill"]:
         print(f"\nprefill: causal, {heads}/{kv_heads} heads x {head_dim}, bf16 (_float8_e4m3fn: K/V read from an FP8 "
               f"cache, dequantised by XLA first, as the engines do); TFLOP/s of 4*B*N*T*T*H/2")

@@ -453,6 +453,47 @@ def test_kernels_bench_puts_the_targets_points_first():
                                                                                (64, 4096)]
 
 
+def test_kernels_bench_fits_a_fixed_cost_and_a_stream_to_each_implementations_contexts(tmp_path, capsys):
+    """kernels.py's cost fits: time = fixed + bytes / stream through an impl's rows of one batch (a decode step's rows
+    per layer), checked against hand arithmetic: 1 GB in 0.30 ms and 2 GB in 0.55 ms is 0.25 ms a GB (4 TB/s) past
+    a fixed 50 us. A row with an error, or an impl timed at one context, has no fit. --fits-of reads a pack step's
+    JSON; summary.md shows the fits."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernels
+
+    rows = [{"impl": "mosaic", "batch": 32, "context": 4096, "kv_bytes": 1e9, "time_s": 0.30e-3},
+            {"impl": "mosaic", "batch": 32, "context": 8192, "kv_bytes": 2e9, "time_s": 0.55e-3},
+            {"impl": "mosaic", "batch": 32, "context": 4096, "layers": 4, "kv_bytes": 4e9, "time_s": 4 * 0.20e-3},
+            {"impl": "mosaic", "batch": 32, "context": 8192, "layers": 4, "kv_bytes": 8e9, "time_s": 4 * 0.45e-3},
+            {"impl": "xla", "batch": 32, "context": 4096, "kv_bytes": 1e9, "time_s": 0.3e-3},
+            {"impl": "xla", "batch": 32, "context": 8192, "error": "not measured: past --deadline 1 s"}]
+    fits = kernels.cost_fits(rows, measured_bw=5e12)
+    assert [(f["impl"], f["layers"], f["contexts"]) for f in fits] == [("mosaic", None, [4096, 8192]),
+                                                                      ("mosaic", 4, [4096, 8192])]
+    single, step = fits
+    assert single["fixed_s"] == pytest.approx(50e-6) and single["stream_bandwidth"] == pytest.approx(4e12)
+    assert single["stream_of_measured"] == pytest.approx(0.8) and single["worst_residual"] < 1e-9
+    assert step["fixed_s"] == pytest.approx(-50e-6, abs=1e-12) and step["stream_bandwidth"] == pytest.approx(4e12)
+
+    record = {"commands": [{"label": "kernels: decode", "result": {
+        "command": "python benchmarks/kernels.py --parts decode", "device": "H200", "commit": "0" * 40,
+        "measured_bandwidth": 5e12, "decode": rows}}]}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(record))
+    assert kernels.main(["--fits-of", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "decode cost fits" in printed and "mosaic, 4 layers" in printed
+    assert [line.split()[-4:] for line in printed.splitlines() if line.startswith("mosaic   ")] == [
+        ["50.0", "4000", "80.0%", "0.0%"]]
+    path.write_text(json.dumps({"commands": []}))
+    assert kernels.main(["--fits-of", str(path)]) == 2
+
+    lines = pack_steps._kernel_tables({"read": {"bandwidth": 5e12}, "device": "H200",
+                                       "cost_fits": {"decode": fits, "paged": []}})
+    assert "| mosaic | - | 32 | 4096,8192 | 50 | 4000 | 80% |" in lines
+    assert "| mosaic, per layer of 4 | - | 32 | 4096,8192 | -50 | 4000 | 80% |" in lines
+
+
 def test_kernels_bench_times_rivals_at_the_targets_points_only(tmp_path):
     """--rivals targets (the GPU default): our kernels and the engines' defaults at every point, the rivals at the
     targets' points only (in --smoke the first point of each table), so a bounded call covers our kernels."""

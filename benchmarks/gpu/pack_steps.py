@@ -612,6 +612,14 @@ def _kernel_tables(result: dict) -> list[str]:
         lines += _table(["prefill impl", "batch", "seq", "packed", "ms", "TFLOP/s"],
                         [[r["impl"], *point(r, "batch", "seq"), {True: "yes", False: "no"}.get(r.get("packed"), "-"),
                           *_timed_cells(r, prefill, 2)] for r in result["prefill"]])
+    for table, fits in result.get("cost_fits", {}).items():  # each impl's time = fixed + bytes / stream
+        lines += [""] + _table([f"{table} cost fit", "page", "batch", "contexts", "fixed us", "stream GB/s",
+                                "of measured"],
+                               [[f"{f['impl']}, per layer of {f['layers']}" if f["layers"] else f["impl"],
+                                 f["page_size"] or "-", f["batch"], ",".join(map(str, f["contexts"])),
+                                 f"{f['fixed_s'] * 1e6:.0f}",
+                                 *([f"{f['stream_bandwidth'] / 1e9:.0f}", f"{f['stream_of_measured']:.0%}"]
+                                   if f["stream_bandwidth"] else ["-", "-"])] for f in fits]) if fits else []
     for r in result.get("decode", []) + result.get("paged", []):  # --profile-at's rows: kernel against XLA ops
         pages = (f", pages of {r['page_size']}" if "page_size" in r else "") + (
             f", {r['layers']} layers a call" if "layers" in r else "")
