@@ -142,9 +142,11 @@ def _keep_task_log(record: logging.LogRecord) -> bool:  # one function, so that 
 
 
 def _drop_abandoned_read_noise():
-    """Chains a filter of `is_abandoned_read_noise` in front of the unraisable hook and puts one of
-    `is_abandoned_task_log` on asyncio's logger (once a process): everything else still reaches the hook that was
-    there and the logger's handlers."""
+    """Chains a filter of `is_abandoned_read_noise` in front of the unraisable hook (once a process) and puts one of
+    `is_abandoned_task_log` on asyncio's logger (every time: adding it again adds nothing, and a logging setup that
+    replaced the logger's filters since gets it back): everything else still reaches the hook that was there and
+    the logger's handlers."""
+    logging.getLogger("asyncio").addFilter(_keep_task_log)
     previous = sys.unraisablehook
     if getattr(previous, "drops_abandoned_orbax_reads", False):
         return
@@ -155,4 +157,3 @@ def _drop_abandoned_read_noise():
 
     hook.drops_abandoned_orbax_reads = True
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_keep_task_log)
