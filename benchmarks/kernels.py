@@ -142,8 +142,9 @@ def print_fits_of(path: str) -> int:
     """--fits-of: the cost fits of a results file already written (this script's JSON, or a GPU pack step's whose
     commands hold it), computed from its rows."""
     import json
+    from pathlib import Path
 
-    record = json.loads(open(path).read())
+    record = json.loads(Path(path).read_text())
     results = [record] if "decode" in record else [c["result"] for c in record.get("commands", [])
                                                    if isinstance(c.get("result"), dict) and "decode" in c["result"]]
     if not results:
