@@ -199,6 +199,7 @@ def test_admission_waits_for_pages():
     (dict(prompt=[1], max_tokens=0), "max_tokens", "max_tokens must be >= 1"),
     (dict(prompt=[1], max_tokens="5"), "max_tokens", "max_tokens must be an integer"),
     (dict(prompt=[1], stop_token_ids=[500]), "stop_token_ids", "stop_token_ids must lie in"),
+    (dict(prompt=[1], stop_token_ids=["x"]), "stop_token_ids", r"stop_token_ids must be token ids \(integers\)"),
     (dict(prompt=["a"]), "prompt", "token ids"),
     (dict(prompt=[1], seed=2**31), "seed", r"seed must lie in \[0, 2\*\*31\)"),
     (dict(prompt=[1], prompt_logprobs=21), "prompt_logprobs", "prompt_logprobs must lie in"),
@@ -213,6 +214,34 @@ def test_bad_requests_are_refused_alone(request_, param, message):
     assert isinstance(error.value, ValueError) and error.value.param == param
     assert eng.generate([PROMPTS[3]], max_tokens=MAX_TOKENS, logprobs=True, stop_token_ids=[])[0].token_ids == \
         alone("swiftkv-g1", tuple(PROMPTS[3]))[0]
+
+
+def test_a_request_id_names_one_live_request():
+    """A caller's id is refused while a request of that id is queued or running, and free again once it finished;
+    the engine's own ids step around the caller's (vLLM refuses a duplicate id the same way)."""
+    eng = engine("swiftkv-g1")
+    assert eng.add_request(PROMPTS[0], request_id="a", max_tokens=MAX_TOKENS, stop_token_ids=[]) == "a"
+    with pytest.raises(InvalidRequest, match="request_id 'a' is in use") as error:
+        eng.add_request(PROMPTS[1], request_id="a", max_tokens=MAX_TOKENS)
+    assert error.value.param == "request_id"
+    own = str(int(eng.add_request(PROMPTS[1], max_tokens=MAX_TOKENS, stop_token_ids=[])) + 1)
+    assert eng.add_request(PROMPTS[2], request_id=own, max_tokens=MAX_TOKENS, stop_token_ids=[]) == own
+    assert eng.add_request(PROMPTS[3], max_tokens=MAX_TOKENS, stop_token_ids=[]) not in ("a", own)
+    finished = []
+    while eng.has_unfinished():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert len(finished) == len(set(finished)) == 4 and "a" in finished
+    assert eng.add_request(PROMPTS[1], request_id="a", max_tokens=MAX_TOKENS) == "a"  # finished: free again
+    with pytest.raises(TypeError, match="pass no request_id"):
+        eng.generate([PROMPTS[0]], request_id="b")
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token():
+    """top_k >= the vocabulary filters nothing (a client's 2**63 - 1 for "no limit" samples as top_k 0 does)."""
+    eng = engine("swiftkv-g1")
+    runs = [eng.generate([PROMPTS[2]], max_tokens=MAX_TOKENS, temperature=1.0, seed=3, top_k=k,
+                         stop_token_ids=[])[0].token_ids for k in (0, 2**31, 2**63 - 1)]
+    assert runs[0] == runs[1] == runs[2] != alone("swiftkv-g1", tuple(PROMPTS[2]))[0]
 
 
 def test_a_request_larger_than_the_whole_cache_is_refused():

@@ -162,6 +162,20 @@ def test_tokenizer_errors(tokenizer, tmp_path):
         encode(plain, EXAMPLES[0]["messages"], None)
 
 
+def test_a_template_that_refuses_a_conversation_names_its_roles(tokenizer):
+    """Llama 2's template raises on a system turn (raise_exception): a DataError with the roles and the fix."""
+    refuses_system = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                      "{% endif %}" + toy.CHAT_TEMPLATE)
+    strict = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token=tokenizer.bos_token,
+                                 eos_token=tokenizer.eos_token, chat_template=refuses_system)
+    messages = [{"role": "system", "content": "Be brief."}, *EXAMPLES[0]["messages"]]
+    roles = ", ".join(m["role"] for m in messages)
+    with pytest.raises(DataError, match=rf"refused a conversation \(roles: {roles}\): System role not supported\. "
+                                        rf"Drop or merge the turns it refuses"):
+        encode(strict, messages, None)
+    assert encode(strict, EXAMPLES[0]["messages"], None) == encode(tokenizer, EXAMPLES[0]["messages"], None)
+
+
 # --- packing -------------------------------------------------------------------------------------------------
 
 
@@ -219,6 +233,18 @@ def test_packing_invariants():
         for k in reference:
             np.testing.assert_array_equal(got[k], reference[k], err_msg=f"{mode} {k}")
             assert got[k].shape == (5, 16)
+
+
+def test_pretraining_trains_on_exactly_the_assistant_tokens():
+    """The packer's assistant mask and the pretraining objective's targets (`next_token_targets`) together score
+    each assistant token, predicted from the token before it in its piece, and nothing else."""
+    from swiftkv_jax.distill.step import next_token_targets
+
+    docs, flags, ds = doc_dataset([5, 7, 3, 20, 9, 16, 1])
+    targets, weights = map(np.asarray, next_token_targets(as_arrays(packing.pack(ds, 16, "assistant", pad_id=-1))))
+    pieces = [(d[i:i + 16], f[i:i + 16]) for d, f in zip(docs, flags) for i in range(0, len(d), 16)]
+    want = sorted(t for ids, flag in pieces for j, t in enumerate(ids) if j > 0 and flag[j])
+    assert len(want) > 10 and sorted(targets[weights > 0].tolist()) == want  # every document's tokens differ
 
 
 @pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the workers only pack numpy; they never touch JAX

@@ -99,6 +99,20 @@ def test_transformers_4x_config_layout_loads_like_5x(family, overrides, tmp_path
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
 
 
+def test_rope_parameters_without_theta_take_the_top_level_one(tmp_path, tokens):
+    """{"rope_parameters": {"rope_type": "default"}, "rope_theta": 5e4}: transformers reads the theta beside
+    rope_parameters into them; so do we (it was a KeyError)."""
+    from transformers import AutoConfig
+
+    torch_model = make_hf_model(tmp_path, "llama", seed=6, initializer_range=0.1, rope_theta=50000.0)
+    rewrite_config(tmp_path, lambda d: d.update(rope_theta=d["rope_parameters"].pop("rope_theta")))
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_theta"] == 50000.0
+    model = sk.load(tmp_path)
+    assert model.config.rope.theta == 50000.0
+    np.testing.assert_allclose(np.asarray(sk.logits(model, tokens)), torch_logits(torch_model, tokens), rtol=0,
+                               atol=1e-4)
+
+
 def test_old_rope_scaling_type_key_linear(tmp_path, tokens):
     """transformers <4.45 wrote {"type": "linear", "factor": 2.0}; compare with a transformers linear model."""
     torch_model = make_hf_model(tmp_path, "llama", seed=4, initializer_range=0.1,

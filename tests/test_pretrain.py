@@ -48,7 +48,7 @@ def test_cross_entropy_matches_an_independent_computation():
     segments = np.array([[1] * 5 + [2] * 4 + [0] * 3, [1] * 12], np.int32)
     positions = np.array([list(range(5)) + list(range(4)) + [0] * 3, list(range(12))], np.int32)
     loss_mask = np.ones_like(tokens)
-    loss_mask[1, 3] = 0  # this token is not predicted
+    loss_mask[1, 3] = 0  # the prediction made here (of token 4) is not scored: the packer's convention
     batch = {"tokens": tokens, "positions": positions, "segment_ids": segments, "loss_mask": loss_mask}
     _, sums = step_lib.pretrain_sums(model.params, {}, batch, 1.0, config=model.config,
                                      loss=LossSection(chunk_size=5))
@@ -56,7 +56,7 @@ def test_cross_entropy_matches_an_independent_computation():
     nll, correct, count = 0.0, 0, 0
     for b in range(2):
         for t in range(11):
-            if segments[b, t] > 0 and segments[b, t + 1] == segments[b, t] and loss_mask[b, t + 1]:
+            if segments[b, t] > 0 and segments[b, t + 1] == segments[b, t] and loss_mask[b, t]:
                 nll -= log_softmax(logits[b, t])[tokens[b, t + 1]]
                 correct += int(np.argmax(logits[b, t]) == tokens[b, t + 1])
                 count += 1

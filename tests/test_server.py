@@ -216,7 +216,19 @@ def test_echo_with_logprobs_scores_the_prompt_at_full_depth(client, student, tok
             assert set(top) == set(expected)
             np.testing.assert_allclose([top[k] for k in expected], list(expected.values()), atol=1e-4)
         assert lp.token_logprobs[-1] == pytest.approx(reference(prompt, 1)[1][0], abs=1e-4)
-        assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+        # text_offset (vLLM's): each token's at the end of the texts before it, where the echoed text leaves out
+        # the BOS, and the generated tokens' from the end of the echoed prompt: each whole token is found there
+        special, want, at = set(tokenizer.all_special_ids), [], 0
+        for token, text in zip(prompt, lp.tokens):
+            want.append(at)
+            at += 0 if token in special else len(text)
+        assert at == len(tokenizer.decode(prompt, skip_special_tokens=True))
+        for text in lp.tokens[len(prompt):]:
+            want.append(at)
+            at += len(text)
+        assert lp.text_offset == want
+        assert all(choice.text[at:at + len(text)] == text for token, text, at in
+                   zip(prompt + [None], lp.tokens, lp.text_offset) if token not in special and "\ufffd" not in text)
     scored = httpx.post(f"{client.base_url}completions", timeout=60, json=dict(
         model=MODEL, prompt=ids[0], max_tokens=0, echo=True, logprobs=0)).json()["choices"][0]
     assert scored["text"] == tokenizer.decode(ids[0], skip_special_tokens=True) and scored["finish_reason"] == "length"
@@ -224,6 +236,8 @@ def test_echo_with_logprobs_scores_the_prompt_at_full_depth(client, student, tok
     chunks = list(client.completions.create(model=MODEL, prompt=ids[1], max_tokens=3, temperature=0, echo=True,
                                             logprobs=1, stream=True))
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    offsets = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.text_offset]
+    assert offsets[:len(ids[1]) + 1] == out.choices[1].logprobs.text_offset  # streamed: the same offsets
     assert streamed[:len(ids[1])] == out.choices[1].logprobs.token_logprobs[:len(ids[1])] and len(streamed) == \
         len(ids[1]) + 3
     assert "".join(c.choices[0].text for c in chunks if c.choices) == \
@@ -253,7 +267,7 @@ def test_n_seed_and_logprobs(client, tokenizer, reference):
     np.testing.assert_allclose(lp.token_logprobs, logprobs, atol=1e-4)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):  # greedy: the chosen token is the most likely
         assert len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
-    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(tokens))]
     # n samples with a seed: n different draws, the same again with the same seed
     sample = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, n=3, seed=7)
     first, again = client.completions.create(**sample), client.completions.create(**sample)
@@ -419,7 +433,11 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", dict(prompt="hi", n=0), 400, "n", "n must lie in"),
     ("/v1/completions", dict(prompt="hi", stop=5), 400, "stop", "stop must be a non-empty string"),
     ("/v1/completions", dict(prompt="hi", logprobs=50), 400, "logprobs", "logprobs must lie in [0, 20]"),
-    ("/v1/completions", dict(prompt=[10**6]), 400, "prompt", "prompt token ids must lie in"),
+    ("/v1/completions", dict(prompt=[10**6]), 400, "prompt", "token ids must lie in"),
+    ("/v1/completions", dict(prompt=[[5, 6], [5, -1]]), 400, "prompt", "prompt 1: token ids must lie in [0, "),
+    ("/v1/completions", dict(prompt=[2**64]), 400, "prompt", "token ids must lie in [0, "),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "is not valid Unicode"),
+    ("/v1/completions", dict(prompt="hi", temperature=10**400), 400, "temperature", "must be a finite number"),
     ("/v1/completions", dict(prompt=[]), 400, "prompt", "prompt must be a string"),
     ("/v1/completions", dict(prompt="hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
     ("/v1/completions", dict(prompt="hi", min_tokens=3), 400, "min_tokens", "with ignore_eos: true"),
@@ -429,6 +447,8 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=500), 400,
      "max_completion_tokens", "maximum context length is 128"),
     ("/v1/chat/completions", dict(messages=[]), 400, "messages", "messages must be a non-empty list"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "messages",
+     "is not valid Unicode"),
     ("/v1/chat/completions", dict(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role",
      "'wizard' is not a chat role"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], top_logprobs=2), 400,

@@ -127,6 +127,8 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert set(draw(SamplingParams(temperature=1.0, top_k=2)).tolist()) == {0, 1}
     assert set(draw(SamplingParams(temperature=1.0, top_p=0.8)).tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.8
     assert set(draw(SamplingParams(temperature=1.0, top_p=0.81)).tolist()) == {0, 1, 2}
+    assert (draw(SamplingParams(temperature=1.0, top_k=4)) == free).all()  # k >= the vocabulary: off
+    assert (draw(SamplingParams(temperature=1.0, top_k=2**63 - 1)) == free).all()
     with pytest.raises(ValueError, match="top_p must lie in"):
         SamplingParams(top_p=0)
 
@@ -139,6 +141,8 @@ def test_bad_requests_raise_clear_errors():
         sk.generate(model, [[1, 200]], 4)
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         sk.generate(model, "hello", 4)
+    with pytest.raises(ValueError, match=r"one prompt: \[\[1, 2, 3\]\], not \[1, 2, 3\]"):
+        sk.generate(model, [5, 6, 7], 4)
     with pytest.raises(ValueError, match="needs a SwiftKV model"):
         init_cache(CFG, 1, 8, swiftkv=True)
     assert isinstance(init_cache(CFG, 1, 8, swiftkv=False), KVCache)

@@ -236,7 +236,7 @@ def test_dry_run_of_llama_3_1_8b_from_its_config_alone(tmp_path):
 
 
 def test_resume_equals_uninterrupted_run(capsys, assets, tmp_path, monkeypatch):
-    steps = ["train.max_steps=12", "checkpoint.every=4"]
+    steps = ["train.max_steps=12", "checkpoint.every=4", "model.attention_impl=auto"]  # auto: xla_chunked here
     rc, _, _ = main(capsys, recipe(assets, tmp_path / "a", *steps))
     assert rc == 0
     calls = itertools.count(1)
@@ -323,11 +323,23 @@ def test_a_finished_run_without_checkpoints_is_not_overwritten(capsys, assets, f
 
 
 def test_resuming_a_finished_run_exports_again(capsys, assets, finished_copy):
-    """Its own earlier export is replaced (the one case an export is)."""
+    """Its own earlier export is replaced (the one case an export is). Settings of how, not what, it computes
+    may change on resume (trainer.RESUME_FREE: here remat and the attention backend)."""
     out, _ = finished_copy
-    rc, stdout, _ = main(capsys, recipe(assets, out, "train.resume=true", "export.hf=false"))
+    rc, stdout, _ = main(capsys, recipe(assets, out, "train.resume=true", "export.hf=false", "model.remat=full",
+                                        "model.attention_impl=auto"))
     assert rc == 0 and "resumed from step 57" in stdout and f"exported the student to {out / 'student_orbax'}" in stdout
     assert sk.load(out / "student_orbax").config.num_key_value_layers == LAYER_L
+
+
+def test_resuming_past_the_runs_last_step_is_refused(capsys, assets, finished_copy):
+    """A checkpoint beyond the steps this run would train is not relabelled as its last: refused, nothing
+    changed."""
+    out, digests = finished_copy
+    rc, _, err = main(capsys, recipe(assets, out, "train.resume=true", "train.max_steps=10"))
+    assert rc == 2 and "holds step 57, past the 10 steps this run trains (train.max_steps=10" in err
+    assert "train for at least 57 steps, or start a new train.output_dir" in err
+    assert file_digests(out) == digests
 
 
 @pytest.mark.parametrize("change,changed", [
@@ -400,9 +412,16 @@ BAD_INPUT = {
     "l >= L": (["model.num_key_value_layers=4"], "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
     "bad mesh": (["mesh.fsdp=3"], "mesh:"),  # before tokenising: no progress bar precedes the error
     "batch vs grad_accum": (["train.grad_accum=3"], "must be divisible by train.grad_accum (3)"),
+    "batch vs devices": (["train.global_batch_size=12"], "train.global_batch_size=12 does not split evenly over "
+                         "the 8 devices that share the batch (mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, batch over "
+                         "data x fsdp): use a multiple of 8, such as 8 or 16"),
     "unknown attention": (["model.attention_impl=flash"],
                           "model.attention_impl='flash' is unknown: training runs one of auto, xla, xla_chunked, "
                           "cudnn"),
+    "negative seed": (["data.seed=-1"], "data.seed must lie in [0, 2**32), got -1"),
+    "process id": (["distributed.num_processes=2", "distributed.process_id=5"],
+                   "distributed.process_id must lie in [0, distributed.num_processes), got process_id 5 of "
+                   "num_processes 2"),
     "missing tokenizer": (["model.tokenizer=/nonexistent/tok"],
                           "model.tokenizer: the tokenizer directory '/nonexistent/tok' does not exist"),
 }
@@ -430,7 +449,7 @@ def test_a_tokenizer_beyond_the_teachers_vocabulary_is_refused(capsys, assets, t
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["missing data", "l >= L", "bad mesh"])
+@pytest.mark.parametrize("name", ["missing data", "l >= L", "bad mesh", "batch vs devices"])
 def test_bad_input_writes_nothing(capsys, assets, tmp_path, name):
     rc, _, _ = main(capsys, recipe(assets, tmp_path / "run", *BAD_INPUT[name][0]))
     assert rc == 2

@@ -30,10 +30,9 @@ _CONSUMED = {
 
 
 def _rope_from_hf(d: dict) -> RopeConfig:
-    params = d.get("rope_parameters")
-    if params is None:  # transformers 4.x
-        params = dict(d.get("rope_scaling") or {})
-        params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    params = d.get("rope_parameters")  # transformers 5.x; 4.x: rope_scaling, with rope_theta beside it
+    params = dict((d.get("rope_scaling") or {}) if params is None else params)
+    params.setdefault("rope_theta", d.get("rope_theta", 10000.0))  # as transformers 5 reads rope_parameters too
     rope_type = params.get("rope_type", params.get("type", "default"))
     known = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings"}

@@ -13,6 +13,7 @@ import warnings
 from typing import Optional
 
 import datasets
+import jinja2
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -89,7 +90,13 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list,
                         "of a chat (instruct) model, or give the source format: text")
 
     def render(msgs, prompt=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
+        except jinja2.TemplateError as e:  # raise_exception() in the template: it refuses this conversation
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise DataError(f"the tokenizer's chat template refused a conversation (roles: {roles}): {e}. Drop or "
+                            f"merge the turns it refuses (e.g. system turns) in the data, or give model.tokenizer a "
+                            f"tokenizer whose template accepts them") from None
 
     full = render(messages)
     spans = []

@@ -137,6 +137,13 @@ class TrainConfig:
             (self.optim.learning_rate > 0 and self.optim.grad_clip >= 0,
              "optim.learning_rate must be > 0 and optim.grad_clip >= 0"),
             (bool(self.train.output_dir), "train.output_dir must be set"),
+            (0 <= self.data.seed < 2**32, f"data.seed must lie in [0, 2**32), got {self.data.seed}"),
+            (self.distributed.num_processes is None or self.distributed.num_processes >= 1,
+             f"distributed.num_processes must be >= 1, got {self.distributed.num_processes}"),
+            (self.distributed.process_id is None or self.distributed.process_id >= 0 and (
+                self.distributed.num_processes is None or self.distributed.process_id < self.distributed.num_processes),
+             f"distributed.process_id must lie in [0, distributed.num_processes), got process_id "
+             f"{self.distributed.process_id} of num_processes {self.distributed.num_processes}"),
         ]
         for ok, message in checks:
             if not ok:

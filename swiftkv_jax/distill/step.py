@@ -106,11 +106,12 @@ def distill_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, l
 
 def next_token_targets(batch: dict):
     """(targets, weights) [B, T]: position t predicts token t + 1 of the same document (packed rows hold
-    several; the last token of each predicts nothing), weighted by the loss mask of the predicted token."""
+    several; the last token of each predicts nothing), weighted by the loss mask at t, which the packer already
+    sets by the predicted token (`data.packing.pack`: "assistant" marks t where t + 1 is an assistant token)."""
     tokens, segments = batch["tokens"], batch["segment_ids"]
     shift = lambda a: jnp.pad(a[:, 1:], ((0, 0), (0, 1)))
     same_document = (shift(segments) == segments) & (segments > 0)
-    return shift(tokens), shift(batch["loss_mask"]) * same_document
+    return shift(tokens), batch["loss_mask"] * same_document
 
 
 def pretrain_sums(trainable, frozen, batch, inv_tokens, *, config: ModelConfig, loss: LossSection):

@@ -172,7 +172,7 @@ def load_student(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_
     config = student_config(section)  # validates before any weight is read
     try:
         model = checkpoints.load(section.teacher, section.frozen_dtype, mesh=mesh, rules=rules,
-                                 compute_dtype=section.compute_dtype, attention_impl=section.attention_impl)
+                                 compute_dtype=section.compute_dtype, attention_impl=config.attention_impl)
     except (FileNotFoundError, checkpoints.CheckpointError) as e:
         raise ConfigError(f"model.teacher: {e}") from None
     if not model.config.is_swiftkv:

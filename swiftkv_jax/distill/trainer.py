@@ -47,6 +47,9 @@ EXPORT_DIRS = {"distill": {"hf": "student_hf", "orbax": "student_orbax"},
 STOPPED_BY_SIGNAL = 128  # train()'s exit status when a signal stopped it: this plus the signal's number
 # Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
 RESUME_INVARIANTS = ("stage", "model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
+# ...but for these, which change how the same model and data are computed, not what (remat after running out of
+# memory, another attention backend or machine, more tokenising workers)
+RESUME_FREE = ("model.remat", "model.attention_impl", "data.num_proc", "data.cache_dir")
 RESTORE_FIX = ("it was saved for another model (did the checkpoint at model.teacher change?): resume with the run's "
                "teacher, or start a new run in another train.output_dir; or it is damaged: move that step's directory "
                "away to resume from an earlier step")
@@ -59,9 +62,18 @@ class TrainingStopped(RuntimeError):
 def make_mesh(config: TrainConfig) -> Mesh:
     m = config.mesh
     try:
-        return sharding.make_mesh(m.data, m.fsdp, m.tensor)
+        mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
+    axes = step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES).spec[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    shards, batch = math.prod(mesh.shape[a] for a in axes), config.train.global_batch_size
+    if batch % shards:  # each device of the batch's axes holds as many rows
+        raise ConfigError(f"train.global_batch_size={batch} does not split evenly over the {shards} devices that "
+                          f"share the batch (mesh {dict(mesh.shape)}, batch over {' x '.join(axes)}): use a "
+                          f"multiple of {shards}, such as {max(shards, batch - batch % shards)} or "
+                          f"{batch - batch % shards + shards}")
+    return mesh
 
 
 @dataclasses.dataclass
@@ -227,7 +239,7 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
         a, b = saved, now
         for part in key.split("."):
             a, b = (a or {}).get(part), (b or {}).get(part)
-        changed += _leaf_changes(key, a, b)
+        changed += [c for c in _leaf_changes(key, a, b) if c.split(":")[0] not in RESUME_FREE]
     if changed:
         raise ConfigError(
             f"cannot resume: settings differ from the run saved in {saved_path.parent} (see {saved_path}): "
@@ -398,7 +410,13 @@ def train(config: TrainConfig, print_fn=print) -> int:
     from swiftkv_jax.data import Batches, build_dataset  # datasets/transformers: heavy imports
 
     d = config.distributed
-    distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
+    try:
+        distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
+    except ValueError as e:  # settings JAX cannot start from (a missing coordinator, a bad JAX_* variable)
+        raise ConfigError(f"distributed: {e}. Give distributed.coordinator_address (host:port of process 0), "
+                          f"distributed.num_processes and distributed.process_id (or JAX_COORDINATOR_ADDRESS, "
+                          f"JAX_NUM_PROCESSES, JAX_PROCESS_ID), or start under a launcher JAX detects (SLURM, "
+                          f"Open MPI)") from None
     lead = jax.process_index() == 0
     say = print_fn if lead else (lambda *_: None)
     out = Path(config.train.output_dir)
@@ -426,6 +444,11 @@ def train(config: TrainConfig, print_fn=print) -> int:
     rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
     batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
     total_steps = config.train.max_steps or max(1, math.ceil(config.train.epochs * batches.steps_per_epoch))
+    if latest is not None and latest > total_steps:  # its state is past the schedule this run would end
+        raise ConfigError(f"cannot resume: {out / CHECKPOINT_DIR} holds step {latest}, past the {total_steps} steps "
+                          f"this run trains (train.max_steps={config.train.max_steps}, train.epochs="
+                          f"{config.train.epochs}): train for at least {latest} steps, or start a new "
+                          f"train.output_dir")
     compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
                           total_steps)
     n_train, n_frozen = count(trainable), count(frozen)

@@ -272,6 +272,7 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._live_ids: set[str] = set()  # ids queued or running: an id names one request until it finishes
         self._arrivals = itertools.count()
         self._id_lock = threading.Lock()
         self._in_flight: Optional[_InFlight] = None
@@ -307,11 +308,11 @@ class Engine:
                                  "prompt")
         with self._id_lock:
             number = next(self._ids)
-        if seed is None:
-            seed = number % 2**31
-        params = RequestParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids or ()), logprobs,
-                               top_logprobs, prompt_logprobs)
+        params = RequestParams(max_tokens, temperature, top_k, top_p, number % 2**31 if seed is None else seed,
+                               tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs)
         params.validate(vocab)
+        if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
+            params = dataclasses.replace(params, top_k=0)
         needed = len(prompt) + max_tokens
         if needed > self.max_model_len:
             raise InvalidRequest(f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} needs {needed} "
@@ -322,7 +323,15 @@ class Engine:
                                  f"{-(-needed // self.page_size)} pages of {self.page_size} tokens, but the whole KV "
                                  f"cache has {self.allocator.capacity}: raise the cache size or shorten the request",
                                  "max_tokens")
-        request_id = str(number) if request_id is None else str(request_id)
+        with self._id_lock:
+            if request_id is None:
+                while str(number) in self._live_ids:  # a caller's own id took it
+                    number = next(self._ids)
+            elif str(request_id) in self._live_ids:
+                raise InvalidRequest(f"request_id {str(request_id)!r} is in use by a request that has not finished: "
+                                     f"give each request its own id", "request_id")
+            request_id = str(number) if request_id is None else str(request_id)
+            self._live_ids.add(request_id)
         stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
         self._inbox.put(("add", Sequence(request_id, -1, prompt, params, stops)))
         return request_id
@@ -341,11 +350,7 @@ class Engine:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                if item.request_id in self._sequences:
-                    log.warning("request id %r is already running; the new request is dropped", item.request_id)
-                    outputs.append(RequestOutput(item.request_id, [], [], True, "abort", [], []))
-                    continue
+            if kind == "add":  # its id is unique among live requests (add_request)
                 item.arrival = next(self._arrivals)
                 self._sequences[item.request_id] = item
                 self.scheduler.add(item)
@@ -427,6 +432,8 @@ class Engine:
         """The whole result of a sequence the scheduler has finished."""
         reason = seq.finish_reason
         del self._sequences[seq.request_id]
+        with self._id_lock:
+            self._live_ids.discard(seq.request_id)
         self.counters["finished"] += reason != "abort"
         first, last, n = seq.first_token_time, seq.last_token_time, len(seq.output)
         metrics = dict(queue_s=(seq.first_scheduled_time or time.perf_counter()) - seq.arrival_time,
@@ -564,7 +571,9 @@ class Engine:
 
     def generate(self, prompts: Seq[Seq[int]], **request) -> list[RequestOutput]:
         """Run `prompts` to completion (blocking), with the same `add_request` options for all; finished outputs in
-        prompt order."""
+        prompt order. Each request gets an id of its own (a `request_id` is refused)."""
+        if "request_id" in request:
+            raise TypeError("Engine.generate names its requests itself: pass no request_id (add_request takes one)")
         ids = [self.add_request(p, **request) for p in prompts]
         done = {}
         while len(done) < len(ids):

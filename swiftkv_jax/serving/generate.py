@@ -119,6 +119,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (pass tokenizer=, or token id lists)")
         prompts = [tokenizer(p)["input_ids"] for p in prompts]
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts is a batch: a list of token id lists (one prompt: [[1, 2, 3]], not [1, 2, 3])")
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")

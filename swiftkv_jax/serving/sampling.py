@@ -13,7 +13,7 @@ from swiftkv_jax.serving.errors import InvalidRequest
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
-    top_k: int = 0            # 0: off
+    top_k: int = 0            # 0: off (as is any k >= the vocabulary: it keeps every token)
     top_p: float = 1.0        # 1: off
 
     def __post_init__(self):
@@ -30,7 +30,7 @@ def sample(logits, rng, params: SamplingParams):
     if params.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / params.temperature
-    if params.top_k:
+    if 0 < params.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if params.top_p < 1:

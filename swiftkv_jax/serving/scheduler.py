@@ -96,6 +96,9 @@ class RequestParams:
                                      f"{self.prompt_logprobs}", "prompt_logprobs")
         if not 0 <= self.seed < 2**31:
             raise InvalidRequest(f"seed must lie in [0, 2**31), got {self.seed}", "seed")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be token ids (integers), got {list(self.stop_token_ids)}",
+                                 "stop_token_ids")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")

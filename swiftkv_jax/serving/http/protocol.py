@@ -104,6 +104,12 @@ def _number(body: dict, name: str, default, integer: bool = False):
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or \
             (isinstance(value, float) and not math.isfinite(value)):
         raise RequestError(f"{name} must be {kind}, got {value!r}", name)
+    if not integer:
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range
+            raise RequestError(f"{name} must be a finite number, got an integer of {len(str(value))} digits",
+                               name) from None
     return value
 
 
@@ -135,7 +141,7 @@ def _sampling(body: dict) -> dict:
                                  any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
         raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {stop_ids!r}",
                            "stop_token_ids")
-    return dict(temperature=float(_number(body, "temperature", 1.0)), top_p=float(_number(body, "top_p", 1.0)),
+    return dict(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
                 extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"))
 
@@ -214,6 +220,11 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
     else:
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
                            f"token ids (none empty), got {str(prompt)[:80]!r}", "prompt")
+    vocab = len(tokenizer)
+    for i, p in enumerate(items):  # the tokenizer cannot decode an id outside its vocabulary (vLLM refuses them too)
+        if not isinstance(p, str) and not all(0 <= t < vocab for t in p):
+            raise RequestError(f"prompt {i}: token ids must lie in [0, {vocab}) (this model's vocabulary), got "
+                               f"{[t for t in p if not 0 <= t < vocab][:5]}", "prompt")
     ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in items]
     texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in items]
     for i, p in enumerate(ids):

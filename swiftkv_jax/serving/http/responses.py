@@ -59,6 +59,7 @@ class Choice:
         self.request_id: Optional[str] = None
         self.tokens: list[int] = []
         self.logprobs: list[tuple] = []     # (token id, logprob, {id: logprob}, text offset)
+        self.text_offset = 0                # the generated tokens' texts so far, in characters (vLLM's text_offset)
         self.prompt_rows: Optional[list] = None  # with prompt logprobs: (token id, logprob or None, {id: logprob})
         self.finish_reason: Optional[str] = None
         self.done = False
@@ -75,15 +76,16 @@ def prompt_rows(prompt_ids, logprobs, tops) -> list:
 
 def completion_logprobs(strings: TokenStrings, rows, prompt: Optional[list] = None, echo_len: int = 0) -> dict:
     """OpenAI's completion logprobs object of generated rows, after the prompt's (`prompt`: prompt_rows) with echo:
-    text offsets count from the start of the echoed prompt."""
+    text offsets count from the start of the echoed prompt (`echo_len` characters, which the special tokens the
+    echoed text leaves out, a BOS, take no part of), each token's at the end of the tokens' texts before it."""
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
+    offset, special = 0, set(strings.tokenizer.all_special_ids) if prompt else ()
     for token, lp, top in prompt or ():
         tokens.append(strings.text(token))
         values.append(lp)
         tops.append(None if top is None else {strings.text(t): v for t, v in top.items()})
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += 0 if token in special else len(tokens[-1])
     for token, lp, top, at in rows:
         tokens.append(strings.text(token))
         values.append(lp)
@@ -165,7 +167,8 @@ class Chunks:
             entry = dict(index=choice.index, delta={"content": text} if text else {}, logprobs=lp,
                          finish_reason=finish)
         else:
-            lp = completion_logprobs(self.strings, rows) if self.job.logprobs and rows else None
+            echo_len = len(self.job.prompt_texts[choice.prompt_index]) if self.job.echo else 0
+            lp = completion_logprobs(self.strings, rows, echo_len=echo_len) if self.job.logprobs and rows else None
             entry = dict(index=choice.index, text=text, logprobs=lp, finish_reason=finish)
         return self._event(entry)
 

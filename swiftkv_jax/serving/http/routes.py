@@ -137,12 +137,12 @@ class Server:
                 choice.finish_reason = "length"
                 self.loop.abort(choice.request_id, reason="stop")
             else:
-                offset = len(choice.text.text)
                 delta = choice.text.add(item.new_token_ids)
                 for k, token in enumerate(item.new_token_ids):
                     lp = item.new_logprobs[k] if k < len(item.new_logprobs) else None
                     top = item.new_top_logprobs[k] if k < len(item.new_top_logprobs) else {}
-                    rows.append((token, lp, top, offset))
+                    rows.append((token, lp, top, choice.text_offset))
+                    choice.text_offset += len(self.token_strings.text(token))
                 choice.tokens.extend(item.new_token_ids)
                 choice.logprobs.extend(rows)
                 if choice.text.stopped:
@@ -235,6 +235,13 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
         if not isinstance(body, dict):
             raise RequestError(f"the JSON body must be an object, got {type(body).__name__}", None,
                                code="invalid_json")
+        for name, value in body.items():  # JSON's \ud800 escapes parse to lone surrogates, which no text can hold
+            try:
+                json.dumps([name, value], ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+                raise RequestError(f"{name} holds a string that is not valid Unicode (a lone surrogate such as "
+                                   f"\\ud800): send UTF-8 text", name, code="invalid_json") from None
         model = body.get("model")
         if model is not None and model != server.model_name:
             raise RequestError(f"The model `{model}` does not exist: this server serves `{server.model_name}`",
