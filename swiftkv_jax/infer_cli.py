@@ -6,6 +6,7 @@ The logic lives in swiftkv_jax.serving and swiftkv_jax.evaluation; this file par
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import math
@@ -86,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch (--prompts-file)")
     g.add_argument("--max-len", type=positive_int, default=None,
-                   help="KV-cache length (default: prompt + max-new-tokens)")
+                   help="KV-cache length (default: prompt + max-new-tokens, at least the prompt's padded bucket, "
+                        "a power of two >= 16)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     _model_options(g)
     _compilation_cache_option(g)
@@ -359,7 +361,12 @@ def _eval(args) -> int:
         check_output_file(args.output, "--output")
     # tasks first: a bad task name or file fails before a large checkpoint is read
     shots = lambda spec: 0 if parse_task_spec(spec)[0] == "perplexity" else args.num_fewshot  # no shots in a text
+    repeated = sorted({spec for spec in args.tasks if args.tasks.count(spec) > 1})
+    if repeated:
+        raise ValueError(f"--tasks gives {', '.join(repeated)} more than once: give each task once")
     tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
+    names = [t.name for t in tasks]  # two of one name (perplexity of two files, two MMLU subjects): told by spec
+    tasks = [dataclasses.replace(t, label=spec) if names.count(t.name) > 1 else t for t, spec in zip(tasks, args.tasks)]
     options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                           chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
                           cache_dtype=_cache_format(args), mesh=_mesh(args))
@@ -379,9 +386,9 @@ def _eval(args) -> int:
             raise
         results[path] = {}
         for task in tasks:
-            with tqdm(total=units(task), desc=f"{task.name} · {model_label(path)}",
+            with tqdm(total=units(task), desc=f"{task.key} · {model_label(path)}",
                       unit="req", file=sys.stderr) as bar:
-                results[path][task.name] = evaluate(model, tokenizers[path], task, options, progress=bar.update)
+                results[path][task.key] = evaluate(model, tokenizers[path], task, options, progress=bar.update)
         del model
     print(comparison_table(tasks, results))
     if args.output:

@@ -59,7 +59,7 @@ def test_swiftkv_scores_differ_from_teacher_wiring():
 
 def test_rolling_loglikelihood_equals_the_forward_when_one_window():
     model, swiftkv = MODELS["swiftkv-g2"]
-    docs = [RNG.integers(0, 64, n).tolist() for n in (9, 30)]
+    docs = [RNG.integers(0, 64, n).tolist() for n in (9, 30, 17, 33)]  # 17, 33: 16, 32 targets fill a bucket
     got = rolling_loglikelihood(model, docs, max_length=64, swiftkv=swiftkv)
     for ids, (total, count) in zip(docs, got):
         assert count == len(ids) - 1

@@ -128,6 +128,42 @@ def test_eval_keeps_the_results_of_a_model_when_the_compared_one_fails_to_load(c
     assert list(json.loads(out_json.read_text())["results"]) == [str(checkpoints / "student")]
 
 
+def test_tasks_of_one_name_are_reported_apart(checkpoints, capsys, tmp_path):
+    """Perplexity of two sources in one run: each under its own spec, each what it is alone; a spec given twice is
+    refused before any checkpoint is read."""
+    specs = [f"perplexity={checkpoints / 'docs' / name}" for name in ("a.txt", "b.txt")]
+    alone = []
+    for spec in specs:
+        code, _, _ = run(capsys, "eval", "--model", checkpoints / "teacher", "--tasks", spec, "--output",
+                         tmp_path / "alone.json")
+        assert code == 0
+        alone.append(json.loads((tmp_path / "alone.json").read_text())["results"][str(checkpoints / "teacher")])
+    code, out, _ = run(capsys, "eval", "--model", checkpoints / "teacher", "--tasks", *specs, "--output",
+                       tmp_path / "both.json")
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert code == 0 and all(spec in out for spec in specs) and list(both["tasks"]) == specs
+    assert [both["results"][str(checkpoints / "teacher")][spec] for spec in specs] == [a["perplexity"] for a in alone]
+    code, _, err = run(capsys, "eval", "--model", "/nonexistent", "--tasks", specs[0], specs[0])
+    assert code == 2 and f"--tasks gives {specs[0]} more than once: give each task once" in err
+
+
+def test_perplexity_predicts_every_token_of_a_text(checkpoints):
+    """Each text is conditioned on one token, so its first token is predicted too: the BOS its tokenizer adds, or
+    the one put first when the tokenizer adds none (Qwen2's; lm-eval's prefix token)."""
+    import copy
+
+    from swiftkv_jax.evaluation.harness import scored_documents
+
+    with_bos = load_tokenizer(checkpoints / "teacher")
+    without = copy.deepcopy(with_bos)
+    without.backend_tokenizer.post_processor = None
+    texts = ["apple pear fig", "1"]
+    assert without("apple pear fig")["input_ids"] == with_bos("apple pear fig")["input_ids"][1:]
+    documents = scored_documents(with_bos, texts)
+    assert documents == [with_bos(t)["input_ids"] for t in texts] == scored_documents(without, texts)
+    assert all(d[0] == with_bos.bos_token_id and len(d) >= 2 for d in documents)
+
+
 def test_unknown_task_fails_before_loading_a_model(capsys):
     code, _, err = run(capsys, "eval", "--model", "/nonexistent", "--tasks", "arc_eazy")
     assert code == 2 and "arc_easy" in err

@@ -29,6 +29,8 @@ BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128,
     (H100, BF16.replace(head_dim=256), "bfloat16", False, ("cudnn", "xla")),
     (A100, BF16, "bfloat16", False, ("cudnn", "xla")),  # no wgmma before sm_90
     (A100, BF16, "bfloat16", True, ("cudnn", "pallas")),
+    (H100, BF16.replace(head_dim=96), "bfloat16", True, ("cudnn", "xla")),  # the Triton kernel: powers of two
+    (A100, BF16.replace(head_dim=100), "bfloat16", True, ("cudnn", "xla")),  # (OpenLLaMA 3B's head dim)
     (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32
     (CPU, BF16, "bfloat16", True, ("xla_flash", "xla")),
 ])

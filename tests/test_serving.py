@@ -143,6 +143,8 @@ def test_bad_requests_raise_clear_errors():
         sk.generate(model, "hello", 4)
     with pytest.raises(ValueError, match=r"one prompt: \[\[1, 2, 3\]\], not \[1, 2, 3\]"):
         sk.generate(model, [5, 6, 7], 4)
+    short = [list(range(6, 11))]  # a max_len that holds prompt + new tokens, below the prompt's bucket of 16
+    assert sk.generate(model, short, 5, max_len=10).tokens == sk.generate(model, short, 5).tokens
     with pytest.raises(ValueError, match="needs a SwiftKV model"):
         init_cache(CFG, 1, 8, swiftkv=True)
     assert isinstance(init_cache(CFG, 1, 8, swiftkv=False), KVCache)

@@ -61,17 +61,17 @@ def _cell(metrics: dict, name: str) -> str:
 
 
 def comparison_table(tasks, results: dict) -> str:
-    """results: {model path: {task name: metrics}}. With two models the last column is first - second."""
+    """results: {model path: {task key: metrics}}. With two models the last column is first - second."""
     paths = list(results)
     header = (["task", "metric", "n"] + [model_label(p) for p in paths]
               + (["Δ (model − compare)"] if len(paths) == 2 else []))
     rows = []
     for task in tasks:
         for metric in TABLE_METRICS[task.kind]:
-            row = [task.name, metric, str(results[paths[0]][task.name]["n"])]
-            row += [_cell(results[p][task.name], metric) for p in paths]
+            row = [task.key, metric, str(results[paths[0]][task.key]["n"])]
+            row += [_cell(results[p][task.key], metric) for p in paths]
             if len(paths) == 2:
-                a, b = (results[p][task.name][metric] for p in paths)
+                a, b = (results[p][task.key][metric] for p in paths)
                 row.append(f"{a - b:+.4f}")
             rows.append(row)
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
@@ -82,9 +82,9 @@ def comparison_table(tasks, results: dict) -> str:
 def results_json(args, tasks, results: dict) -> dict:
     paths = list(results)
     out = {"command": sys.argv, "options": {k: v for k, v in vars(args).items() if k != "command"},
-           "tasks": {t.name: {"kind": t.kind, "source": t.source, "n": len(t.items)} for t in tasks},
+           "tasks": {t.key: {"kind": t.kind, "source": t.source, "n": len(t.items)} for t in tasks},
            "results": results}
     if len(paths) == 2:
-        out["deltas"] = {t.name: {m: results[paths[0]][t.name][m] - results[paths[1]][t.name][m]
+        out["deltas"] = {t.key: {m: results[paths[0]][t.key][m] - results[paths[1]][t.key][m]
                                   for m in TABLE_METRICS[t.kind]} for t in tasks}
     return out

@@ -154,10 +154,11 @@ def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, m
         if len(ids) < 2:
             raise ValueError(f"document {d} has {len(ids)} token(s): perplexity needs at least 2")
         _check_ids("document", ids, cfg.vocab_size)
-        for s in range(1, len(ids), max_length):
-            windows.append((d, ids[s - 1: s - 1 + max_length], ids[s: s + max_length]))
+        for s in range(1, len(ids), max_length):  # input j predicts target j: as many of each
+            targets = ids[s: s + max_length]
+            windows.append((d, ids[s - 1: s - 1 + len(targets)], targets))
     sums = [0.0] * len(documents)
-    width = padded_length(min(max_length, max(len(w[2]) for w in windows)), None)
+    width = padded_length(max(len(w[2]) for w in windows), None)
     for start in range(0, len(windows), batch_size):
         chunk = windows[start: start + batch_size]
         count = min(_bucket(len(chunk)), batch_size)

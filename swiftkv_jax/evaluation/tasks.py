@@ -53,6 +53,12 @@ class Task:
     items: tuple[Item, ...]          # perplexity: the documents
     stop: tuple[str, ...] = ()       # generation: strings that end an answer
     num_fewshot: int = 0
+    label: str = ""                  # what results are keyed by where two tasks share a name: the spec
+
+    @property
+    def key(self) -> str:
+        """The task's name in reports and results: its label, else its name."""
+        return self.label or self.name
 
 
 # --- formatting: one row of the hub schema -> (item without few-shot prefix, the row as a few-shot example) ---

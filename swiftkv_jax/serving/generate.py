@@ -100,7 +100,9 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
 
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
-    max_len: cache length (default: longest padded prompt + max_new_tokens). decode_attention_impl: the
+    max_len: cache length (default: the longest prompt + max_new_tokens, at least the prompts' bucket: a power of
+    two >= 16, or a multiple of prefill_chunk; a max_len that holds prompt + max_new_tokens takes the prompts as they
+    are, unless chunked). decode_attention_impl: the
     few-query attention over the cache, attention_impl: prefill's (defaults: the config's off a GPU, the measured
     fastest on one, see `kernel_choice`). on_token(tokens [B], live [B]) streams: it is called
     on the host as each token is sampled. cache_dtype: a float dtype, or float8_e4m3fn / int8 (quantised on
@@ -131,6 +133,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")
     longest = max(len(p) for p in prompts)
     padded = padded_length(longest, prefill_chunk)
+    if max_len is not None and not prefill_chunk and longest + max_new_tokens <= max_len < padded:
+        padded = max_len  # the bucket only spares compiles: a cache that holds the request is not grown for it
     needed = max(longest + max_new_tokens, padded)
     if max_len is None:
         max_len = needed
@@ -138,6 +142,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
         raise ValueError(
             f"a prompt of {longest} tokens (padded to {padded}) plus max_new_tokens={max_new_tokens} needs "
             f"{needed} cache entries, but max_len is {max_len}: raise max_len or shorten the prompt"
+            + (" (or prefill it unchunked)" if prefill_chunk and longest + max_new_tokens <= max_len else "")
         )
     tokens = np.zeros((len(prompts), padded), np.int32)
     for row, p in enumerate(prompts):

@@ -50,8 +50,9 @@ def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, d
     mosaic = is_hopper(device) and config.head_dim in MOSAIC_HEAD_DIMS
     if config.dtype in SIXTEEN_BIT:
         impls["attention_impl"] = "mosaic" if mosaic else "cudnn"
-    if paged:
-        impls["decode_attention_impl"] = "pallas"
+    if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
+        h = config.head_dim
+        impls["decode_attention_impl"] = "pallas" if h >= 16 and h & (h - 1) == 0 else "xla"
     elif mosaic and cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT:  # name or format
         impls["decode_attention_impl"] = "mosaic"
     return impls
