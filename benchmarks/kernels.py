@@ -632,8 +632,9 @@ def main(argv=None) -> int:
             flops = 4 * b * heads * t * t * head_dim / 2
             for packed in (False, True) if t > document else (False,):
                 point = functools.cache(functools.partial(prefill_inputs, b, t, packed))
-                # packed: each document's own causal triangle
-                work = 4 * b * heads * t * document * head_dim / 2 if packed else flops
+                # packed: each document's own causal triangle (the last one shorter where t is not a multiple)
+                sizes = [document] * (t // document) + ([t % document] if t % document else [])
+                work = 4 * b * heads * sum(d * d for d in sizes) * head_dim / 2 if packed else flops
                 for name in names:
                     if (packed and name not in segmented) or not timed_here("prefill", name, (b, t)):
                         continue

@@ -6,7 +6,8 @@ end to end: `swiftkv_jax.distill.trainer.train` (what `python train.py` runs) di
 the preset's shape on the standard library's source (nothing downloaded): tokenising and packing (once, cached),
 reading each step's packed rows with their masks and putting them on the device while the previous step runs,
 the step, metrics.jsonl every step, an asynchronous checkpoint every `checkpoint_every` steps. Its steps after the
-first `skip` (warm-up) give the iteration time (train.py's `step_s`) and the host time loading a batch (`host_s`).
+first `skip` (warm-up) give the iteration time (train.py's `step_s`: the wall time between steps, checkpoint saves
+and logging included) and the host time loading a batch (`host_s`).
 bare: the same compiled step (trainer.build_step, the same config and mesh) on one batch already on the device,
 dispatched back to back, blocked on once at the end. The ratio e2e / bare in tokens/s is the issue's target
 (>= 0.95 on a GPU at 1b); on the CPU the host line (load ms against step ms) is what to read.

@@ -126,6 +126,27 @@ def test_install_puts_wheels_on_a_path_with_no_index(tmp_path):
 
 # --- the runner -------------------------------------------------------------------------------------------------
 
+def args_only(argv):
+    """benchmarks/gpu/args_only.py over a command's (python, script, *args): its script parses the args, no more."""
+    return subprocess.run([sys.executable, str(PACK / "args_only.py"), *map(str, argv[1:])], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_later_call_of_other_points_keeps_the_earlier_rows():
+    """`collect` merges calls by command label: the kernels step's names its points, so a call narrowed to the
+    points still open adds its rows, and one of the same points replaces them."""
+    def call(*labels, status="ok"):
+        return {"step": "kernels", "status": status, "commands": [{"label": x, "status": status} for x in labels]}
+
+    first = call("benchmarks/kernels.py --parts decode", "benchmarks/kernels.py --parts paged")
+    narrowed = call("benchmarks/kernels.py --parts decode --decode-points 128x32768")
+    merged = pack_runner.merge(first, narrowed)
+    assert [c["label"] for c in merged["commands"]] == [c["label"] for c in first["commands"] + narrowed["commands"]]
+    again = pack_runner.merge(merged, call("benchmarks/kernels.py --parts decode --decode-points 128x32768",
+                                           status="failed"))
+    assert [c["status"] for c in again["commands"]] == ["ok", "ok", "failed"]
+
+
 def fake_steps(tmp_path):
     py = sys.executable
 
@@ -552,14 +573,12 @@ def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
     assert [a[a.index("--decode-points") + 1] for a in argvs[:2]] == ["32x4096,32x8192"] * 2
     assert argvs[2][argvs[2].index("--prefill-points") + 1] == "1x8192" and "--decode-points" not in argvs[2]
     assert sum(cmd.limit_s for cmd in seen) <= 300
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import kernels
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    with pytest.raises(SystemExit) as exited:  # every argv parses with the script's own parser (--help after it)
-        kernels.main([*argvs[0][2:], "--help"])
-    assert exited.value.code == 0
+    for argv in argvs:  # every argv parses with the script's own parser
+        assert args_only(argv).returncode == 0
+    assert args_only([*argvs[0], "--no-such-option"]).returncode == 2  # which --help after it would not have said
+    assert [cmd.label for cmd in seen] == ["benchmarks/kernels.py --parts decode --decode-points 32x4096,32x8192",
+                                           "benchmarks/kernels.py --parts paged --decode-points 32x4096,32x8192",
+                                           "benchmarks/kernels.py --parts prefill --prefill-points 1x8192"]
 
     seen.clear()
     pack_steps.tune_step(dataclasses.replace(ctx, ends_at=time.monotonic() + 200), seen.append)

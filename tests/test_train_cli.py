@@ -256,6 +256,22 @@ def test_resume_equals_uninterrupted_run(capsys, assets, tmp_path, monkeypatch):
                        sk.load(tmp_path / "a" / "student_orbax").params)
 
 
+def test_step_time_counts_the_checkpoint_saves(capsys, assets, tmp_path, monkeypatch):
+    """metrics.jsonl's step_s is the wall time between steps: a save's blocking time (here 0.5 s added to the save
+    after step 2) shows in the next step's, so the steps add up to the run (train_pipeline's e2e rate)."""
+    real = trainer._save
+
+    def slow_save(manager, step, *args, **kwargs):
+        if step == 2:
+            time.sleep(0.5)
+        return real(manager, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_save", slow_save)
+    rc, _, _ = main(capsys, recipe(assets, tmp_path / "run", "train.max_steps=4", "checkpoint.every=2"))
+    steps = {r["step"]: r["step_s"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    assert rc == 0 and steps[3] >= 0.5 > steps[4]
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_143(assets, tmp_path):
     """A signal saves and stops; the exit status is the shell's for SIGTERM (128 + 15), so that a scheduler or
     `train.py && ...` does not take the unfinished run for a finished one."""

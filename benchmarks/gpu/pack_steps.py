@@ -42,6 +42,7 @@ from pathlib import Path
 from pack_runner import HERE, Command, Step, read_results
 
 PACK_JAX = HERE / "pack_jax.py"
+ARGS_ONLY = HERE / "args_only.py"  # a GPU command's own arguments parsed by its script, nothing run (smoke)
 DRY_RUN_RECIPE = "configs/llama-3.1-8b-instruct.yaml"
 # bench: (preset, points, gen_len, repeats, tokens per prefill call) on the GPU and in smoke
 BENCH = {False: ("llama-3.1-8b", tuple(product((2048, 8192, 32768), (1, 16, 64))), 128, 3, 65536),
@@ -183,8 +184,16 @@ def kernels_step(ctx, run):
         points = ctx.kernel_points.get(table)
         argv = (ctx.python, "benchmarks/kernels.py", "--parts", parts, "--deadline", str(deadline), "--out", out,
                 *((f"--{table}-points", points) if points else ()))
-        run(Command(f"benchmarks/kernels.py --parts {parts}", argv, deadline + KERNEL_OVERHEAD_S, output=out,
+        # the label names the points: `collect` keeps an earlier call's rows of other points (a call's commands
+        # replace those of the same label only)
+        label = f"benchmarks/kernels.py --parts {parts}" + (f" --{table}-points {points}" if points else "")
+        run(Command(label, argv, deadline + KERNEL_OVERHEAD_S, output=out,
                     script="benchmarks/kernels.py"))
+
+
+def args_only(argv: tuple) -> tuple:
+    """(python, script, *args) -> the command that has the script parse those arguments and stop (args_only.py)."""
+    return (argv[0], ARGS_ONLY, *argv[1:])
 
 
 def bench_step(ctx, run):
@@ -234,7 +243,7 @@ def _distill_bench(preset: str):
             # policy compiled, nothing allocated); 1b: the arguments
             out = ctx.tmp / "distill_step_plan_test.json"
             argv = ((ctx.python, script, "--preset", "test", "--plan", "--variants", "ours", "--out", out)
-                    if preset == "8b" else (ctx.python, script, "--preset", preset, "--out", out, "--help"))
+                    if preset == "8b" else args_only((ctx.python, script, "--preset", preset, "--out", out)))
             run(Command(f"{script} --preset {preset} (smoke: " + ("--preset test --plan)" if preset == "8b" else
                                                                    "arguments checked only)"), argv, 120,
                         output=out if preset == "8b" else None, script=script))
@@ -249,7 +258,7 @@ def _train_pipeline(ctx, run):
     out = ctx.tmp / "train_pipeline_1b.json"
     argv = (ctx.python, script, "--preset", "1b", "--work", ctx.tmp / "train_pipeline", "--out", out)
     if ctx.smoke:  # its tiny preset runs under `pytest -m slow` (tests/test_distill_bench.py): the arguments here
-        run(Command(f"{script} --preset 1b (smoke: arguments checked only)", (*argv, "--help"), 60, script=script))
+        run(Command(f"{script} --preset 1b (smoke: arguments checked only)", args_only(argv), 60, script=script))
         return
     run(Command(f"{script} --preset 1b", argv, DISTILL_LIMITS["train"], output=out, script=script))
 
@@ -266,7 +275,7 @@ def _demo(ctx, run):
     argv = (ctx.python, "demo.py", "--budget", "gpu", "--out", ctx.repo / DEMO_DIR, "--results", results,
             *(("--attention", ctx.demo_attention) if ctx.demo_attention else ()))
     if ctx.smoke:  # its GPU budget refuses a CPU and its smoke budget takes minutes: the arguments parse
-        run(Command("demo.py --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script="demo.py"))
+        run(Command("demo.py --budget gpu (smoke: arguments checked only)", args_only(argv), 60, script="demo.py"))
         return
     run(Command("demo.py --budget gpu", argv, DISTILL_LIMITS["demo"], output=results / "results.json",
                 script="demo.py", stop_grace_s=DEMO_STOP_GRACE_S))
@@ -288,7 +297,7 @@ def _demo_sweep(ctx, run):
     argv = (ctx.python, script, ctx.repo / DEMO_DIR, "--budget", "gpu", "--out", out,
             *(row + attention for row in DEMO_SWEEP_ROWS))
     if ctx.smoke:  # its smoke budget runs in tests/test_demo.py: the arguments here
-        run(Command(f"{script} --budget gpu (smoke: arguments checked only)", (*argv, "--help"), 60, script=script))
+        run(Command(f"{script} --budget gpu (smoke: arguments checked only)", args_only(argv), 60, script=script))
         return
     run(Command(f"{script} --budget gpu", argv, DISTILL_LIMITS["sweep"], output=out, script=script,
                 stop_grace_s=DEMO_STOP_GRACE_S))
@@ -335,15 +344,14 @@ def parse_parts(text: str, choices: tuple = SERVING_PARTS, what: str = "serving"
 
 
 def serving_step(ctx, run):
-    if ctx.smoke:  # its --smoke (every configuration, on a tiny model) runs in tests/test_serving_bench.py
-        run(Command("benchmarks/serving.py --preset 8b (smoke: arguments checked only)",
-                    (ctx.python, "benchmarks/serving.py", "--preset", "8b", "--part", "offline", "--help"), 60,
-                    script="benchmarks/serving.py"))
-        return
     for part in ctx.serving_parts:  # each under serving.py's own deadline (500 s), well inside the step's limit
         out = ctx.tmp / f"serving_{part}.json"
         which = ("--workload", "shared-prefix") if part == "prefix" else ("--part", part)
         argv = (ctx.python, "benchmarks/serving.py", "--preset", "8b", *which, "--out", out, "--plot", "none")
+        if ctx.smoke:  # its --smoke (every configuration, on a tiny model) runs in tests/test_serving_bench.py
+            run(Command(f"benchmarks/serving.py {' '.join(which)} (smoke: arguments checked only)", args_only(argv),
+                        60, script="benchmarks/serving.py"))
+            continue
         run(Command(f"benchmarks/serving.py {' '.join(which)}", argv, 600, output=out,
                     script="benchmarks/serving.py"))
 
@@ -352,7 +360,7 @@ def peers_step(ctx, run):
     out = ctx.tmp / "peers.json"
     argv = (ctx.python, "benchmarks/peers.py", "--shape", "1b", "--out", out)
     if ctx.smoke:  # transformers and a 30-layer model take minutes on a CPU: check that the arguments parse
-        run(Command("benchmarks/peers.py --shape 1b (smoke: arguments checked only)", (*argv, "--help"), 60,
+        run(Command("benchmarks/peers.py --shape 1b (smoke: arguments checked only)", args_only(argv), 60,
                     script="benchmarks/peers.py"))
     else:
         run(Command("benchmarks/peers.py --shape 1b", argv, 540, output=out, script="benchmarks/peers.py"))

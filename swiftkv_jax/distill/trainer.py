@@ -480,15 +480,18 @@ def train(config: TrainConfig, print_fn=print) -> int:
     load = functools.partial(_load_batch, batches, compiled.batch_sharding, shape)
     loaded = load() if start < total_steps else None
     with _StopRequest() as stop:
+        last = time.perf_counter()
         for step in range(start, total_steps):
-            t0 = time.perf_counter()
             batch, position, host_s = loaded
             state, metrics = step_fn(state, frozen, batch)  # dispatched: runs while the next batch is loaded
             loaded = load() if step + 1 < total_steps else None
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            seconds = time.perf_counter() - t0
-            # step_s: this step's whole iteration (the step, the next batch's loading beside it, the metrics back);
-            # host_s: loading its batch (reading packed rows, device_put), hidden behind the previous step
+            now = time.perf_counter()
+            seconds, last = now - last, now
+            # step_s: the wall time since the previous step's metrics came back: this step, the next batch's
+            # loading beside it, and the previous step's logging and checkpoint save (the blocking part of an
+            # asynchronous save), so that the steps add up to the run; host_s: loading its batch (reading packed
+            # rows, device_put), hidden behind the previous step
             record = {"step": step + 1, **{k: v for k, v in metrics.items() if k != "tokens"},
                       "tokens": int(metrics["tokens"]), "tokens_per_s": metrics["tokens"] / seconds,
                       "step_s": seconds, "host_s": host_s}
