@@ -9,11 +9,13 @@ generation files beside SRC are copied to DST so the result serves and evaluates
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
 import jax
 import numpy as np
+from safetensors import SafetensorError
 
 from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
 from swiftkv_jax.checkpoints.hf import parse_size
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
         parser.error(f"--max-shard-size: {e}")
 
     start = time.perf_counter()
+    # SIGTERM (a scheduler, `timeout`) ends the conversion as an exception would: the partial DST is removed
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         source_format = detect_format(args.src)
         model = load(args.src, dtype=args.dtype)
@@ -46,6 +50,12 @@ def main(argv=None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (OSError, SafetensorError) as e:  # writing DST: a full disk, a path under a file, no permission
+        print(f"error: cannot write {args.dst} ({e}); nothing was written there: free space, or choose another DST",
+              file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     cfg = model.config
     count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(model.params))
     swiftkv = (f", SwiftKV l={cfg.num_key_value_layers} g={cfg.key_value_group_size}" if cfg.is_swiftkv else "")

@@ -201,6 +201,42 @@ def test_existing_dst_needs_overwrite(src, tmp_path, capsys):
     assert_sidecars_copied(src[0], dst)
 
 
+def test_a_failed_write_is_one_clear_error_and_leaves_nothing(src, tmp_path, capsys, monkeypatch):
+    """A full disk (safetensors' own error) or a DST under a file: exit 2 naming DST, no partial directory."""
+    from safetensors import SafetensorError
+
+    from swiftkv_jax.checkpoints import hf
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as m:
+        m.setattr(hf, "save_file", full)
+        rc, _, err = run([src[0], tmp_path / "out", "--to", "hf"], capsys)
+    assert rc == 2 and f"error: cannot write {tmp_path / 'out'} (Error while serializing: I/O error: No space" in err
+    assert "free space, or choose another DST" in err and "Traceback" not in err
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run([src[0], tmp_path / "afile" / "a" / "b", "--to", "hf"], capsys)
+    assert rc == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_sigterm_while_writing_leaves_no_partial_directory(src, tmp_path):
+    """A scheduler's SIGTERM mid-write: the shell's status 143, and the hidden partial DST removed."""
+    script = (f"import os, signal, sys\n"
+              f"from swiftkv_jax.checkpoints import hf\n"
+              f"from swiftkv_jax.convert import main\n"
+              f"real = hf.save_file\n"
+              f"def killed(*args, **kwargs):\n"
+              f"    os.kill(os.getpid(), signal.SIGTERM)\n"
+              f"    return real(*args, **kwargs)\n"
+              f"hf.save_file = killed\n"
+              f"sys.exit(main([{str(src[0])!r}, {str(tmp_path / 'out')!r}, '--to', 'hf']))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_in_place_conversion_keeps_the_tokenizer_files(src, tmp_path, capsys):
     path = shutil.copytree(src[0], tmp_path / "ckpt")
     rc, _, err = run([path, path, "--to", "hf", "--dtype", "bf16", "--overwrite"], capsys)

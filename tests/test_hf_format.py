@@ -474,6 +474,18 @@ def test_index_naming_a_missing_shard(llama, tmp_path):
         sk.load(out)
 
 
+def test_index_mapping_a_tensor_to_a_shard_without_it(llama, tmp_path):
+    out = sk.save(sk.load(llama[0]), tmp_path / "sharded", format="hf", max_shard_size=SHARD)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(sk.CheckpointError, match=f"index.json maps 1 tensor.s. to a file that does not hold them, e.g. "
+                                              f"{name} to {wrong}; re-download or re-export"):
+        sk.load(out)
+
+
 def test_unsupported_model_type(llama_copy):
     rewrite_config(llama_copy, lambda d: d.update(model_type="mistral", architectures=["MistralForCausalLM"]))
     with pytest.raises(ValueError, match=r"unsupported model_type 'mistral'.*llama"):

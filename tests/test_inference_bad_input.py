@@ -198,6 +198,37 @@ def test_serve_with_an_address_not_of_this_machine_names_the_host(weightless, ca
     assert code == 2 and "--host 192.0.2.1: not an address of this machine" in err
 
 
+def test_serve_whose_port_another_process_took_while_it_started_fails_naming_it(weightless):
+    """Two sockets may bind one port (SO_REUSEADDR) while neither listens: a second server loading beside ours, or
+    ours beside it. The one that listens first keeps the port; the other stops with the port named (under uvloop
+    it had logged "serving" and never answered). In a subprocess, bounded in time."""
+    script = f"""
+import sys
+from transformers import AutoTokenizer
+import swiftkv_jax as sk
+from swiftkv_jax.serving.http import listening_socket, serve
+from swiftkv_jax.tiny_assets import TINY_LLAMA
+tokenizer = AutoTokenizer.from_pretrained({str(weightless)!r})
+model = sk.init(sk.ModelConfig(vocab_size=len(tokenizer), max_position_embeddings=256, **TINY_LLAMA), 0)
+settings = dict(page_size=4, num_pages=16, max_num_seqs=2, max_num_batched_tokens=16, cache_dtype="float32",
+                single_buckets=(2,), prompt_buckets=(16,))
+with listening_socket("127.0.0.1", 0) as ours, listening_socket("127.0.0.1", ours.getsockname()[1]) as theirs:
+    theirs.listen()
+    print("port", ours.getsockname()[1], flush=True)
+    try:
+        serve(model, tokenizer, "tiny", engine_options=settings, sock=ours)
+    except ValueError as e:
+        print("refused:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    port = int(proc.stdout.split()[1])
+    assert (f"refused: --port {port}: another process began listening on 127.0.0.1:{port} while this server was "
+            f"starting") in proc.stdout and "choose another --port" in proc.stdout
+    assert "serving tiny" not in proc.stderr
+
+
 def test_port_zero_binds_a_free_port():
     """Item 5: port 0 is accepted because the server binds it itself and logs the port it got."""
     with listening_socket("127.0.0.1", 0) as sock:

@@ -114,6 +114,12 @@ class _SafetensorsFiles(contextlib.ExitStack):
                                       f"corrupt; {REDOWNLOAD}") from None
         if self.file_of is None:
             self.file_of = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
+        else:  # the index against the files (their headers, read already): a wrong entry, named, before any read
+            held = {name: set(handle.keys()) for name, handle in self._handles.items()}
+            wrong = sorted((t, f) for t, f in self.file_of.items() if t not in held[f])
+            if wrong:
+                raise CheckpointError(f"{self.path}: {INDEX_FILE} maps {len(wrong)} tensor(s) to a file that does "
+                                      f"not hold them, e.g. {wrong[0][0]} to {wrong[0][1]}; {REDOWNLOAD}")
         return self
 
     def names(self) -> set[str]:

@@ -88,7 +88,7 @@ def start_engine(model, engine_options: Optional[dict] = None):
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the engine is warm); port 0
+    """A TCP socket bound to (host, port), not yet listening (`serve` listens on it once the engine is warm); port 0
     binds a free one (see getsockname). OSError as getaddrinfo and bind raise it: socket.gaierror for a host that
     does not resolve, EADDRINUSE for a port in use, EADDRNOTAVAIL for an address not of this machine."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -123,6 +123,12 @@ def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: i
         config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace,
                                 access_log=False, log_level="info", lifespan="on")
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        try:  # listen here, not in uvicorn: under uvloop a listen that fails leaves a server that never answers
+            sock.listen(config.backlog)
+        except OSError as e:  # a socket bound beside ours (SO_REUSEADDR: both may bind while neither listens)
+            raise ValueError(f"--port {port}: another process began listening on {host}:{port} while this server "
+                             f"was starting ({e.strerror}; e.g. a second `infer.py serve` that was loading): stop "
+                             f"it or choose another --port") from None
         log.info("serving %s on %s (ready %.1f s after the engine build began)", model_name, url,
                  time.perf_counter() - began)
         _uvicorn_server(config, app.state.server.loop, shutdown_grace).run(sockets=[sock])
