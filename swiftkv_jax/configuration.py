@@ -55,6 +55,16 @@ def type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _yaml(text: str, key: str):
+    """A command-line value read as YAML (lists, mappings, numbers); malformed YAML names its key."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{key}: {text!r} is not valid YAML ({problem}): check its brackets, and quote a value "
+                          f"that holds ',', ': ' or ' #'") from None
+
+
 def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
     """`value` as type `tp`; text overrides are parsed per the target type."""
     fail = lambda why="": ConfigError(f"{key}: expected {type_name(tp)}, got {value!r}{why}")
@@ -73,26 +83,26 @@ def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
         return value
     if origin is tuple:
         if from_text:
-            value = yaml.safe_load(value)
+            value = _yaml(value, key)
         if isinstance(value, dict) or not isinstance(value, (list, tuple)):
             value = [value]
         item = typing.get_args(tp)[0]
         return tuple(_coerce(v, item, f"{key}[{i}]", False, where) for i, v in enumerate(value))
     if _is_config(tp):
         if from_text:
-            value = yaml.safe_load(value)
+            value = _yaml(value, key)
         if not isinstance(value, dict):
             raise fail(" (a mapping of its keys)")
         return from_dict(tp, value, prefix=key + ".", where=where)
     if tp is bool:
         if from_text:
-            value = yaml.safe_load(value)
+            value = _yaml(value, key)
         if not isinstance(value, bool):
             raise fail()
         return value
     if tp is int:
         if from_text:
-            value = yaml.safe_load(value)
+            value = _yaml(value, key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise fail()
         return value

@@ -275,7 +275,8 @@ def earlier_training_seconds(out: Path, layers: int) -> float:
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
-    return [f"data.sources=[{{path: {out / 'corpus' / 'train.parquet'}, format: text}}]",
+    corpus = json.dumps(str(out / "corpus" / "train.parquet"))  # quoted: a path may hold ',' or ' #'
+    return [f"data.sources=[{{path: {corpus}, format: text}}]",
             f"data.seq_len={settings.seq_len}", f"data.cache_dir={out / 'cache'}",
             f"train.global_batch_size={settings.batch_size}", f"train.max_steps={steps}",
             f"train.output_dir={run_dir}"]

@@ -77,6 +77,31 @@ def test_sharegpt_conversations_read_as_chat(tmp_path):
                                {"role": "assistant", "content": "4"}]]
 
 
+def test_messages_whose_keys_differ_read_as_chat(tmp_path):
+    """datasets stores messages whose dicts differ in keys (a ShareGPT `weight`, an OpenAI `name` on some turns)
+    as Json rather than a struct: read message by message."""
+    sharegpt = [{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", "weight": 1.0}]}]
+    openai = [{"messages": [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "yo"}]}]
+    ds = mixture(tmp_path, DataSource(write_jsonl(tmp_path / "w.jsonl", sharegpt), messages_field="conversations"),
+                 DataSource(write_jsonl(tmp_path / "n.jsonl", openai)))
+    assert ds["messages"] == [[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                              [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+
+
+def test_turns_that_would_train_an_empty_reply_are_refused(tmp_path):
+    """An assistant turn of tool calls alone, or a null response, would be trained as an empty reply."""
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    tools = [{"messages": [{"role": "user", "content": "Weather?", "tool_calls": None},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "18C", "tool_calls": None},
+                           {"role": "assistant", "content": "It is 18C.", "tool_calls": None}]}]
+    with pytest.raises(DataError, match="role 'assistant' holds tool_calls and no content .*drop or filter"):
+        mixture(tmp_path, DataSource(write_jsonl(tmp_path / "tools.jsonl", tools)))
+    pairs = [{"prompt": "hi", "response": None}, {"prompt": "a", "response": "b"}]
+    with pytest.raises(DataError, match="an example whose 'prompt' or 'response' is not a string .*drop it"):
+        mixture(tmp_path, DataSource(write_jsonl(tmp_path / "pairs.jsonl", pairs)))
+
+
 def test_globs_directories_and_max_examples(tmp_path):
     (tmp_path / "d").mkdir()
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": f"a{i}"} for i in range(3)])

@@ -267,13 +267,15 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     from swiftkv_jax.distill.config import TrainConfig
 
     settings = demo.SETTINGS["gpu"]
-    common = demo.common_overrides(tmp_path, settings, 1, tmp_path / "run")
+    out = tmp_path / "demo, #2"  # a folder name YAML would misread unquoted
+    common = demo.common_overrides(out, settings, 1, tmp_path / "run")
     teacher = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-teacher.yaml",
                                  ["model.teacher=x"] + common + list(settings.pretrain_overrides))
     student = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-swiftkv.yaml",
                                  ["model.teacher=x"] + common + list(settings.distill_overrides))
     for config in (teacher, student):
         assert (config.model.compute_dtype, config.model.trainable_dtype) == ("bfloat16", "float32")
+        assert config.data.sources[0].path == str(out / "corpus" / "train.parquet")
     estimate = demo.gpu_seconds(settings)
     assert 200e6 < estimate["parameters"] < 500e6 and estimate["total_s"] < 300
     with pytest.raises(ValueError, match="the gpu budget needs a GPU"):

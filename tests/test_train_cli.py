@@ -435,6 +435,9 @@ BAD_INPUT = {
                           "model.attention_impl='flash' is unknown: training runs one of auto, xla, xla_chunked, "
                           "cudnn"),
     "negative seed": (["data.seed=-1"], "data.seed must lie in [0, 2**32), got -1"),
+    "num_proc": (["data.num_proc=-1"], "data.num_proc must be >= 1 (or null: one process), got -1"),
+    "bad yaml": (["data.sources=[{path: a.jsonl, weight: 2]"], "data.sources: '[{path: a.jsonl, weight: 2]' is not "
+                 "valid YAML (expected ',' or '}', but got ']'): check its brackets"),
     "process id": (["distributed.num_processes=2", "distributed.process_id=5"],
                    "distributed.process_id must lie in [0, distributed.num_processes), got process_id 5 of "
                    "num_processes 2"),

@@ -117,8 +117,14 @@ def detect_format(ds: datasets.Dataset, src: DataSource) -> str:
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 
 
+_JSON = getattr(datasets, "Json", None)  # datasets >= 5: messages whose dicts differ in keys load as Json
+
+
 def _message_keys(inner) -> Optional[tuple[str, str]]:
-    """(role key, content key) of a message struct: {role, content} or ShareGPT's {from, value}."""
+    """(role key, content key) of a message struct: {role, content} or ShareGPT's {from, value}; () for messages
+    stored as Json (their dicts differ in keys: a `weight` or `name` on some turns only), read message by message."""
+    if _JSON is not None and isinstance(inner, _JSON):
+        return ()
     for role, content in (("role", "content"), ("from", "value")):
         field = inner.get(content) if isinstance(inner, dict) else None
         if role in (inner or {}) and getattr(field, "dtype", None) in ("string", "large_string"):
@@ -136,15 +142,33 @@ def _check_messages(feature, src: DataSource) -> None:
                         f"{{role, content}} (or ShareGPT {{from, value}}) messages with string content, got {feature}")
 
 
+def _turn(m: dict, keys: tuple, src: DataSource) -> dict:
+    """One message as {role, content}. A turn that holds only tool calls is refused, not trained as an empty reply
+    (the pipeline keeps text: role and content)."""
+    role, content = keys or (("role", "content") if "role" in m else ("from", "value"))
+    text = m.get(content)
+    if role not in m or not isinstance(text, (str, type(None))):
+        raise DataError(f"source {src.path!r}: a message without a string {{role, content}} (or ShareGPT "
+                        f"{{from, value}}): {str(m)[:200]}")
+    if text is None and m.get("tool_calls"):
+        raise DataError(f"source {src.path!r}: a message of role {m[role]!r} holds tool_calls and no content "
+                        f"({str(m)[:120]}); this pipeline trains on the messages' text: drop or filter the examples "
+                        f"with tool calls, or render them into the content")
+    return {"role": SHAREGPT_ROLES.get(m[role], m[role]), "content": text or ""}
+
+
 def _normalise(batch, fmt: str, src: DataSource, keys=("role", "content")):
     n = len(next(iter(batch.values())))
     if fmt == "chat":
-        role, content = keys
-        messages = [[{"role": SHAREGPT_ROLES.get(m[role], m[role]), "content": m[content] or ""} for m in conv]
-                    for conv in batch[src.messages_field]]
+        messages = [[_turn(m, keys, src) for m in conv] for conv in batch[src.messages_field]]
     elif fmt == "prompt_response":
-        messages = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}]
-                    for p, r in zip(batch[src.prompt_field], batch[src.response_field])]
+        pairs = list(zip(batch[src.prompt_field], batch[src.response_field]))
+        for p, r in pairs:  # a null would be an empty turn trained on (or a template's error about the wrong thing)
+            if not (isinstance(p, str) and isinstance(r, str)):
+                raise DataError(f"source {src.path!r}: an example whose {src.prompt_field!r} or "
+                                f"{src.response_field!r} is not a string ({p!r:.60} / {r!r:.60}): drop it from "
+                                f"the data")
+        messages = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in pairs]
     else:
         return {"messages": [[] for _ in range(n)], "text": batch[src.text_field]}
     return {"messages": messages, "text": [None] * n}

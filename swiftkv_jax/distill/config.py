@@ -138,6 +138,8 @@ class TrainConfig:
              "optim.learning_rate must be > 0 and optim.grad_clip >= 0"),
             (bool(self.train.output_dir), "train.output_dir must be set"),
             (0 <= self.data.seed < 2**32, f"data.seed must lie in [0, 2**32), got {self.data.seed}"),
+            (self.data.num_proc is None or self.data.num_proc >= 1,
+             f"data.num_proc must be >= 1 (or null: one process), got {self.data.num_proc}"),
             (self.distributed.num_processes is None or self.distributed.num_processes >= 1,
              f"distributed.num_processes must be >= 1, got {self.distributed.num_processes}"),
             (self.distributed.process_id is None or self.distributed.process_id >= 0 and (
