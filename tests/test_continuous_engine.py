@@ -236,6 +236,17 @@ def test_a_request_id_names_one_live_request():
         eng.generate([PROMPTS[0]], request_id="b")
 
 
+def test_default_prompt_buckets_stop_at_what_the_pool_holds():
+    """A step's prompt tokens need pages: the default buckets past the pool's tokens, which no step can fill, are
+    not compiled by the warm-up; the largest left holds the pool, and a prompt filling it is served."""
+    wide = dict(prompt_buckets=None, max_num_batched_tokens=4096, max_model_len=None)
+    eng = engine("plain", **wide)
+    assert eng.prompt_buckets[-1] >= 156 > eng.prompt_buckets[-2] and eng.prompt_buckets[-1] < 4096  # 39 pages of 4
+    long_prompt = (PROMPTS[2] * 4)[:70]
+    [out] = eng.generate([long_prompt], max_tokens=MAX_TOKENS, stop_token_ids=[])
+    assert out.token_ids == alone("plain", tuple(long_prompt))[0]
+
+
 def test_top_k_past_the_vocabulary_keeps_every_token():
     """top_k >= the vocabulary filters nothing (a client's 2**63 - 1 for "no limit" samples as top_k 0 does)."""
     eng = engine("swiftkv-g1")

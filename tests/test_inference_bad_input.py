@@ -77,6 +77,23 @@ def test_serve_refuses_a_max_model_len_beyond_the_positions_or_the_pool(weightle
     assert "--num-pages, --kv-cache-bytes or --kv-cache-fraction" in err
 
 
+def test_serves_pool_check_counts_the_kv_heads_tensor_parallelism_copies(weightless, capsys):
+    """4 devices over 2 KV heads hold each twice (as the engine's pool will): the early check sizes the pool so,
+    and refuses a max_model_len that only the uncopied heads would hold, before any weight is read."""
+    from swiftkv_jax.checkpoints.hf_config import config_from_hf
+    from swiftkv_jax.model.kv_quant import as_format
+    from swiftkv_jax.serving.paged_cache import pages_for_budget, tokens_held
+
+    config, budget = config_from_hf(json.loads((weightless / "config.json").read_text())), 1 << 20
+    held = [tokens_held(pages_for_budget(config.replace(num_key_value_heads=k), False, 16, as_format("float32"),
+                                         kv_cache_bytes=budget), 16) for k in (2, 4)]
+    assert held[1] < held[0]
+    code, _, err = run(capsys, "serve", "--model", weightless, "--tensor-parallel", 4, "--kv-cache-bytes", budget,
+                       "--page-size", 16, "--cache-dtype", "float32", "--max-model-len", held[1] + 16)
+    wanted = held[1] + 16
+    assert code == 2 and f"--max-model-len {wanted} is more than the KV cache pool holds ({held[1]} tokens)" in err
+
+
 def test_the_engine_and_the_server_refuse_a_max_model_len_they_cannot_serve():
     """The library's checks (a --kv-cache-fraction pool is known only once the weights are loaded): the engine refuses
     positions the model lacks; the server also a pool too small, before the warm-up (the engine alone serves it,

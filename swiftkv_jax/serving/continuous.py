@@ -242,6 +242,10 @@ class Engine:
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
         # server refuses it at start-up, `http.process.start_engine`)
         pool_tokens = tokens_held(num_pages, page_size)
+        if not options.prompt_buckets:  # a step's prompt tokens need pages: default buckets past the pool never run
+            reach = min(max_prompt_tokens, pool_tokens)
+            self.prompt_buckets = tuple(b for b in self.prompt_buckets if b < reach) + (
+                _bucket(reach, self.prompt_buckets),)
         if options.max_model_len is not None:
             check_max_model_len(options.max_model_len, cfg.max_position_embeddings, None)
         self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, pool_tokens))
