@@ -223,7 +223,10 @@ class _StopRequest:
 
 
 def _leaf_changes(key: str, before, now) -> list[str]:
-    """`key: old -> new` for every leaf under `key` that differs (lists compared whole, e.g. data.sources)."""
+    """`key: old -> new` for every leaf under `key` that differs (lists compared whole, e.g. data.sources), but for
+    the keys a resume may change (RESUME_FREE)."""
+    if key in RESUME_FREE:
+        return []
     if isinstance(before, dict) and isinstance(now, dict):
         return [change for name in dict.fromkeys([*before, *now])
                 for change in _leaf_changes(f"{key}.{name}", before.get(name), now.get(name))]
@@ -239,7 +242,7 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
         a, b = saved, now
         for part in key.split("."):
             a, b = (a or {}).get(part), (b or {}).get(part)
-        changed += [c for c in _leaf_changes(key, a, b) if c.split(":")[0] not in RESUME_FREE]
+        changed += _leaf_changes(key, a, b)
     if changed:
         raise ConfigError(
             f"cannot resume: settings differ from the run saved in {saved_path.parent} (see {saved_path}): "

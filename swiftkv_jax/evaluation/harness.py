@@ -134,10 +134,10 @@ def scored_documents(tokenizer, texts) -> list[list[int]]:
     """Each text's ids behind one token of context, so that every token of the text is predicted: the BOS a
     tokenizer adds, else its BOS or EOS put first here (lm-eval's prefix token; Qwen2's tokenizer adds none)."""
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    documents = [tokenizer(text)["input_ids"] for text in texts]
     if prefix is None:
         raise ValueError("perplexity needs a token to condition each text's first token on, but the tokenizer has "
                          "neither a BOS nor an EOS token: give --tokenizer one that has")
+    documents = [tokenizer(text)["input_ids"] for text in texts]
     return [ids if ids[:1] == [prefix] else [prefix, *ids] for ids in documents]
 
 

@@ -26,6 +26,7 @@ from typing import Optional
 
 import jax
 
+from swiftkv_jax.kernels.split_k import is_power_of_two
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import cache_dtype_name
 
@@ -51,8 +52,8 @@ def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, d
     if config.dtype in SIXTEEN_BIT:
         impls["attention_impl"] = "mosaic" if mosaic else "cudnn"
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
-        h = config.head_dim
-        impls["decode_attention_impl"] = "pallas" if h >= 16 and h & (h - 1) == 0 else "xla"
+        taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
+        impls["decode_attention_impl"] = "pallas" if taken else "xla"
     elif mosaic and cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT:  # name or format
         impls["decode_attention_impl"] = "mosaic"
     return impls
