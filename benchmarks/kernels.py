@@ -43,9 +43,10 @@ error and is not timed. Timings: compiled first, then the median of --repeats sa
 enqueued back to back and waited for once (inner set so that a sample lasts at least 2 ms: a small kernel's
 dispatch latency hides behind the calls queued before it), divided by inner.
 Layers (--layers L, default 16): at LAYERED_POINTS (right after their own single-call rows, ahead of the other
-points) the static engine's decode paths (LAYERED) are also timed as a decode step runs them, L layers' caches
-attended one after another in one program (at most MAX_KV_GIB of K/V in all), and reported per layer: one call of
-one layer pays a launch and its XLA ops apart, which a step spreads over its layers.
+points) the engines' decode paths (LAYERED: the static engine's, and sk.Engine's paged ones at the first
+--page-size) are also timed as a decode step runs them, L layers' caches attended one after another in one program
+(at most MAX_KV_GIB of K/V in all), and reported per layer: one call of one layer pays a launch and its XLA ops
+apart, which a step spreads over its layers.
 Rivals (--rivals targets, the default on a GPU): the implementations the engines run by default on sm_90 and our
 kernels are timed at every point; the others (RIVALS: jax's kernels, the Triton kernels' transposing or quantised
 dense forms, XLA's paged path and prefill, the interpreter forms compiled, cuDNN with our mask) at the targets'
@@ -80,8 +81,11 @@ MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are lef
 DOCUMENT = 2048  # tokens per document of the packed prefill rows (segment ids)
 PROFILE_CALLS = 10  # traced calls of a profiled row
 LAYERED_POINTS = ((32, 4096), (32, 8192))  # decode points (batch, context) furthest from the bandwidth target
-# the static engine's defaults on sm_90 (bf16, 1-byte caches), XLA's bf16, and the Mosaic kernel at two CTAs an SM
-LAYERED = ("mosaic", "xla", "xla_int8", "mosaic_2cta")
+# Per table, the paths timed as a decode step runs them (--layers). Static: the engine's defaults on sm_90 (bf16,
+# 1-byte caches), XLA's bf16, the Mosaic kernel at two CTAs an SM. Paged (pages of the first --page-size):
+# sk.Engine's Triton kernel over each cache dtype, and the Mosaic one.
+LAYERED = {"decode": ("mosaic", "xla", "xla_int8", "mosaic_2cta"),
+           "paged": ("pallas", "pallas_int8", "pallas_float8_e4m3fn", "mosaic")}
 PROFILED = {"decode": {"mosaic", "mosaic_smem", "mosaic_2cta", "xla"}, "paged": {"pallas", "mosaic"}}  # --profile-at
 # Per table, the implementations `--rivals targets` times at the targets' points only (see the docstring)
 _QUANTIZED_TRITON = ("pallas_int8", "pallas_float8_e4m3fn")
@@ -510,31 +514,35 @@ def main(argv=None) -> int:
         if after_targets and hook_at >= len(decode_points):  # no point after the layered ones
             after_targets(passed[0][2])
 
-    def decode_steps(passed):
-        """The decode-step rows (--layers) of the LAYERED impls that passed their check."""
-        for b, s in layered_points:
-            # a decode step's attention: `count` layers' caches one after another in one program, per layer
-            count = max(1, min(args.layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
-            point = functools.cache(lambda b=b, s=s, count=count: [decode_inputs(b, s) for _ in range(count)])
-            for name in (n for n in LAYERED if n in passed):
-                kv_bytes = count * layer_kv_bytes(name, b, s)
-                width = 5 + 2 * name_quantized(name)  # inputs a layer: q, k, v, lengths, positions (+ 2 scales)
+    def decode_steps(table, impls, make_inputs, width, row=None):
+        """after_targets for `table`: the decode-step rows (--layers) of its LAYERED impls that passed their check,
+        `width` inputs a layer (+ 2 scales if quantised), `row`: the fields of the variant they are timed in."""
+        def run(passed):
+            for b, s in layered_points:
+                # a decode step's attention: `count` layers' caches one after another in one program, per layer
+                count = max(1, min(args.layers, MAX_KV_GIB * 2**30 // (2 * b * s * kv_heads * head_dim * 2)))
+                point = functools.cache(lambda b=b, s=s, count=count: [make_inputs(b, s) for _ in range(count)])
+                for name in (n for n in LAYERED[table] if n in passed):
+                    kv_bytes = count * layer_kv_bytes(name, b, s)
+                    step_width = width + 2 * name_quantized(name)
 
-                def step(*flat, name=name, count=count, width=width):
-                    return [decode_impls[name](*flat[i * width:(i + 1) * width]) for i in range(count)]
+                    def step(*flat, name=name, count=count, step_width=step_width):
+                        return [impls[name](*flat[i * step_width:(i + 1) * step_width]) for i in range(count)]
 
-                measure("decode", {"impl": name, "batch": b, "context": s, "layers": count, "kv_bytes": kv_bytes},
-                        None, step, lambda n=name, p=point: [x for layer in p() for x in laid_out(n, layer)],
-                        lambda seconds, n=kv_bytes, count=count: dict(
-                            time_per_layer_s=seconds / count, bandwidth=n / seconds,
-                            of_measured_bandwidth=n / seconds / measured_bw),
-                        profile=(b, s) in profile_at and name in PROFILED["decode"])
-            del point
+                    measure(table, {"impl": name, **(row or {}), "batch": b, "context": s, "layers": count,
+                                    "kv_bytes": kv_bytes},
+                            None, step, lambda n=name, p=point: [x for layer in p() for x in laid_out(n, layer)],
+                            lambda seconds, n=kv_bytes, count=count: dict(
+                                time_per_layer_s=seconds / count, bandwidth=n / seconds,
+                                of_measured_bandwidth=n / seconds / measured_bw),
+                            profile=(b, s) in profile_at and name in PROFILED[table])
+                del point
+        return run
 
     if "decode" in parts:  # the decode-step rows right after their own points' rows, ahead of the others
         decode_table("decode", decode_impls, decode_reference, [({}, decode_inputs)],
                      {**mosaic_gpu_only, **({"jax_pallas": jax_gqa_error} if jax_gqa_error else {})},
-                     after_targets=decode_steps)
+                     after_targets=decode_steps("decode", decode_impls, decode_inputs, 5))  # q, k, v, lengths, pos
 
     # Paged decode, what sk.Engine runs: the same queries over pools [K, P, page_size, H] through shuffled block
     # tables (sequences' pages scattered over the pool), by each decode_attention_impl's paged form, at each
@@ -560,10 +568,13 @@ def main(argv=None) -> int:
                       if impl == "pallas_f16" else paged_attend(impl, q, k, v, t, n, p, ks, vs)))
     paged_reference = lambda q, k, v, t, n, p: paged_attend("xla", q, k, v, t, n, p)
     if "paged" in parts:
+        pages = args.page_size[0]  # the decode-step rows': the first page size (sk.Engine's default 16 first)
         decode_table("paged", paged_impls, paged_reference,
                      [({"page_size": size}, functools.partial(paged_inputs, page_size=size))
                       for size in args.page_size],
-                     {name: error for name, error in mosaic_gpu_only.items() if name in paged_impls})
+                     {name: error for name, error in mosaic_gpu_only.items() if name in paged_impls},
+                     after_targets=decode_steps("paged", paged_impls, functools.partial(paged_inputs, page_size=pages),
+                                                6, {"page_size": pages}))  # q, k, v, block table, lengths, positions
 
     # Prefill: causal self-attention, q [B, T, N, H], k, v [B, T, K, H]; "packed": documents of DOCUMENT tokens side
     # by side (segment ids, positions restarting), what the engines' packed prompts are, for the impls that take

@@ -8,8 +8,9 @@ reading each step's packed rows with their masks and putting them on the device 
 the step, metrics.jsonl every step, an asynchronous checkpoint every `checkpoint_every` steps. Its steps after the
 first `skip` (warm-up) give the iteration time (train.py's `step_s`: the wall time between steps, checkpoint saves
 and logging included) and the host time loading a batch (`host_s`).
-bare: the same compiled step (trainer.build_step, the same config and mesh) on one batch already on the device,
-dispatched back to back, blocked on once at the end. The ratio e2e / bare in tokens/s is the issue's target
+bare: the same compiled step (train's own trainer.load_model and trainer.build_step: the same config, mesh, and
+attention sized for the rows) on one batch already on the device, dispatched back to back, blocked on once at the
+end. The ratio e2e / bare in tokens/s is the issue's target
 (>= 0.95 on a GPU at 1b); on the CPU the host line (load ms against step ms) is what to read.
 """
 
@@ -39,7 +40,7 @@ PRESETS = {
     # the test suite's: every stage in seconds (8 rows a step: the suite forces 8 CPU devices)
     "test": dict(architecture=dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16),
-                 l=1, seq_len=64, batch=8, chunk=0, dtype="float32", remat="none", attention_impl="xla",
+                 l=1, seq_len=64, batch=8, chunk=0, dtype="float32", remat="none", attention_impl="xla_chunked",
                  steps=4, skip=1, checkpoint_every=2, bare_steps=2, max_files=30, vocab=300),
 }
 TARGET = 0.95  # end-to-end tokens/s over the bare step's, on a GPU at 1b
@@ -92,18 +93,18 @@ def bare_step(config, steps: int) -> dict:
     from swiftkv_jax import sharding
     from swiftkv_jax.data import Batches, build_dataset, load_tokenizer
     from swiftkv_jax.distill import step as step_lib
-    from swiftkv_jax.distill import student as student_lib
     from swiftkv_jax.distill import trainer
 
     mesh = trainer.make_mesh(config)
-    model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
+    dataset = build_dataset(config.data, load_tokenizer(config.model.teacher))  # the cached packed rows
+    # train's own loading: its attention is sized for the rows (xla_chunked skips the keys past each query block)
+    model_config, trainable, frozen = trainer.load_model(config, mesh, dataset, print_fn=lambda *_: None)
     compiled = trainer.build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
                                   config.train.max_steps)
     state = compiled.init_state(trainable)
     del trainable
     fn = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
     shape = (config.train.global_batch_size, config.data.seq_len)
-    dataset = build_dataset(config.data, load_tokenizer(config.model.teacher))  # the cached packed rows
     rows = trainer._process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
     batch, _, _ = trainer._load_batch(Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows),
                                       compiled.batch_sharding, shape)
@@ -115,13 +116,15 @@ def bare_step(config, steps: int) -> dict:
         state, metrics = fn(state, frozen, batch)
     jax.block_until_ready((state, metrics))
     seconds = (time.perf_counter() - start) / steps
-    return {"step_s": seconds, "tokens_per_step": int(jax.device_get(metrics)["tokens"]), "steps": steps}
+    return {"step_s": seconds, "tokens_per_step": int(jax.device_get(metrics)["tokens"]), "steps": steps,
+            "max_segments_per_row": model_config.max_segments_per_row}
 
 
 def measure(preset_name: str, work: Path, print_fn=print) -> dict:
     import jax
 
     from swiftkv_jax.data import build_dataset, load_tokenizer
+    from swiftkv_jax.data.packing import max_runs
     from swiftkv_jax.distill import trainer
     from swiftkv_jax.distill.metrics import read_metrics
 
@@ -155,6 +158,7 @@ def measure(preset_name: str, work: Path, print_fn=print) -> dict:
     result = {
         "preset": preset_name, "config": preset, "platform": device.platform, "device_kind": device.device_kind,
         "prepare_s": prepare_s, "packing": {"seconds": pack_s, "rows": len(packed), "fresh": fresh,
+                                            "max_runs": max_runs(packed),
                                             "ms_per_step_share": 1e3 * pack_s * preset["batch"] / len(packed)},
         "end_to_end": e2e, "bare": bare,
         # per packed position: a row's padding counts the same in both (the bare batch is one of the run's)

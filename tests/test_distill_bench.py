@@ -95,6 +95,10 @@ def test_train_pipeline_tiny_preset_end_to_end(tmp_path):
     assert result["end_to_end"]["steps"] == preset["steps"] - preset["skip"]
     assert result["end_to_end"]["host_s_mean"] > 0 and result["bare"]["step_s"] > 0
     assert result["end_to_end_over_bare"] > 0 and result["pass"] is None  # judged on a GPU only
+    # the bare step compiles train's attention: xla_chunked sized for the rows' runs of segment ids (2026-11-26 on
+    # an H200 it compiled the unsized one, 756 ms a step against train.py's 518)
+    assert preset["attention_impl"] == "xla_chunked"
+    assert result["bare"]["max_segments_per_row"] == result["packing"]["max_runs"] > 1
     checkpoints = sorted(p.name for p in (tmp_path / "work" / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert checkpoints == ["2", "4"]
 

@@ -282,7 +282,11 @@ def test_smoke_runs_every_step_and_records_an_injected_failure(tmp_path):
     step_rows = [r for r in kernels["decode"] if "layers" in r]  # --layers: a decode step's layers, per layer
     assert step_rows and all(r["layers"] == 2 and r["time_per_layer_s"] == pytest.approx(r["time_s"] / 2)
                              for r in step_rows if "time_s" in r), why("kernels")
+    paged_steps = [r for r in kernels["paged"] if "layers" in r]  # sk.Engine's paths at the first page size
+    assert {r["impl"] for r in paged_steps if "time_s" in r} >= {"pallas", "pallas_int8"}, why("kernels")
+    assert all(r["layers"] == 2 and r["page_size"] == 16 for r in paged_steps), why("kernels")
     assert "xla, per layer of 2" in (out / "summary.md").read_text()
+    assert "| pallas, per layer of 2 | 16 |" in (out / "summary.md").read_text()
     profiled = [r for r in kernels["decode"] + kernels["paged"] if "profile" in r]  # --profile-at 2x256 only
     assert profiled and {(r["batch"], r["context"]) for r in profiled} == {(2, 256)}, why("kernels")
     assert all(r["profile"]["busy_ms_per_step"] > 0 and r["profile"]["ops"] for r in profiled)

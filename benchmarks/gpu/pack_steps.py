@@ -614,7 +614,7 @@ def _kernel_tables(result: dict) -> list[str]:
                          for r in result["decode"]]) + [""]
     if result.get("paged"):
         lines += _table(["paged decode impl", "page", "batch", "context", "ms", "GB/s", "of measured"],
-                        [[r["impl"], r.get("page_size", result.get("page_size")), *point(r, "batch", "context"),
+                        [[impl(r), r.get("page_size", result.get("page_size")), *point(r, "batch", "context"),
                           *_timed_cells(r, decode, 3)] for r in result["paged"]]) + [""]
     if result.get("prefill"):
         lines += _table(["prefill impl", "batch", "seq", "packed", "ms", "TFLOP/s"],

@@ -402,6 +402,17 @@ def sized_for_rows(model_config: ModelConfig, dataset, print_fn=print, packed_la
     return model_config.replace(max_segments_per_row=runs)
 
 
+def load_model(config: TrainConfig, mesh, dataset, print_fn=print):
+    """(model config, trainable, frozen) of what `train` trains on `mesh`: the pretraining model or the student
+    with its teacher's frozen weights, its attention sized for the dataset's rows (`sized_for_rows`). Benchmarks
+    that time the bare step load it here too, so that they compile the step `train` runs."""
+    if config.stage == "pretrain":
+        model_config, trainable, frozen = student_lib.load_pretrain(config.model, mesh, config.train.seed)
+    else:
+        model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
+    return sized_for_rows(model_config, dataset, print_fn), trainable, frozen
+
+
 def train(config: TrainConfig, print_fn=print) -> int:
     """Run (or resume) a distillation; returns the exit status: 0 when finished, 128 + the signal's number when a
     signal stopped it cleanly (a checkpoint saved; 143 for SIGTERM, 130 for SIGINT, the shell's convention, so that a
@@ -438,11 +449,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
     tokenizer = _load_tokenizer(config.model)
     check_vocab(tokenizer, vocab_size, config.model)
     dataset = build_dataset(config.data, tokenizer)
-    if config.stage == "pretrain":
-        model_config, trainable, frozen = student_lib.load_pretrain(config.model, mesh, config.train.seed)
-    else:
-        model_config, trainable, frozen = student_lib.load_student(config.model, mesh)
-    model_config = sized_for_rows(model_config, dataset, say)
+    model_config, trainable, frozen = load_model(config, mesh, dataset, say)
     shape = (config.train.global_batch_size, config.data.seq_len)
     rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
     batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)

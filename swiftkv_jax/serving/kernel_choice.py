@@ -18,6 +18,11 @@ cuDNN's causal flag 483 and cuDNN with our mask 146; static decode, Mosaic the f
 (1.16 / 0.66..4.25 ms) but behind XLA at 32 x 4K (0.25 against 0.20 ms; the day before 0.27 against 0.34) and tied
 at 32 x 8K (0.37); paged, Triton 0.19 ms against Mosaic's 0.26 at 32 x 4K. The rules stand: one run each way at the
 small static points is no reason to switch, and the next run profiles them (`benchmarks/kernels.py --profile-at`).
+
+Profiled on 2026-11-26 (benchmarks/results/gpu-2026-11-26): at 32 x 4K both defaults' kernels stream at the memory's
+rate in device time (Mosaic static 0.129 ms, Triton paged 0.134 ms, for 537 MB: 101-107% of the read probe); what
+a lone call adds is the GPU idle between ops. As 16 layers in one program, Mosaic 0.178 / 0.303 ms a layer at 32 x
+4K / 8K against XLA's 0.194 / 0.348. The rules stand; the tuned block sizes (tuned_blocks.json) are the kernels'.
 """
 
 from __future__ import annotations
