@@ -348,6 +348,14 @@ def test_tune_step_passes_its_points_and_a_deadline_inside_its_limit(tmp_path):
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     assert [p.kernel for p in tune_kernels.parse_only("mosaic_decode:int8", tune_kernels.POINTS)] == ["mosaic_decode"]
+    # an item naming no point is refused even beside one that does (it was skipped: a GPU call tuned the rest only)
+    with pytest.raises(ValueError, match="paged:float8 names no point.*paged:float8_e4m3fn"):
+        tune_kernels.parse_only("flash,paged:float8", tune_kernels.POINTS)
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "pack.py"), "run", "--out",
+                           str(tmp_path / "r"), "--steps", "tune", "--tune-only", "paged:int8,mosaic_decode:fp8"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "mosaic_decode:fp8 names no point" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()
     assert tune_kernels.POINTS[0].kernel == "mosaic_flash" and tune_kernels.POINTS[0].shapes[0]["tokens"] == 8192
 
 

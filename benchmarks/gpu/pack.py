@@ -33,7 +33,7 @@ from pathlib import Path
 import pack_runner
 from pack_steps import (BENCH, DISTILL_LIMITS, DISTILL_PARTS, PYTEST_LIMITS, PYTEST_PARTS, SERVING_PARTS, STEPS,
                         parse_distill_parts, parse_kernel_points, parse_parts, parse_points, parse_pytest_parts,
-                        select, summarize)
+                        parse_tune_only, select, summarize)
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
@@ -76,27 +76,27 @@ def parser() -> argparse.ArgumentParser:
                         "take (default 0.9)")
     r.add_argument("--device-memory-gib", type=float, default=None,
                    help="device memory (default: nvidia-smi's; with --smoke 4, so that one point does not fit)")
-    r.add_argument("--bench-points", type=parse_points, default=None,
+    r.add_argument("--bench-points", type=_said(parse_points), default=None,
                    help="bench points PROMPTxBATCH,... (default 2048,8192,32768 x 1,16,64)")
-    r.add_argument("--pytest-parts", type=parse_pytest_parts, default=tuple(PYTEST_PARTS),
+    r.add_argument("--pytest-parts", type=_said(parse_pytest_parts), default=tuple(PYTEST_PARTS),
                    help=f"the pytest step's commands, comma-separated, in order ({', '.join(PYTEST_PARTS)}; default "
                         "all): each part's test files with their own junit and time limit; about one call of 10 "
                         "minutes for mosaic, one for pallas with rest")
-    r.add_argument("--serving-parts", type=parse_parts, default=("offline",),
+    r.add_argument("--serving-parts", type=_said(parse_parts), default=("offline",),
                    help="benchmarks/serving.py --part for the serving step, comma-separated, one command each, in "
                         f"order ({', '.join(SERVING_PARTS)}; default offline): about one call of 10 minutes each")
-    r.add_argument("--distill-parts", type=parse_distill_parts, default=None,
+    r.add_argument("--distill-parts", type=_said(parse_distill_parts), default=None,
                    help=f"the distill step's commands, comma-separated, in order ({', '.join(DISTILL_PARTS)}; default "
                         "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, demo and "
                         "sweep each")
     r.add_argument("--demo-attention", default=None,
                    help="the distill step's demo and sweep parts: demo.py --attention (xla, xla_chunked, cudnn; "
                         "default the gpu budget's xla), and the same attention for every row of the sweep")
-    r.add_argument("--tune-only", default=None,
+    r.add_argument("--tune-only", type=_said(parse_tune_only), default=None,
                    help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
                         "default every point, the targets' first)")
     for table, example in (("decode", "32x4096,32x8192"), ("prefill", "1x8192,1x2048")):
-        r.add_argument(f"--{table}-points", type=parse_kernel_points, default=None, metavar="BxS,...",
+        r.add_argument(f"--{table}-points", type=_said(parse_kernel_points), default=None, metavar="BxS,...",
                        help=f"the kernels step's {table} points (kernels.py --{table}-points, e.g. {example}"
                             f"{'; the paged table too' if table == 'decode' else ''}; default the whole grid)")
     r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
@@ -111,6 +111,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--into", type=Path, required=True)
     sub.add_parser("steps", help="list the steps")
     return p
+
+
+def _said(parse):
+    """`parse` as an argparse type whose ValueError's message reaches the user (argparse prints a ValueError's type
+    as "invalid parse_x value" and drops the message, which names the choices)."""
+    def typed(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return typed
 
 
 def _run(args) -> int:

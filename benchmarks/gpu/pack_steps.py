@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import xml.etree.ElementTree as ET
 from itertools import product
 from pathlib import Path
 
-from pack_runner import HERE, Command, Step, read_results
+from pack_runner import HERE, REPO, Command, Step, read_results
 
 PACK_JAX = HERE / "pack_jax.py"
 ARGS_ONLY = HERE / "args_only.py"  # a GPU command's own arguments parsed by its script, nothing run (smoke)
@@ -223,6 +224,18 @@ def bench_step(ctx, run):
 DISTILL_PARTS = ("8b", "1b", "train", "demo", "sweep", "dryrun")
 # each part's time limit on the GPU: one device call of 10 minutes holds the install, the probe and one heavy part
 DISTILL_LIMITS = {"8b": 540, "1b": 420, "train": 480, "demo": 570, "sweep": 540, "dryrun": 360}
+
+
+def parse_tune_only(text: str) -> str:
+    """--tune-only, checked here against tune_kernels.py's points (a name that matches none is refused before a GPU
+    call, not skipped on the GPU)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import tune_kernels
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    tune_kernels.parse_only(text, tune_kernels.POINTS)
+    return text
 
 
 def parse_distill_parts(text: str) -> tuple:
