@@ -13,9 +13,11 @@ kernel's defaults) is timed at each of the point's shapes (compiled, then the me
 benchmarks/kernels.py times), the defaults first; its score is the geometric mean of those times. A candidate
 that fails to compile, launch or fit shared memory is recorded with its error. The fastest that agrees with the
 kernel's jnp reference over the same (quantised) cache wins (the defaults may: the entry then records that they
-were measured best; one that disagrees is recorded). The results file is rewritten after every point; no point or
-candidate starts after --deadline seconds (a point cut there keeps the best of the candidates that ran, and says
-so), so a bounded GPU call keeps what it measured. --write
+were measured best; one that disagrees is recorded). Each candidate faster than the best so far is checked as soon
+as it is timed, and the results file is rewritten then and after every point, so a run killed inside a candidate
+(one compile outlasted the deadline's margin on 2026-11-26 and the whole point was lost) keeps the point's checked
+best so far; no point or candidate starts after --deadline seconds (a point cut there keeps the best of the
+candidates that ran, and says so), so a bounded GPU call keeps what it measured. --write
 replaces this device's entries for the tuned points (kernel, cache dtype and token range) in the table
 (`--table`, default the package's), which compiled kernels called without block sizes then use
 (`swiftkv_jax.kernels.tuning`).
@@ -24,6 +26,7 @@ replaces this device's entries for the tuned points (kernel, cache dtype and tok
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -225,21 +228,40 @@ class Kernels:
 
 
 def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, stop_at: float, rows: list,
-               clock=time.monotonic) -> dict:
+               clock=time.monotonic, on_best=None) -> dict:
     """Time the defaults, then every candidate, at the point's shapes, until the deadline; rows are appended to
     `rows` as measured. The fastest that agrees with the reference wins (the defaults may: an entry is never slower
-    than no entry). Returns the outcome: status, and the winner's block sizes, score, per-shape times and the
-    defaults' score when there is one."""
+    than no entry). Each candidate faster than the best so far is checked as soon as it is timed, and
+    `on_best(outcome)` gets the outcome as it stands, so that a run killed inside a candidate (a compile can outlast
+    the deadline by minutes) has kept the point's checked best. Returns the outcome: status, and the winner's block
+    sizes, score, per-shape times and the defaults' score when there is one."""
     import numpy as np
 
     jax, jnp = kernels.jax, kernels.jnp
     inputs = [kernels.inputs(point.kernel, point.cache_dtype, shape) for shape in point.shapes]
     call = kernels.call[point.kernel]
-    scores, ran = [], 0  # (geometric mean s, block sizes, is the default, per-shape s)
+    wanted = []  # the reference at each shape, over the same (quantised) cache, fp32 products (no TF32)
+    with jax.default_matmul_precision("highest"):
+        for args in inputs:
+            wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
+            wanted.append(np.asarray(kernels.reference[point.kernel](*wide), np.float32))
+
+    def disagreement(sizes):
+        """None if these block sizes agree with the reference at every shape, else the largest difference."""
+        for args, want in zip(inputs, wanted):
+            out = np.asarray(call(sizes, *args), np.float32)
+            # Tolerances on the output's own scale: over 32K random keys an output is ~0.006, so a fixed atol of
+            # a few 1e-3 would pass a block of keys missed or read twice; bf16 P and output rounding stay < 1%.
+            if not np.allclose(out, want, rtol=1e-2, atol=1e-2 * float(np.sqrt(np.mean(want ** 2)))):
+                return float(np.abs(out - want).max())
+        return None
+
+    outcome = dict(candidates_run=0, candidates=len(candidates) + 1, default_time_s=None, disagreed=[])
+    best = None  # the checked best: dict(block_sizes, time_s, shape_times_s)
     for fields in ["default"] + candidates:
         if clock() > stop_at:
             break
-        ran += 1
+        outcome["candidates_run"] += 1
         sizes = kernels.defaults[point.kernel] if fields == "default" else kernels.sizes[point.kernel](**fields)
         row = dict(kernel=point.kernel, cache_dtype=point.cache_dtype, block_sizes=vars(sizes).copy(),
                    default=fields == "default", shapes=[])
@@ -248,32 +270,30 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
                 t, compile_s = timed(lambda *a, s=sizes: call(s, *a), *args, repeats=repeats)
                 row["shapes"].append(dict(shape, time_s=t, compile_s=compile_s))
             row["time_s"] = math.exp(sum(math.log(r["time_s"]) for r in row["shapes"]) / len(row["shapes"]))
-            scores.append((row["time_s"], sizes, row["default"], [r["time_s"] for r in row["shapes"]]))
         except Exception as e:  # noqa: BLE001 - a candidate that does not fit is recorded, not hidden
             row["error"] = _error(e)
         print("measured", row, file=sys.stderr, flush=True)
         rows.append(row)
-    partial = ran < len(candidates) + 1
-    outcome = dict(candidates_run=ran, candidates=len(candidates) + 1,
-                   default_time_s=next((x[0] for x in scores if x[2]), None), disagreed=[])
-    wanted = []  # the reference at each shape, over the same (quantised) cache, fp32 products (no TF32)
-    with jax.default_matmul_precision("highest"):
-        for args in inputs:
-            wide = tuple(a.astype(jnp.float32) if a is not None and a.dtype == jnp.bfloat16 else a for a in args)
-            wanted.append(np.asarray(kernels.reference[point.kernel](*wide), np.float32))
-    for best_time, best, _, per_shape in sorted(scores, key=lambda x: x[0]):
-        for args, want in zip(inputs, wanted):
-            out = np.asarray(call(best, *args), np.float32)
-            # Tolerances on the output's own scale: over 32K random keys an output is ~0.006, so a fixed atol of
-            # a few 1e-3 would pass a block of keys missed or read twice; bf16 P and output rounding stay < 1%.
-            if not np.allclose(out, want, rtol=1e-2, atol=1e-2 * float(np.sqrt(np.mean(want ** 2)))):
-                outcome["disagreed"].append(dict(block_sizes=vars(best).copy(),
-                                                 max_abs_diff=float(np.abs(out - want).max())))
-                break
-        else:
-            status = f"tuned over {ran} of {len(candidates) + 1} (the deadline)" if partial else "tuned"
-            return dict(outcome, status=status, block_sizes=best, time_s=best_time, shape_times_s=per_shape)
-    status = ("stopped at the deadline" if partial and not scores else "no candidate ran" if not scores
+        if "time_s" not in row:
+            continue
+        if row["default"]:
+            outcome["default_time_s"] = row["time_s"]
+        if best is None or row["time_s"] < best["time_s"]:
+            diff = disagreement(sizes)
+            if diff is not None:
+                outcome["disagreed"].append(dict(block_sizes=vars(sizes).copy(), max_abs_diff=diff))
+                continue
+            best = dict(block_sizes=sizes, time_s=row["time_s"], shape_times_s=[r["time_s"] for r in row["shapes"]])
+            if on_best is not None:
+                on_best(dict(outcome, **best, status=f"tuned over {outcome['candidates_run']} of "
+                                                     f"{outcome['candidates']} so far (the run was cut)"))
+    partial = outcome["candidates_run"] < outcome["candidates"]
+    if best is not None:
+        status = f"tuned over {outcome['candidates_run']} of {outcome['candidates']} (the deadline)" if partial \
+            else "tuned"
+        return dict(outcome, **best, status=status)
+    timed_any = any("time_s" in r for r in rows[len(rows) - outcome["candidates_run"]:])
+    status = ("stopped at the deadline" if partial and not timed_any else "no candidate ran" if not timed_any
               else "every candidate that ran disagrees with the reference")
     return dict(outcome, status=status)
 
@@ -320,31 +340,48 @@ def main(argv=None) -> int:
                       {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
                        "entries": entries, "points": outcomes})
 
+    def settled(point: Point, outcome: dict) -> tuple:
+        """(the point's outcome as recorded, its table entry or None) from tune_point's outcome."""
+        outcome = dict(outcome)
+        best, default_time = outcome.pop("block_sizes", None), outcome["default_time_s"]
+        if best is None:
+            return dict(point._asdict(), **outcome), None
+        entry = dict(kernel=point.kernel, device=device.device_kind, head_dim=kernels.head_dim,
+                     group=kernels.heads // kernels.kv_heads, cache_dtype=point.cache_dtype,
+                     min_tokens=point.tokens[0], block_sizes=vars(best).copy(),
+                     measured=dict(shapes=list(point.shapes), time_s=outcome["time_s"],
+                                   shape_times_s=outcome["shape_times_s"], default_time_s=default_time,
+                                   candidates_run=outcome["candidates_run"], candidates=outcome["candidates"],
+                                   score="geometric mean over the shapes"))
+        if point.tokens[1] is not None:
+            entry["max_tokens"] = point.tokens[1]
+        outcome["speedup_over_default"] = None if default_time is None else default_time / outcome["time_s"]
+        return dict(point._asdict(), **outcome), entry
+
+    def save_with(point: Point, outcome: dict):
+        """The file as it stands, this point's best so far in it (a run killed inside a candidate keeps it)."""
+        recorded, entry = settled(point, outcome)
+        write_results(out, "benchmarks/tune_kernels.py", argv,
+                      {"device": device.device_kind, "interpret": interpret, "repeats": repeats, "rows": rows,
+                       "entries": entries + ([entry] if entry else []), "points": outcomes + [recorded]})
+
     for point in points:
         label = f"{point.kernel} {point.cache_dtype} {list(point.shapes)}"
         if time.monotonic() > stop_at:
             outcomes.append(dict(point._asdict(), status="not started (deadline)"))
             continue
         candidates = candidates_for(point, args.smoke)
-        outcome = tune_point(kernels, point, candidates, repeats, stop_at, rows)
-        best, default_time = outcome.pop("block_sizes", None), outcome["default_time_s"]
-        if best is None:
+        outcome = tune_point(kernels, point, candidates, repeats, stop_at, rows,
+                             on_best=functools.partial(save_with, point))
+        recorded, entry = settled(point, outcome)
+        if entry is None:
             print(f"{label}: {outcome['status']}; nothing kept", flush=True)
         else:
-            print(f"{label}: {best} {outcome['time_s'] * 1e3:.3f} ms (defaults "
+            default_time = outcome["default_time_s"]
+            print(f"{label}: {outcome['block_sizes']} {outcome['time_s'] * 1e3:.3f} ms (defaults "
                   f"{'failed' if default_time is None else f'{default_time * 1e3:.3f} ms'})", flush=True)
-            entry = dict(kernel=point.kernel, device=device.device_kind, head_dim=kernels.head_dim,
-                         group=kernels.heads // kernels.kv_heads, cache_dtype=point.cache_dtype,
-                         min_tokens=point.tokens[0], block_sizes=vars(best).copy(),
-                         measured=dict(shapes=list(point.shapes), time_s=outcome["time_s"],
-                                       shape_times_s=outcome["shape_times_s"], default_time_s=default_time,
-                                       candidates_run=outcome["candidates_run"], candidates=outcome["candidates"],
-                                       score="geometric mean over the shapes"))
-            if point.tokens[1] is not None:
-                entry["max_tokens"] = point.tokens[1]
             entries.append(entry)
-            outcome["speedup_over_default"] = None if default_time is None else default_time / outcome["time_s"]
-        outcomes.append(dict(point._asdict(), **outcome))
+        outcomes.append(recorded)
         save()
     save()
     if args.write:

@@ -175,6 +175,33 @@ def test_a_point_cut_by_the_deadline_keeps_the_best_that_ran():
         "stopped at the deadline")
 
 
+def test_a_run_killed_inside_a_candidate_keeps_the_points_checked_best(tmp_path, monkeypatch):
+    """A compile can outlast the deadline's margin, and the pack kills the run inside that candidate (2026-11-26: the
+    Triton prefill point, 17 candidates timed, all lost). Each new best is checked when timed and written to --out,
+    so the file holds it, marked as cut, and --from-results can take it."""
+    tune_kernels = benchmark_module("tune_kernels")
+    timed, calls = tune_kernels.timed, []
+
+    def dies_on_the_second_candidate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what the kill leaves: nothing after this line of the run
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(tune_kernels, "timed", dies_on_the_second_candidate)
+    out = tmp_path / "rows.json"
+    with pytest.raises(KeyboardInterrupt):
+        tune_kernels.main(["--smoke", "--out", str(out), "--only", "decode"])
+    result = json.loads(out.read_text())
+    (entry,) = result["entries"]
+    assert entry["kernel"] == "decode" and DecodeBlockSizes(**entry["block_sizes"]) == DecodeBlockSizes()
+    assert entry["measured"]["candidates_run"] == 1 and entry["measured"]["candidates"] == 3
+    assert result["points"][-1]["status"] == "tuned over 1 of 3 so far (the run was cut)"
+    table = tmp_path / "table.json"
+    tune_kernels.main(["--from-results", str(out), "--table", str(table)])
+    assert [e["kernel"] for e in json.loads(table.read_text())["entries"]] == ["decode"]
+
+
 def test_only_naming_no_point_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/tune_kernels.py", "--smoke", "--only", "mosaic_decode:fp4"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
