@@ -139,7 +139,7 @@ def cuda_lowering(monkeypatch):
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91100)
     monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
     monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda capability: False)
-    monkeypatch.setattr(attention, "_check_cudnn", lambda q: None)
+    monkeypatch.setattr(attention, "check_cudnn", lambda dtype: None)
 
 
 def cudnn_calls(lowered_text: str) -> list[tuple[str, str]]:

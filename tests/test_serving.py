@@ -180,6 +180,11 @@ def test_cudnn_prefill_refuses_without_a_gpu():
     model = sk.Model(CFG.replace(attention_impl="cudnn"), BASE.params)
     with pytest.raises(ValueError, match="attention_impl='cudnn' needs an NVIDIA GPU.*use attention_impl='xla'"):
         sk.logits(model, SEQ)
+    # a prompt of at most 16 tokens prefills on the few-query path, which never reached cuDNN: it was accepted
+    for engine in (lambda **kw: sk.generate(BASE, [[1, 2, 3]], 2, **kw),
+                   lambda **kw: sk.Engine(BASE, num_pages=8, max_num_seqs=2, max_num_batched_tokens=16, **kw)):
+        with pytest.raises(ValueError, match="attention_impl='cudnn' needs an NVIDIA GPU"):
+            engine(attention_impl="cudnn")
 
 
 # The yardstick is the bf16 cache's own |logit error| against the fp32 cache (the format quantised caches replace).

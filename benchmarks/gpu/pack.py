@@ -90,8 +90,9 @@ def parser() -> argparse.ArgumentParser:
                         "8b,1b,dryrun; with --smoke all): about one call of 10 minutes for 8b with 1b, train, demo and "
                         "sweep each")
     r.add_argument("--demo-attention", default=None,
-                   help="the distill step's demo and sweep parts: demo.py --attention (xla, xla_chunked, cudnn; "
-                        "default the gpu budget's xla), and the same attention for every row of the sweep")
+                   help="the distill step's demo and sweep parts: demo.py --attention (auto, xla, xla_chunked, "
+                        "cudnn; default the gpu budget's auto, cudnn on sm_90+), and the same attention for every row "
+                        "of the sweep")
     r.add_argument("--tune-only", type=_said(parse_tune_only), default=None,
                    help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
                         "default every point, the targets' first)")

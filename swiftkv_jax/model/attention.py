@@ -187,14 +187,16 @@ def _mosaic_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, k
                           heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
 
 
-def _check_cudnn(q) -> None:
+def check_cudnn(dtype) -> None:
+    """Raises unless cuDNN attention can run here on activations of `dtype` (an NVIDIA GPU, 16 bits). The engines
+    call it when they are made: a prompt short enough for the few-query path never reaches cuDNN."""
     backend = jax.default_backend()
     if backend != "gpu":
         raise ValueError(f"attention_impl='cudnn' needs an NVIDIA GPU with cuDNN, but JAX's backend is "
                          f"{backend!r}: use attention_impl='xla' (or 'pallas')")
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"attention_impl='cudnn' takes bfloat16 or float16 activations, got {q.dtype}: set the "
-                         f"model's dtype to bfloat16, or use attention_impl='xla'")
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"attention_impl='cudnn' takes bfloat16 or float16 activations, got {jnp.dtype(dtype)}: "
+                         f"set the model's dtype to bfloat16, or use attention_impl='xla'")
 
 
 def _on_head_shards(fused, q, k, v, *ids):
@@ -214,7 +216,7 @@ def cudnn_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     `cudnn_row_attention` is the fast form for a row attending to itself. cuDNN takes fp16/bf16 only.
     Unsupported setups raise, there is no fallback to XLA.
     """
-    _check_cudnn(q)
+    check_cudnn(q.dtype)
     fused = lambda q, k, v, *ids: jax.nn.dot_product_attention(
         q, k, v, mask=attention_mask(*ids)[:, None], implementation="cudnn")
     return _on_head_shards(fused, q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids)
@@ -246,7 +248,7 @@ def cudnn_row_attention(q, k, v, segment_ids, max_runs: int):
     runs of a row (static: cuDNN's grid has B * max_runs sequences); 1: one document per row, which is plain
     causal attention. A row with more runs than `max_runs` comes out NaN, loudly, never silently wrong.
     """
-    _check_cudnn(q)
+    check_cudnn(q.dtype)
     t, h = q.shape[1], q.shape[3]
     if k.shape[1] != t:
         raise ValueError(f"cudnn_row_attention attends a row to itself, but got {t} queries and {k.shape[1]} keys")

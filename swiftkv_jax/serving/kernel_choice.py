@@ -32,6 +32,7 @@ from typing import Optional
 import jax
 
 from swiftkv_jax.kernels.split_k import is_power_of_two
+from swiftkv_jax.model import attention as attention_lib
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.kv_quant import cache_dtype_name
 
@@ -69,4 +70,7 @@ def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
     """`config` with the impls the caller named, and the device's defaults (`default_impls`) for the others."""
     chosen = default_impls(config, cache_dtype, paged=paged)
     named = dict(attention_impl=attention_impl, decode_attention_impl=decode_attention_impl)
-    return config.replace(**{k: named[k] or chosen[k] for k in chosen})
+    config = config.replace(**{k: named[k] or chosen[k] for k in chosen})
+    if config.attention_impl == "cudnn":  # now, not at the first prompt of more than FEW_QUERIES tokens
+        attention_lib.check_cudnn(config.dtype)
+    return config
