@@ -62,6 +62,11 @@ CASES = [
     Case("long_split_two_slots", (600, 333), 600, 2, 4, 2, 64, MosaicDecodeBlockSizes(64, 2, 1)),
     # a cache shorter than one block (padded), float16
     Case("short_cache_fp16", (50, 17), 50, 1, 4, 2, 64, MosaicDecodeBlockSizes(64, 2), dtype=jnp.float16),
+    # a small cache of a length TMA cannot tile, past a (tuned) 64-key block: padded as the default block pads it
+    # (the H200's tuned entry refused S = 100, which the defaults take)
+    Case("odd_small_cache", (100, 37), 100, 1, 8, 2, 64, MosaicDecodeBlockSizes(64, 2)),
+    # a head dim that is a multiple of 64 but not a power of two (the Triton kernels' rule refused it here)
+    Case("head_dim_192", (130, 7), 136, 1, 4, 2, 192, MosaicDecodeBlockSizes(64, 2)),
 ]
 BY_NAME = {case.name: case for case in CASES}
 
@@ -300,11 +305,20 @@ def test_rejects_what_it_cannot_run():
                               block_sizes=MosaicDecodeBlockSizes(256, 4), interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         decode_attention_mgpu(q[..., :32], k[..., :32], v[..., :32], lengths, positions, interpret=True)
+    with pytest.raises(ValueError, match="no query tokens"):
+        decode_attention_mgpu(q[:, :0], k, v, lengths, positions[:, :0], interpret=True)
     with pytest.raises(TypeError, match="MosaicDecodeBlockSizes"):
         decode_attention_mgpu(q, k, v, lengths, positions, block_sizes=(64, 2), interpret=True)
     pool = jnp.zeros((2, 8, 12, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="page_size a multiple of 8"):
         paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.int32), lengths, positions, interpret=True)
+    pool = jnp.zeros((2, 8, 24, 64), jnp.bfloat16)  # a multiple of 8 that does not divide 64: tiles split pages
+    with pytest.raises(ValueError, match="divides block_kv"):
+        paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.int32), lengths, positions, interpret=True,
+                             block_sizes=MosaicDecodeBlockSizes(64, 2))
+    with pytest.raises(ValueError, match="holds no page"):
+        paged_attention_mgpu(q, pool[:, :0, :16], pool[:, :0, :16], jnp.zeros((4, 3), jnp.int32), lengths, positions,
+                             interpret=True)
     with pytest.raises(ValueError, match="block_tables must be"):
         paged_attention_mgpu(q, pool, pool, jnp.zeros((4, 3), jnp.float32), lengths, positions, interpret=True)
     pool, scales = jnp.zeros((2, 8, 16, 64), jnp.int8), jnp.ones((2, 8, 16), jnp.float32)

@@ -244,6 +244,21 @@ def test_rejects_bad_shapes_and_block_sizes_type():
         flash_attention(**inputs, block_sizes=(64, 64), interpret=True)
 
 
+@pytest.mark.parametrize("empty", ["T", "S"])
+def test_no_query_or_no_key_gives_zeros(empty):
+    """As the reference (and `decode_attention` over an empty cache): T = 0 is an empty result, S = 0 rows that see
+    nothing. Both kernels crashed inside jax (an argmax of an empty sequence, a zero division)."""
+    from swiftkv_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
+
+    inputs = make_inputs(BY_NAME["head_dim_80_gqa2"], jnp.float32)
+    cut = {"T": ("q", "q_positions", "q_segment_ids"), "S": ("k", "v", "kv_positions", "kv_segment_ids")}[empty]
+    inputs = {name: x[:, :0] if name in cut else x for name, x in inputs.items()}
+    for kernel, dtype in ((flash_attention, jnp.float32), (flash_attention_mgpu, jnp.bfloat16)):
+        typed = {n: x.astype(dtype) if n in ("q", "k", "v") else x for n, x in inputs.items()}
+        out = kernel(**typed, interpret=True)
+        assert out.shape == inputs["q"].shape and out.dtype == dtype and not np.asarray(out).any()
+
+
 def _bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, block):
     as_i32 = lambda x: jnp.asarray(x, jnp.int32)[None]
     lo, hi = _kv_block_bounds(as_i32(q_positions), as_i32(kv_positions), as_i32(q_segment_ids),

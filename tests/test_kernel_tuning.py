@@ -48,6 +48,17 @@ def test_the_narrowest_matching_entry_wins(tmp_path):
     assert lookup("paged", "NVIDIA H100", head_dim=128, group=4, tokens=1, table=table) is None
 
 
+def test_an_entry_for_the_head_dim_and_group_wins_over_one_for_any_whatever_the_order(tmp_path):
+    sizes = lambda k: dict(block_q=64, block_k=k, num_warps=4, num_stages=2)  # noqa: E731
+    any_shape = dict(kernel="flash", device="H100", min_tokens=1, block_sizes=sizes(16))
+    exact = dict(any_shape, head_dim=128, group=4, block_sizes=sizes(128))
+    for i, entries in enumerate(([any_shape, exact], [exact, any_shape])):
+        (tmp_path / str(i)).mkdir()
+        table = write(tmp_path / str(i), entries)  # a path a table (tuning caches each path's entries)
+        assert lookup("flash", "NVIDIA H100", head_dim=128, group=4, tokens=8192, table=table) == sizes(128)
+        assert lookup("flash", "NVIDIA H100", head_dim=64, group=4, tokens=8192, table=table) == sizes(16)
+
+
 def test_an_entry_for_the_cache_dtype_wins_over_one_for_any(tmp_path):
     sizes = lambda k: dict(block_kv=k, max_concurrent_steps=2, ctas_per_sm=2)  # noqa: E731
     any_dtype = dict(kernel="mosaic_decode", device="H200", head_dim=128, group=4, min_tokens=1, max_tokens=16,

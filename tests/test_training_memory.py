@@ -37,6 +37,21 @@ def test_chunked_attention_equals_xla_attention(length, chunk):
         np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("queries,keys,chunk", [(40, 70, 16), (600, 1200, 512)])
+def test_chunked_attention_over_a_longer_cache_sees_every_key(queries, keys, chunk):
+    """A prefill chunk over a cache longer than its padded queries (the serving path of attention_impl="xla_chunked"
+    for more than 16 queries): the keys past the padded query count were dropped."""
+    rng = np.random.default_rng(1)
+    b, n, k, h = 1, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, queries, n, h)), jnp.float32)
+    kk, v = (jnp.asarray(rng.normal(size=(b, keys, k, h)), jnp.float32) for _ in "kv")
+    q_pos = jnp.broadcast_to(keys - queries + jnp.arange(queries), (b, queries))  # the chunk ends the cache
+    kv_pos = jnp.broadcast_to(jnp.arange(keys), (b, keys))
+    q_seg, kv_seg = jnp.zeros((b, queries), jnp.int32), jnp.zeros((b, keys), jnp.int32)
+    np.testing.assert_allclose(xla_chunked_attention(q, kk, v, q_pos, kv_pos, q_seg, kv_seg, chunk=chunk),
+                               xla_attention(q, kk, v, q_pos, kv_pos, q_seg, kv_seg), atol=2e-6)
+
+
 @pytest.mark.parametrize("length,chunk", [(300, 64), (256, 64)])  # padded, exact
 def test_own_rows_skip_keys_past_each_block_exactly(length, chunk):
     """Rows as `pack` makes them (three documents, then padding: segment 0 at position 0): values and gradients of

@@ -343,8 +343,14 @@ def _decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, k_scale=No
                            num_sms: int) -> AttentionResiduals:
     num_keys, block_kv = k_cache.shape[2], block_sizes.block_kv
     token_scales = k_scale is not None and k_scale.ndim > 0
-    if num_keys < block_kv:  # a cache shorter than one block: padded (a copy, of a cache this small only)
-        pad = ((0, 0), (0, 0), (0, block_kv - num_keys), (0, 0))
+    # A cache shorter than one block, or a small one of a length TMA cannot tile (at most the default block's, which
+    # the defaults pad as a short cache: a tuned smaller block must not refuse it), is padded: a copy, of a cache
+    # this small only.
+    padded = block_kv if num_keys < block_kv else -(-num_keys // _TILE_ROWS) * _TILE_ROWS
+    if padded != num_keys:
+        pad = ((0, 0), (0, 0), (0, padded - num_keys), (0, 0))
+        if num_keys >= block_kv:  # the last tile ends aligned; the keys past S stay past every (clipped) length
+            lengths, num_keys = jnp.minimum(lengths, num_keys), padded
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
         if token_scales:
             k_scale, v_scale = (jnp.pad(x, pad[:3]) for x in (k_scale, v_scale))
@@ -502,9 +508,10 @@ def decode_attention_mgpu(q, k_cache, v_cache, lengths, q_positions, *,
                                                          v_cache, lengths, q_positions, k_cache.shape[1],
                                                          block_sizes, interpret, interpreter_safe, k_scale, v_scale,
                                                          "[B, K, S]")
-    if k_cache.shape[2] > block_sizes.block_kv and k_cache.shape[2] % _TILE_ROWS:
+    small = max(block_sizes.block_kv, MosaicDecodeBlockSizes().block_kv)  # what _decode_attention_mgpu pads
+    if k_cache.shape[2] > small and k_cache.shape[2] % _TILE_ROWS:
         raise ValueError(f"decode_attention_mgpu reads the cache by TMA in tiles of {_TILE_ROWS} keys, so its length "
-                         f"S must be a multiple of {_TILE_ROWS} (or at most block_kv), got S={k_cache.shape[2]}: "
+                         f"S must be a multiple of {_TILE_ROWS} (or at most {small}), got S={k_cache.shape[2]}: "
                          f"allocate it so (swiftkv_jax.serving.init_cache does)")
     return _run(_decode_attention_mgpu, (q, k_cache, v_cache, lengths, q_positions), k_scale, v_scale,
                 k_cache.shape[2] == 0, block_sizes, interpret, interpreter_safe, return_residuals)
@@ -521,7 +528,7 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
     ``block_tables[b, s // page_size]`` at offset ``s % page_size``), k_scale / v_scale (a quantised pool's: both
     ``()`` or both ``[K, P, page_size]``, laid out as the pool), lengths, q_positions and the rest as
     `decode_attention_mgpu`. Each K / V tile of block_kv keys (and its scales) arrives by one TMA copy per page
-    (page_size a multiple of 8 below block_kv, a multiple of block_kv above it).
+    (page_size a multiple of 8 dividing block_kv below it, a multiple of block_kv above it).
     Table entries past a sequence's last needed page are not followed: the copies
     there re-read the last needed page (clamped to the pool), whose keys are masked.
     """
@@ -538,11 +545,15 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
                                                          v_pages, lengths, q_positions, k_pages.shape[0],
                                                          block_sizes, interpret, interpreter_safe, k_scale, v_scale,
                                                          "[K, P, page_size]")
-    page_size = k_pages.shape[2]
-    if (page_size % _TILE_ROWS if page_size < block_sizes.block_kv else page_size % block_sizes.block_kv):
-        raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} below block_kv and a "
-                         f"multiple of block_kv above it (TMA copies of whole {_TILE_ROWS}-row tiles), got page_size "
-                         f"{page_size} with block_kv {block_sizes.block_kv}")
+    page_size, block_kv = k_pages.shape[2], block_sizes.block_kv
+    if page_size < 1 or (page_size % _TILE_ROWS or block_kv % page_size if page_size < block_kv
+                         else page_size % block_kv):
+        raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} that divides block_kv "
+                         f"below it, and a multiple of block_kv above it (a tile is whole pages or part of one, "
+                         f"copied by TMA in {_TILE_ROWS}-row tiles), got page_size {page_size} with block_kv "
+                         f"{block_kv}: use pages of 16, 32, 64 or 128")
+    if k_pages.shape[1] < 1:
+        raise ValueError(f"k_pages holds no page ({k_pages.shape}): a pool has at least its null page 0")
     if k_scale is not None and k_scale.ndim and min(page_size, block_sizes.block_kv) % _SCALE_COPY_KEYS:
         raise ValueError(f"paged_attention_mgpu copies per-token scales a page at a time by TMA, which moves "
                          f"multiples of 128 bytes here (jax's Mosaic GPU lowering), so per-token-head scales need "
@@ -570,7 +581,7 @@ def _settings(what: str, kernel: str, q, k, v, lengths, q_positions, kv_heads: i
     """The checks and settings both entry points share: (block sizes, interpret, interpreter_safe). kernel: the
     tuning table's name ("mosaic_decode", "mosaic_paged"). The scales, if any, are laid out as the cache minus H
     (scale_layout names that)."""
-    check_queries(q, kv_heads, lengths, q_positions)
+    check_queries(q, kv_heads, lengths, q_positions, triton_head_dim=False)  # H: the rule below
     check_scales(k, v, k_scale, v_scale, k.shape[:3], scale_layout)
     if k.dtype not in _DTYPES + _QUANTIZED or v.dtype != k.dtype:
         raise ValueError(f"{what} takes a bfloat16, float16, int8 or float8_e4m3fn cache (K and V alike), got "

@@ -306,7 +306,8 @@ def _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     return out[:, :t, :, :h]
 
 
-def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths):
+def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths) -> bool:
+    """Raises on arguments the kernels cannot take; returns whether there is anything to attend (T and S > 0)."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B, T, N, H] and k, v [B, S, K, H] of one shape, got q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
@@ -324,6 +325,7 @@ def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_
     for name, (shape, x) in expected.items():
         if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array of shape {shape}, got {x.dtype}{list(x.shape)}")
+    return t > 0 and s > 0
 
 
 def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths=None, *,
@@ -335,7 +337,8 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     [B, T, N, H] in q's dtype; rows with no visible key are zeros. Any T, S, H (padded to the blocks and
     masked). interpret=None: interpret mode on CPU, compiled on GPU; another backend raises (no fallback).
     """
-    _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
+    if not _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths):
+        return jnp.zeros(q.shape, q.dtype)  # no query, or no key: every row sees nothing
     interpret = interpret_mode(interpret, "flash_attention", "Pallas Triton", cross_lowering=True)
     tune = call_shapes("flash", q, k.shape[2], k.dtype)
     block_sizes = block_sizes_for(block_sizes, FlashBlockSizes, interpret, tune,

@@ -363,10 +363,12 @@ def flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     the interpreter can run (P through SMEM) when interpreting, FA3's (P in registers) when compiled; True
     compiled runs the interpreted form on the GPU (the `gpu` tests compare the two).
     """
-    _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
+    work = _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
     if q.dtype not in _DTYPES:
         raise ValueError(f"flash_attention_mgpu takes bfloat16 or float16 q, k, v (wgmma's operand types), got "
                          f"{q.dtype}: cast them, or use flash_attention")
+    if not work:
+        return jnp.zeros(q.shape, q.dtype)  # no query, or no key: every row sees nothing
     tune = call_shapes("mosaic_flash", q, k.shape[2], k.dtype)
     interpret, interpreter_safe, block_sizes = settings("flash_attention_mgpu", interpret, interpreter_safe,
                                                         block_sizes, MosaicFlashBlockSizes, tune)

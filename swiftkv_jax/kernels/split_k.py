@@ -256,12 +256,15 @@ def compiler_params(block_sizes: DecodeBlockSizes, interpret: bool):
                                                           num_stages=block_sizes.num_stages)
 
 
-def check_queries(q, num_kv_heads: int, lengths, q_positions):
-    """The checks shared with the paged kernel (q already checked to be 4-D)."""
+def check_queries(q, num_kv_heads: int, lengths, q_positions, *, triton_head_dim: bool = True):
+    """The checks the split-K kernels share (q already checked to be 4-D); triton_head_dim: the Triton kernels' rule
+    for H (the Mosaic kernels check their own)."""
     B, T, N, H = q.shape
+    if T == 0:
+        raise ValueError(f"q {q.shape} has no query tokens (T = 0): there is nothing to attend")
     if N % num_kv_heads:
         raise ValueError(f"query heads N={N} must be a multiple of KV heads K={num_kv_heads}")
-    if not is_power_of_two(H) or H < 16:
+    if triton_head_dim and (not is_power_of_two(H) or H < 16):
         raise ValueError(f"head_dim must be a power of two >= 16 for the Pallas kernel, got {H}")
     if tuple(lengths.shape) != (B,) or tuple(q_positions.shape) != (B, T):
         raise ValueError(f"lengths must be [B={B}] and q_positions [B={B}, T={T}], got {lengths.shape} and "

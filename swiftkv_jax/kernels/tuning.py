@@ -6,8 +6,8 @@ was measured for (`head_dim`, a `group` of query heads per KV head, a range of q
 max_tokens]`, and optionally the `cache_dtype` of K and V, e.g. "int8": a 1-byte cache moves half the bytes a key
 and may want other blocks), the block sizes that won, and how it was measured (`benchmarks/tune_kernels.py` writes
 the entries: command, commit, time of the winner and of the default). A compiled kernel called without block sizes
-takes the entry that matches it most narrowly (its own cache dtype before any dtype, then the narrowest token
-range), else its own defaults, which are unmeasured guesses.
+takes the entry that matches it most narrowly (its own cache dtype before any dtype, its head dim and group before
+any, then the narrowest token range), else its own defaults, which are unmeasured guesses.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def _entries(path: str) -> tuple:
 def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: int, cache_dtype=None,
            table: Optional[Path] = None) -> Optional[dict]:
     """The block sizes (a dict of the kernel's block-size fields) measured best for this kernel on this device at
-    these shapes, or None. An entry for this cache dtype wins over one for any dtype; then the narrowest token
-    range."""
+    these shapes, or None. An entry for this cache dtype wins over one for any dtype, one for this head dim and
+    group over one for any (in that order); then the narrowest token range."""
     dtype = None if cache_dtype is None else str(cache_dtype)
     matches = [e for e in _entries(str(table or TABLE))
                if e["kernel"] == kernel and e["device"].lower() in device_kind.lower()
@@ -45,7 +45,7 @@ def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: 
                and e.get("min_tokens", 0) <= tokens <= e.get("max_tokens", float("inf"))]
     if not matches:
         return None
-    best = min(matches, key=lambda e: ("cache_dtype" not in e,
+    best = min(matches, key=lambda e: ("cache_dtype" not in e, "head_dim" not in e, "group" not in e,
                                        e.get("max_tokens", float("inf")) - e.get("min_tokens", 0)))
     return dict(best["block_sizes"])
 

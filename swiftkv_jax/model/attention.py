@@ -78,7 +78,9 @@ def xla_chunked_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
     cuts = [round(g * n / groups) for g in range(groups + 1)]  # the groups' first blocks
     outs = []
     for first, stop in zip(cuts[:-1], cuts[1:]):
-        end = min(stop * chunk, k.shape[1])  # keys [0, end): all that the group's queries may see
+        # keys [0, end): all that the group's queries may see (own rows: up to its last query; otherwise, as
+        # a chunk over a longer cache, every key)
+        end = min(stop * chunk, k.shape[1]) if own_rows else k.shape[1]
         body = jax.checkpoint(lambda xs, end=end: xla_attention(
             xs[0], k[:, :end], v[:, :end], xs[1], kv_positions[:, :end], xs[2], kv_segment_ids[:, :end]),
             prevent_cse=False)
