@@ -29,6 +29,14 @@ def _label(dtype, scales) -> str:
     return dtype + (f"/{scales}" if scales else "")
 
 
+def _format(dtype, scales):
+    """The cache format of a row. Built directly: int8 at the uncalibrated per-layer scale of 1.0, which named
+    settings refuse (kv_quant.as_format), is measured here on purpose."""
+    from swiftkv_jax.model.kv_quant import KVCacheFormat
+
+    return KVCacheFormat(dtype, scales)
+
+
 def bytes_table(args) -> dict:
     """Allocated bytes (the arrays `init_cache` makes, shapes only) per token, against the teacher's bf16 cache."""
     import jax
@@ -40,7 +48,7 @@ def bytes_table(args) -> dict:
     teacher_cfg = bench.preset_config("llama-3.1-8b")
     tokens = 4096
     def alloc(cfg, swiftkv, dtype, scales):  # K, V and scales; not the lengths
-        cache = jax.eval_shape(lambda: init_cache(cfg, 1, tokens, swiftkv, dtype, scales))
+        cache = jax.eval_shape(lambda: init_cache(cfg, 1, tokens, swiftkv, _format(dtype, scales)))
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((cache.lower, cache.upper)))
 
     baseline = alloc(teacher_cfg, False, "bfloat16", None)
@@ -101,14 +109,14 @@ def _quality_of(name, model, sequences, args) -> list[dict]:
     follow = jnp.asarray(sequences[:, c:c + t])
 
     def logprobs_over(dtype, scales):
-        cache = init_cache(cfg, b, c + t, swiftkv, dtype, scales)
+        cache = init_cache(cfg, b, c + t, swiftkv, _format(dtype, scales))
         _, cache = prefill_fn(model.params, cache, context, jnp.full((b,), c, jnp.int32))
         logits, _ = extend_fn(model.params, cache, follow, jnp.full((b,), t, jnp.int32))
         return np.asarray(jax.nn.log_softmax(logits[:, :-1], axis=-1))  # [B, T-1, V] predicting targets
 
     prompts = sequences[: args.generate_prompts, :c].tolist()
-    greedy = lambda dtype, scales: sk.generate(model, prompts, t, stop_token_ids=[], cache_dtype=dtype,  # noqa: E731
-                                               kv_scales=scales, max_len=c + t).tokens
+    greedy = lambda dtype, scales: sk.generate(model, prompts, t, stop_token_ids=[], cache_dtype=_format(dtype, scales),  # noqa: E731
+                                               max_len=c + t).tokens
     ref, ref_greedy = logprobs_over("bfloat16", None), greedy("bfloat16", None)
     rows = []
     for dtype, scales in FORMATS:
@@ -157,14 +165,13 @@ def quality_table(args) -> dict:
 
 def speed_table(args) -> dict:
     """Decode TPOT per format in both wirings (`infer.py bench`), as ratios to the bf16 cache of the same run."""
-    from swiftkv_jax.model.kv_quant import as_format
     from swiftkv_jax.serving import bench
 
     name, model = random_model(args, args.dtype)
     rows = []
     for dtype, scales in FORMATS:
         for r in bench.bench(model, prompt_len=args.context, gen_len=args.tokens, batch=args.batch,
-                             repeats=args.repeats, cache_dtype=as_format(dtype, scales)):
+                             repeats=args.repeats, cache_dtype=_format(dtype, scales)):
             rows.append({"format": _label(dtype, scales), "wiring": r["wiring"], "tpot_s": r["tpot_s"],
                          "ttft_s": r["ttft_s"], "kv_cache_bytes": r["kv_cache_bytes"]})
     base = {r["wiring"]: r["tpot_s"] for r in rows if r["format"] == "bfloat16"}

@@ -52,7 +52,7 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
     p.add_argument("--cache-dtype", default="bfloat16",
                    help="KV-cache dtype: bfloat16 (default), float32, float16, or quantised float8_e4m3fn (fp8) / int8")
     p.add_argument("--kv-scales", default=None, help="scales of a quantised KV cache: per-token-head (default) or "
-                                                       "per-layer (a static scale of 1.0)")
+                                                       "per-layer (a static scale of 1.0: fp8 only, int8 is refused)")
     p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "mosaic", "cudnn"), default=None,
                    help="prefill attention (default: the checkpoint's, xla_flash)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas", "mosaic"), default=None,
@@ -220,8 +220,14 @@ def _mesh(args):
 
 def _load_model(path: str, args, mesh=None):
     import swiftkv_jax as sk
+    from swiftkv_jax.dtypes import dtype_name
     from swiftkv_jax.serving.tensor_parallel import load_sharded
 
+    # the settings the weights are read under, checked before the minutes of reading them
+    if args.dtype is not None:
+        dtype_name(args.dtype)
+    if getattr(args, "cache_dtype", None) is not None:
+        _cache_format(args)
     model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
@@ -465,6 +471,8 @@ def _analyze(args) -> int:
 
     from swiftkv_jax.evaluation.analyze import analyze, format_summary
 
+    _model_config(args)  # a missing or non-checkpoint --model is named as such, not as a tokenizer problem
+    _tokenizer(args)
     with tqdm(total=args.max_tokens, unit="tok", desc="analyze", file=sys.stderr) as bar:
         result = analyze(args.model, args.data, max_tokens=args.max_tokens, max_length=args.max_length,
                          out_dir=args.out, tokenizer_dir=args.tokenizer, dtype=args.dtype,

@@ -563,13 +563,16 @@ def test_quantised_pool_serves_close_to_the_float_pool(cache_dtype, kv_scales):
     assert quantised < {"int8": 16.0, "float8_e4m3fn": 128.0}[cache_dtype] * bf16
 
 
-@pytest.mark.parametrize("cache_dtype, kv_scales", [("int8", "per-token-head"), ("float8_e4m3fn", "per-layer")])
-def test_quantised_pool_decodes_what_the_quantised_dense_cache_decodes(cache_dtype, kv_scales):
-    """A 1-token prompt, then decodes: every K/V the request reads went through the pool's quantised write and
-    read, so sk.Engine must match sk.generate over the same cache format exactly (longer prompts differ a little:
-    the engine's prompt chunk attends to its own new K/V before quantisation, as vLLM's prefill does)."""
+@pytest.mark.parametrize("prompt", [1, 0], ids=["1-token prompt", "13-token prompt"])
+@pytest.mark.parametrize("cache_dtype, kv_scales", [("int8", "per-token-head"), ("float8_e4m3fn", "per-layer"),
+                                                    ("bfloat16", None)])
+def test_quantised_pool_decodes_what_the_quantised_dense_cache_decodes(cache_dtype, kv_scales, prompt):
+    """Every K/V the request reads, its prompt chunk's own included, is what the pool holds (quantised, or rounded
+    to bf16), so sk.Engine matches sk.generate over the same cache format. The engine's prompt chunk attended to
+    its own new K/V before quantisation, as vLLM's prefill does: the same request then got other logprobs from
+    the two engines, and from one engine on a prefix-cache hit or another chunking."""
     model, swiftkv = MODELS["swiftkv-g2"]
-    prompt = PROMPTS[1]
+    prompt = PROMPTS[prompt]
     done = run(engine("swiftkv-g2", cache_dtype=cache_dtype, kv_scales=kv_scales), [prompt])
     want = sk.generate(model, [prompt], MAX_TOKENS, swiftkv=swiftkv, cache_dtype=cache_dtype, kv_scales=kv_scales,
                        logprobs=True, stop_token_ids=[], max_len=80)

@@ -1,6 +1,7 @@
 """`python infer.py generate | eval | bench` end to end on a tiny teacher and its SwiftKV student (CPU, fp32)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -143,6 +144,8 @@ def test_tasks_of_one_name_are_reported_apart(checkpoints, capsys, tmp_path):
     both = json.loads((tmp_path / "both.json").read_text())
     assert code == 0 and all(spec in out for spec in specs) and list(both["tasks"]) == specs
     assert [both["results"][str(checkpoints / "teacher")][spec] for spec in specs] == [a["perplexity"] for a in alone]
+    # --cache-dtype does not reach perplexity (a full forward, no cache): its results say so
+    assert all(a["perplexity"]["kv_cache"] == "none (a full forward over each window)" for a in alone)
     code, _, err = run(capsys, "eval", "--model", "/nonexistent", "--tasks", specs[0], specs[0])
     assert code == 2 and f"--tasks gives {specs[0]} more than once: give each task once" in err
 
@@ -247,3 +250,21 @@ def test_analyze_writes_the_similarity_of_layers(checkpoints, capsys, tmp_path):
     report = json.loads((tmp_path / "analysis" / "similarity.json").read_text())
     assert code == 0 and report["tokens"] == 64 and len(report["similarity"]) == 5
     assert (tmp_path / "analysis" / "similarity.png").stat().st_size > 0 and "layer" in out
+
+
+def test_bad_settings_are_refused_before_the_weights_are_read(checkpoints, capsys, tmp_path):
+    """generate and bench built the cache format after reading the weights, and every subcommand checked --dtype
+    there: on a real checkpoint, after minutes. Weights that cannot be read show which check comes first."""
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints / "teacher", broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    for sub in (["generate", "--prompt", "hi"], ["bench", "--gen-len", "1", "--prompt-len", "8", "--repeats", "1"]):
+        for flags, said in ((["--cache-dtype", "fp9"], "unknown KV cache dtype 'fp9'"),
+                            (["--dtype", "fp9"], "unknown dtype 'fp9'"),
+                            (["--cache-dtype", "int8", "--kv-scales", "per-layer"], "needs a calibrated scale")):
+            code, _, err = run(capsys, *sub, "--model", broken, *flags)
+            assert code == 2 and said in err, (sub, flags, err)
+    # analyze read the tokenizer first, so a missing checkpoint was reported as a missing tokenizer
+    code, _, err = run(capsys, "analyze", "--model", tmp_path / "nowhere", "--data", checkpoints / "docs" / "a.txt",
+                       "--out", tmp_path / "analysis")
+    assert code == 2 and "no such checkpoint directory" in err, err

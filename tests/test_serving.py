@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import swiftkv_jax as sk
+from swiftkv_jax.model.kv_quant import KVCacheFormat, as_format
 from swiftkv_jax.serving import KVCache, SamplingParams, cache_layers, decode_step, init_cache, prefill, sample
 
 CFG = sk.ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -192,7 +193,7 @@ def test_cudnn_prefill_refuses_without_a_gpu():
 # 16x wider), e4m3 at vLLM's uncalibrated static scale of 1 12.6x, int8 at that scale unusable (K/V of |x| < 0.5
 # round to 0).
 QUANTISED = [("int8", "per-token-head", 2.0), ("float8_e4m3fn", "per-token-head", 16.0),
-             ("float8_e4m3fn", "per-layer", None), ("int8", "per-layer", None)]
+             ("float8_e4m3fn", "per-layer", None), (KVCacheFormat("int8", "per-layer"), None, None)]
 
 
 @pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "swiftkv-g2",
@@ -205,13 +206,14 @@ def test_quantised_cache_serves_close_to_the_float_cache(name, cache_dtype, kv_s
     want, _ = run()
     bf16_error = np.abs(run(cache_dtype="bfloat16")[0] - want).max()
     got, cache = run(cache_dtype=cache_dtype, kv_scales=kv_scales)
+    fmt = as_format(cache_dtype, kv_scales)
     k, v, k_scale, v_scale = cache.lower[0]
-    assert k.dtype == jnp.dtype(cache_dtype) and v.dtype == k.dtype
-    assert k_scale.shape == (k.shape[:3] if kv_scales == "per-token-head" else ())
+    assert k.dtype == jnp.dtype(fmt.dtype) and v.dtype == k.dtype
+    assert k_scale.shape == (k.shape[:3] if fmt.scales == "per-token-head" else ())
     error = np.abs(got - want).max()
     if bound is not None:
         assert 0 < error < bound * bf16_error
-    elif cache_dtype == "int8":
+    elif fmt.dtype == "int8":  # a KVCacheFormat at scale 1.0; named settings refuse it (as_format)
         assert error > 0.3 * np.abs(want).std(), "int8 at a scale of 1 should have lost this model's K/V"
     else:  # fp8, static scale of 1: worse than the dynamic scales
         dynamic = np.abs(run(cache_dtype=cache_dtype)[0] - want).max()
@@ -238,7 +240,7 @@ def test_generate_over_an_int8_cache_takes_its_rows_for_each_sample():
     cache = init_cache(model.config, 2, 16, True, "int8")
     taken = cache.take(jnp.asarray([1, 1, 0]))
     assert taken.lower[0][2].shape == (3,) + cache.lower[0][2].shape[1:]
-    static = init_cache(model.config, 2, 16, True, "int8", kv_scales="per-layer").take(jnp.asarray([0, 0, 1]))
+    static = init_cache(model.config, 2, 16, True, KVCacheFormat("int8", "per-layer")).take(jnp.asarray([0, 0, 1]))
     assert static.lower[0][2].shape == ()
     out = sk.generate(model, [SEQ[0, :7].tolist()] * 2, 6, stop_token_ids=[], cache_dtype="int8")
     assert out.tokens[0] == out.tokens[1] and len(out.tokens[0]) == 6

@@ -249,3 +249,7 @@ def test_sizing_is_the_weights_and_cache_split_by_the_rules():
     # 16 devices, 8 KV heads: one head per device (each held twice), so the per-device cache is 8's
     assert rows[16, "teacher"]["kv_replicas"] == 2
     assert rows[16, "teacher"]["kv_cache_bytes_per_device"] == rows[8, "teacher"]["kv_cache_bytes_per_device"]
+    # init_cache allocates 1001 positions as 1008 (LENGTH_ALIGN): the dry run says what bench then allocates
+    (odd,) = [r for r in sizing_rows(config, [1], batch=4, max_len=1001, cache_format="bfloat16")
+              if r["wiring"] == "teacher"]
+    assert odd["kv_cache_bytes_per_device"] == 2 * 80 * 8 * 128 * 2 * 4 * 1008

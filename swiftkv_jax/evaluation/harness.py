@@ -150,5 +150,7 @@ def _perplexity(model, tokenizer, task, options, progress) -> dict:
     nats = -sum(s for s, _ in scores)
     tokens = sum(n for _, n in scores)
     num_bytes = sum(len(text.encode("utf-8")) for text in task.items)
+    # a full forward over each window: no KV cache, so EvalOptions.cache_dtype (--cache-dtype) does not apply
     return {"nats_per_token": nats / tokens, "perplexity": math.exp(nats / tokens),
-            "bits_per_byte": nats / num_bytes / math.log(2), "tokens": tokens, "n": len(documents)}
+            "bits_per_byte": nats / num_bytes / math.log(2), "tokens": tokens, "n": len(documents),
+            "kv_cache": "none (a full forward over each window)"}

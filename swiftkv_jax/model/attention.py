@@ -328,7 +328,9 @@ def _xla_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_scale
     row_positions = jnp.repeat(q_positions, g, axis=1)  # row r = t * G + g
     mask = ((kv_positions[:, :, None] <= row_positions[:, None, :]) & (kv_segments[:, :, None] == 0))[:, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jnp.where(mask, jax.nn.softmax(scores, axis=2), 0.0).astype(v.dtype)
+    # P in the wider of q's and the cache's dtypes: an fp32 model over a bf16 cache keeps P in fp32, as the paged
+    # path does (rounding it to the cache's bf16 made the two engines' tokens differ)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=2), 0.0).astype(jnp.promote_types(q.dtype, v.dtype))
     out = jax.lax.dot_general(probs, v, (((2,), (2,)), ((0, 1), (0, 1))))  # [B, K, R, H]
     return jnp.einsum("BKTGH->BTKGH", out.reshape(b, kv_heads, t, g, h)).reshape(b, t, n, h)
 

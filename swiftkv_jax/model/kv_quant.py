@@ -99,7 +99,13 @@ def as_format(cache_dtype, kv_scales: Optional[str] = None) -> KVCacheFormat:
         if kv_scales is not None and kv_scales != cache_dtype.scales:
             raise ValueError(f"kv scales {kv_scales!r} given beside a KVCacheFormat with {cache_dtype.scales!r}")
         return cache_dtype
-    return KVCacheFormat(cache_dtype, kv_scales)
+    fmt = KVCacheFormat(cache_dtype, kv_scales)
+    if fmt.dtype == "int8" and fmt.scales == "per-layer":  # named by a user: the uncalibrated static scale of 1.0
+        raise ValueError("an int8 cache with per-layer scales needs a calibrated scale, and named settings give it "
+                         "1.0, which rounds every K/V value below 0.5 to 0 (half of a small model's cache): use "
+                         "per-token-head scales (the default), float8_e4m3fn, or "
+                         "KVCacheFormat('int8', 'per-layer', per_layer_scale=S) with a scale calibrated for the model")
+    return fmt
 
 
 def kv_bytes_per_token(config: ModelConfig, layers: int, fmt: KVCacheFormat) -> int:
@@ -141,6 +147,14 @@ def dequantize(q, scale, dtype=jnp.float32):
         return q.astype(dtype)
     x = q.astype(jnp.float32) * (scale[..., None] if scale.ndim else scale)
     return x.astype(dtype)
+
+
+def as_stored(new, cache_dtype, scale=None, dtype=jnp.float32):
+    """What a read gives back of `new` [..., H] once a cache of `cache_dtype` holds it (scale: the cache's, 0-d
+    static or per-token-head dynamic, as `write_pair` takes it), in `dtype`: rounded to a float cache's dtype, or
+    quantised and dequantised."""
+    dynamic = scale is not None and scale.ndim > 0
+    return dequantize(*quantize(new, cache_dtype, None if dynamic else scale), dtype=dtype)
 
 
 def write_pair(pair, k, v, put, put_scale):

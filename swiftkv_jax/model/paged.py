@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from swiftkv_jax.model.attention import _DECODE_IMPLS, _MASKED, FEW_QUERIES, attend
-from swiftkv_jax.model.kv_quant import dequantize_pair, write_pair
+from swiftkv_jax.model.kv_quant import as_stored, dequantize_pair, write_pair
 from swiftkv_jax.sharding import map_over_heads
 
 NULL_PAGE = 0  # written by padding tokens, read by nothing
@@ -290,7 +290,12 @@ class PagedView:
             return paged.astype(q.dtype)
         kv_segments = jnp.where(batch.segments < 0, -2, batch.segments)[None]  # padding: no query matches it
         q_segments = jnp.where(from_pages, -1, batch.segments)[None]  # read from the pages: no key here
-        own = attend(config.attention_impl, q[:, d:], self.k_new[:, d:].astype(q.dtype),
-                     self.v_new[:, d:].astype(q.dtype), positions[:, d:], positions[:, d:], q_segments, kv_segments)
+        # the new K/V as the pages hold them (rounded or quantised): every read of a token, this one, a later chunk's,
+        # a prefix-cache hit's or sk.generate's over its cache, sees the same values (vLLM's prefill attends to them
+        # before quantisation, so its tokens depend on the chunking and on the prefix cache)
+        k_own, v_own = (as_stored(new[:, d:], pages.dtype, scale, q.dtype) for new, pages, scale in
+                        ((self.k_new, self.k_pages, self.k_scale), (self.v_new, self.v_pages, self.v_scale)))
+        own = attend(config.attention_impl, q[:, d:], k_own, v_own, positions[:, d:], positions[:, d:], q_segments,
+                     kv_segments)
         prompts = jnp.where(from_pages[None, :, None, None], paged[:, d:].astype(q.dtype), own)
         return jnp.concatenate([paged[:, :d].astype(q.dtype), prompts], axis=1)

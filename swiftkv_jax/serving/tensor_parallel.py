@@ -207,7 +207,7 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     and no device needed (a 70B model on 8 GPUs can be sized on a laptop)."""
     from swiftkv_jax.model.kv_quant import as_format, kv_bytes_per_token
     from swiftkv_jax.model.model import abstract_params
-    from swiftkv_jax.serving.cache import cache_layers
+    from swiftkv_jax.serving.cache import LENGTH_ALIGN, cache_layers
 
     tp_plan = plan(config, tensor)
     served = config.replace(num_key_value_heads=config.num_key_value_heads * tp_plan.kv_replicas)
@@ -223,7 +223,9 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     per_token = kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor
     return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas,
                 kv_heads_per_device=served.num_key_value_heads // tensor, weight_bytes_per_device=int(weights),
-                kv_cache_bytes_per_device=int(per_token * batch * max_len), kv_bytes_per_token_per_device=per_token,
+                # init_cache allocates lengths rounded up to LENGTH_ALIGN
+                kv_cache_bytes_per_device=int(per_token * batch * -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN),
+                kv_bytes_per_token_per_device=per_token,
                 cache_layers=layers, batch=batch, max_len=max_len)
 
 
