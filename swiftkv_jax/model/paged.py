@@ -277,8 +277,9 @@ class PagedView:
 
         The paged Pallas kernel for both kinds of attention reads every token from the pages (one ragged call, as
         vLLM's kernels do: the K/V of this step are written first). Otherwise the single tokens and the continued
-        chunks read the pages (one ragged call) and the other prompt chunks attend over their own new K/V by the
-        config's `attention_impl` (packed, segment ids), which needs no page and reads each key once."""
+        chunks read the pages (one ragged call) and the other prompt chunks attend over their own new K/V, as the
+        pages hold them, by the config's `attention_impl` (packed, segment ids), which needs no page and reads each
+        key once."""
         batch, d = self.batch, self.batch.num_single
         every_token = config.attention_impl == "pallas" and config.decode_attention_impl == "pallas"
         from_pages = jnp.ones_like(batch.continued) if every_token else batch.continued
