@@ -428,6 +428,9 @@ BAD_INPUT = {
     "l >= L": (["model.num_key_value_layers=4"], "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
     "bad mesh": (["mesh.fsdp=3"], "mesh:"),  # before tokenising: no progress bar precedes the error
     "batch vs grad_accum": (["train.grad_accum=3"], "must be divisible by train.grad_accum (3)"),
+    # the tiny teacher has 2 KV heads: 4 tensor-parallel ways cannot split them (a traceback after tokenising)
+    "mesh vs heads": (["mesh.tensor=4", "mesh.fsdp=2"], "mesh {'data': 1, 'fsdp': 2, 'tensor': 4} does not fit "
+                      "model.teacher's shapes"),
     "batch vs devices": (["train.global_batch_size=12"], "train.global_batch_size=12 does not split evenly over "
                          "the 8 devices that share the batch (mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, batch over "
                          "data x fsdp): use a multiple of 8, such as 8 or 16"),

@@ -37,7 +37,7 @@ from swiftkv_jax.distill.config import TrainConfig
 from swiftkv_jax.distill.metrics import METRICS_FILE, PLOT_FILE, MetricsLog, plot_losses, read_metrics
 from swiftkv_jax.distill.trainable import merge
 from swiftkv_jax.model.config import ModelConfig
-from swiftkv_jax.model.model import Model
+from swiftkv_jax.model.model import Model, param_shardings
 
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -73,6 +73,16 @@ def make_mesh(config: TrainConfig) -> Mesh:
                           f"share the batch (mesh {dict(mesh.shape)}, batch over {' x '.join(axes)}): use a "
                           f"multiple of {shards}, such as {max(shards, batch - batch % shards)} or "
                           f"{batch - batch % shards + shards}")
+    # the weights' sharded dimensions against the mesh, from config.json alone: before tokenising, not at loading
+    model_config = (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config
+                    )(config.model)
+    try:
+        param_shardings(model_config, mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh {dict(mesh.shape)} does not fit model.teacher's shapes ({e}): give mesh.fsdp and "
+                          f"mesh.tensor sizes that divide them (mesh.tensor at most num_key_value_heads="
+                          f"{model_config.num_key_value_heads}, and a divisor of it), and mesh.data the rest of the "
+                          f"devices") from None
     return mesh
 
 
