@@ -536,8 +536,7 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
     if args.tensor_parallel > 1:  # the engine holds each KV head on kv_replicas devices: a page costs that many copies
         from swiftkv_jax.serving.tensor_parallel import plan
 
-        replicas = plan(config, args.tensor_parallel).kv_replicas
-        config = config.replace(num_key_value_heads=config.num_key_value_heads * replicas)
+        config = plan(config, args.tensor_parallel).served(config)
     pages = pages_for_budget(config, swiftkv, args.page_size, _cache_format(args), **pool)
     return pool, tokens_held(pages, args.page_size)
 

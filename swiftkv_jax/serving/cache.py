@@ -56,6 +56,11 @@ CACHE_AXES = {4: ("batch", "kv_heads", "length", "head_dim"), 3: ("batch", "kv_h
 LENGTH_ALIGN = 8
 
 
+def allocated_length(max_len: int) -> int:
+    """The cache length `init_cache` allocates for `max_len` tokens: the next multiple of `LENGTH_ALIGN`."""
+    return -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN
+
+
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16",
                kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> KVCache:
     """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens, allocated to the next
@@ -65,7 +70,7 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
     fmt = as_format(dtype, kv_scales)
-    row = (batch_size, config.num_key_value_heads, -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN, config.head_dim)
+    row = (batch_size, config.num_key_value_heads, allocated_length(max_len), config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(row, fmt.element_dtype), jnp.zeros(row, fmt.element_dtype))
                             + init_scales(fmt, row[:-1]) for _ in range(n))
     upper = config.num_kv_groups and (config.num_kv_groups if swiftkv else

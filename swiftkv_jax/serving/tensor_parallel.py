@@ -67,6 +67,10 @@ class TensorParallelPlan:
                      f"output head are whole on every device")
         return text
 
+    def served(self, config: ModelConfig) -> ModelConfig:
+        """`config` as served: each KV head repeated `kv_replicas` times (what a KV cache page holds)."""
+        return with_kv_replicas(config, self.kv_replicas)
+
     @property
     def rules(self):
         """The logical-axis rules of the served weights: the one table, with the vocabulary unsplit if it must be."""
@@ -116,6 +120,11 @@ def _check_mesh(mesh: Mesh) -> int:
     return mesh.shape[TENSOR]
 
 
+def with_kv_replicas(config: ModelConfig, replicas: int) -> ModelConfig:
+    """`config` with every KV head repeated `replicas` times (K heads -> K * replicas)."""
+    return config.replace(num_key_value_heads=config.num_key_value_heads * replicas)
+
+
 def replicate_kv_heads(model: Model, replicas: int, mesh: Optional[Mesh] = None,
                        rules=sharding.LOGICAL_AXIS_RULES) -> Model:
     """The same model with every KV head repeated `replicas` times, adjacent copies (K heads -> K * replicas): query
@@ -123,7 +132,7 @@ def replicate_kv_heads(model: Model, replicas: int, mesh: Optional[Mesh] = None,
     name kv_heads is repeated along that axis; on `mesh`, the result is placed by `rules`."""
     if replicas == 1:
         return model
-    cfg = model.config.replace(num_key_value_heads=model.config.num_key_value_heads * replicas)
+    cfg = with_kv_replicas(model.config, replicas)
     axes = logical_axes(model.config)
 
     def repeat(params):
@@ -207,10 +216,10 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     and no device needed (a 70B model on 8 GPUs can be sized on a laptop)."""
     from swiftkv_jax.model.kv_quant import as_format, kv_bytes_per_token
     from swiftkv_jax.model.model import abstract_params
-    from swiftkv_jax.serving.cache import LENGTH_ALIGN, cache_layers
+    from swiftkv_jax.serving.cache import allocated_length, cache_layers
 
     tp_plan = plan(config, tensor)
-    served = config.replace(num_key_value_heads=config.num_key_value_heads * tp_plan.kv_replicas)
+    served = tp_plan.served(config)
     mesh_sizes = {"data": 1, "fsdp": 1, TENSOR: tensor}
     specs = nn.logical_to_mesh(logical_axes(served), tp_plan.rules)
 
@@ -223,8 +232,7 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     per_token = kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor
     return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas,
                 kv_heads_per_device=served.num_key_value_heads // tensor, weight_bytes_per_device=int(weights),
-                # init_cache allocates lengths rounded up to LENGTH_ALIGN
-                kv_cache_bytes_per_device=int(per_token * batch * -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN),
+                kv_cache_bytes_per_device=int(per_token * batch * allocated_length(max_len)),
                 kv_bytes_per_token_per_device=per_token,
                 cache_layers=layers, batch=batch, max_len=max_len)
 
