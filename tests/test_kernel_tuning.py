@@ -73,6 +73,28 @@ def test_an_entry_for_the_cache_dtype_wins_over_one_for_any(tmp_path):
                   table=table) is None
 
 
+def test_a_cache_dtype_without_an_entry_takes_one_of_the_same_width_before_one_for_any(tmp_path):
+    """FP8 pools borrow int8's measured blocks (the bytes a block moves are what the blocks trade), fp16 bf16's; a
+    width with no entry falls to an entry for any dtype, else to the kernel's defaults."""
+    sizes = lambda k: dict(block_k=k, num_splits=8, num_warps=4, num_stages=2, block_q=64)  # noqa: E731
+    base = dict(kernel="paged", device="H200", head_dim=128, group=4, min_tokens=1, max_tokens=16)
+    int8, bf16 = dict(base, cache_dtype="int8", block_sizes=sizes(128)), dict(base, cache_dtype="bfloat16",
+                                                                             block_sizes=sizes(64))
+    any_dtype = dict(base, block_sizes=sizes(32))
+    for i, entries in enumerate(([int8, bf16, any_dtype], [any_dtype, bf16, int8], [int8, bf16])):
+        (tmp_path / str(i)).mkdir()
+        table = write(tmp_path / str(i), entries)
+        at = lambda dtype: lookup("paged", "NVIDIA H200", head_dim=128, group=4, tokens=1,  # noqa: E731
+                                  cache_dtype=dtype, table=table)
+        assert at(jnp.dtype(jnp.float8_e4m3fn)) == sizes(128) and at(jnp.dtype(jnp.int8)) == sizes(128)
+        assert at(jnp.dtype(jnp.float16)) == sizes(64) and at("bfloat16") == sizes(64)
+        assert at(jnp.dtype(jnp.float32)) == (None if i == 2 else sizes(32))
+    fp8 = dict(int8, cache_dtype="float8_e4m3fn", block_sizes=sizes(256))
+    table = write(tmp_path, [int8, fp8])
+    assert lookup("paged", "NVIDIA H200", head_dim=128, group=4, tokens=1, cache_dtype="float8_e4m3fn",
+                  table=table) == sizes(256)  # its own entry, once measured, before int8's
+
+
 def test_a_compiled_mosaic_kernel_without_block_sizes_takes_the_tuned_ones(tmp_path, monkeypatch):
     """`settings`, which every Mosaic kernel's entry point calls: the table's entry for this device (here the CPU)
     when compiled and given no block sizes; the defaults interpreted; given sizes as given."""
