@@ -41,6 +41,18 @@ def test_continuation_scores_equal_the_full_forward(name):
         assert greedy == bool(np.all(np.argmax(logits[:-1][tail], -1) == continuation))
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantised_cache_scores_a_request_batched_as_it_does_alone(cache_dtype):
+    """Per-token-head scales are each row's own: contexts batched together (their continuations taken from the
+    prefilled rows by `KVCache.take`, scales with them) score as each alone. Another row's scales move a score by
+    ~2 nats here; batching alone by ~1e-5."""
+    model, _ = MODELS["swiftkv-g2"]
+    together = score_continuations(model, REQUESTS, batch_size=8, cache_dtype=cache_dtype)
+    alone = [score_continuations(model, [r], cache_dtype=cache_dtype)[0] for r in REQUESTS]
+    np.testing.assert_allclose([t for t, _ in together], [t for t, _ in alone], atol=2e-4)
+    assert [g for _, g in together] == [g for _, g in alone]
+
+
 def test_greedy_flag_is_true_for_the_models_own_continuation():
     model, _ = MODELS["swiftkv-g1"]
     context = CONTEXTS[1]

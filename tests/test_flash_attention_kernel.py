@@ -125,6 +125,32 @@ def assert_close(actual, expected, tol):
     np.testing.assert_allclose(actual, np.asarray(jnp.asarray(expected, jnp.float32)), **tol)
 
 
+def assert_unseen_blocks_unread(run, case: Case, dtype, block_q: int, block_k: int, tol) -> None:
+    """Causal and document block skipping, and keys past kv_lengths: for each query block, K and V are NaN in every
+    key block outside the range its queries see (numpy's count), and run(inputs)'s rows of that block still match
+    float64 numpy. A kernel that read such a block, even masked, would put NaN into them (0 x NaN). The kernels'
+    bounds are per block (a query block's largest position, its segment range), so documents must start on block
+    edges: one that starts inside a query block makes that block read later documents' first blocks too."""
+    inputs = make_inputs(case, dtype, seed=7)
+    expected = numpy_float64_attention(**inputs)
+    kv_pos, kv_seg = np.asarray(inputs["kv_positions"]), np.asarray(inputs["kv_segment_ids"])
+    q_pos, q_seg = np.asarray(inputs["q_positions"]), np.asarray(inputs["q_segment_ids"])
+    lengths = np.full(case.b, case.s) if case.kv_lengths is None else np.asarray(case.kv_lengths)
+    block = np.arange(case.s) // block_k
+    skipped_any = False
+    for start in range(0, case.t, block_q):
+        rows = slice(start, start + block_q)
+        seen = ((kv_pos[:, None, :] <= q_pos[:, rows, None]) & (kv_seg[:, None, :] == q_seg[:, rows, None])
+                & (np.arange(case.s)[None, None, :] < lengths[:, None, None])).any(axis=1)  # [B, S]
+        lo = np.where(seen, block, block.max() + 1).min(1, keepdims=True)
+        hi = np.where(seen, block, -1).max(1, keepdims=True)
+        outside = (block[None] < lo) | (block[None] > hi)  # [B, S]: keys of the blocks this query block skips
+        skipped_any |= bool(outside.any())
+        poison = {n: jnp.where(outside[:, :, None, None], jnp.nan, inputs[n]).astype(dtype) for n in ("k", "v")}
+        assert_close(run({**inputs, **poison})[:, rows], expected[:, rows], tol)
+    assert skipped_any
+
+
 class FlashAttentionKernelTests:
     """The kernel's tests; subclasses choose interpret mode (CPU) or compiled (GPU)."""
 
@@ -195,6 +221,14 @@ class FlashAttentionKernelTests:
         past = jnp.arange(case.s)[None, :, None, None] >= inputs["kv_lengths"][:, None, None, None]
         garbage = {name: jnp.where(past, 1e4, inputs[name]) for name in ("k", "v")}
         assert_close(self.run(case, inputs, **garbage), self.run(case, inputs), FP32_TOL)
+
+
+    @pytest.mark.parametrize("case", [BY_NAME["not_block_multiple_mha"], BY_NAME["kv_lengths_short"],
+                                      Case("packed_block_aligned", b=2, t=96, s=96, n=4, kv_heads=1, h=64,
+                                           segments=(32, 48, 16))], ids=str)
+    def test_blocks_no_query_of_a_block_sees_are_never_read(self, case):
+        assert_unseen_blocks_unread(lambda inputs: self.run(case, inputs), case, jnp.float32, case.block_q,
+                                    case.block_k, FP32_TOL)
 
 
 class TestFlashAttentionInterpret(FlashAttentionKernelTests):

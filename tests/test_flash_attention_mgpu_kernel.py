@@ -17,7 +17,8 @@ import pytest
 
 from swiftkv_jax.kernels.flash_attention_mgpu import (MosaicFlashBlockSizes, _block_ranges, _tile_ranges,
                                                       flash_attention_mgpu, flash_attention_mgpu_reference)
-from test_flash_attention_kernel import BF16_TOL, Case, assert_close, make_inputs, numpy_float64_attention
+from test_flash_attention_kernel import (BF16_TOL, Case, assert_close, assert_unseen_blocks_unread, make_inputs,
+                                        numpy_float64_attention)
 
 from conftest import GPU_INTERPRET as _thread_map
 
@@ -96,6 +97,15 @@ class MosaicFlashKernelTests:
         assert not np.isnan(out).any()
         np.testing.assert_array_equal(out[0, [0, 1, 2, 5]], 0.0)
         assert_close(out, numpy_float64_attention(**inputs), BF16_TOL)
+
+    @pytest.mark.parametrize("case", [
+        pytest.param(BY_NAME["causal_gqa2"], marks=pytest.mark.slow),
+        pytest.param(BY_NAME["kv_lengths"], marks=pytest.mark.slow),
+        Case("packed_block_aligned", b=1, t=192, s=192, n=1, kv_heads=1, h=64, segments=(64, 128))], ids=str)
+    def test_blocks_no_query_of_a_tile_sees_are_never_read(self, case):
+        """Per warpgroup tile of 64 queries (`_tile_ranges`), the key blocks it skips may hold NaN (the default
+        suite interprets the packed case: a skipped document before, causal blocks after)."""
+        assert_unseen_blocks_unread(self.run, case, jnp.bfloat16, BLOCKS.block_q, BLOCKS.block_kv, BF16_TOL)
 
     @staticmethod
     def ranges(inputs, case):

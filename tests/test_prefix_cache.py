@@ -81,6 +81,8 @@ def test_shared_prefixes_equal_generate_alone_and_caching_off(name):
             assert stats["prefix_cache_queries"] == sum(map(len, prompts))
         else:
             assert stats["prefix_cache_hits"] == 0
+        # the work: a hit's tokens are not run again (a hit that re-ran its prefix would serve the same tokens)
+        assert stats["prompt_tokens"] == sum(map(len, prompts)) - stats["prefix_cache_hits"]
         assert stats["pages_free"] == stats["pages_total"]  # every page free or cached, none leaked
     assert_matches_alone(name, prompts, done[True])
     for i in range(len(prompts)):

@@ -238,8 +238,13 @@ def test_generate_over_an_int8_cache_takes_its_rows_for_each_sample():
     served by scoring; here the greedy tokens of two identical prompts must agree)."""
     model, _ = MODELS["swiftkv-g2"]
     cache = init_cache(model.config, 2, 16, True, "int8")
+    rng = np.random.default_rng(0)  # two rows of different values and scales
+    cache = jax.tree.map(lambda a: jnp.asarray(rng.integers(-100, 100, a.shape)).astype(a.dtype) if a.ndim else a,
+                         cache)
     taken = cache.take(jnp.asarray([1, 1, 0]))
     assert taken.lower[0][2].shape == (3,) + cache.lower[0][2].shape[1:]
+    for got, want in zip(jax.tree.leaves(taken), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(got, np.asarray(want)[[1, 1, 0]] if want.ndim else want)
     static = init_cache(model.config, 2, 16, True, KVCacheFormat("int8", "per-layer")).take(jnp.asarray([0, 0, 1]))
     assert static.lower[0][2].shape == ()
     out = sk.generate(model, [SEQ[0, :7].tolist()] * 2, 6, stop_token_ids=[], cache_dtype="int8")

@@ -405,7 +405,9 @@ class Engine:
             self._compiled.add(key)
         token, logprob, top = self._run_step(step, want_top, key[2])
         self.counters["steps"] += 1
-        self.counters["prompt_tokens"] += sum(c.length for c in schedule.prompts) + schedule.scored
+        # prompt tokens run as packed chunks, and as single rows (scored ones, and a prompt's last token left alone)
+        self.counters["prompt_tokens"] += (sum(c.length for c in schedule.prompts)
+                                           + sum(c.start < len(c.seq.prompt) for c in schedule.singles))
         return _InFlight(schedule, token, logprob, top if want_top else None)
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
