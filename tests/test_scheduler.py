@@ -200,3 +200,34 @@ def test_allocator_hands_out_and_takes_back(n):
     assert alloc.num_free == 7
     with pytest.raises(MemoryError):
         alloc.allocate(8)
+
+
+def test_a_waiting_request_the_step_cannot_start_does_not_look_up_its_cached_prefix():
+    """A lookup shares every cached page of the prefix (and a refusal frees them again): a cost of the prefix's
+    length. While the running decodes take the whole budget, a waiting request with a cached prefix is refused
+    before it; once there is room it gets its hit."""
+    sched = Scheduler(PageAllocator(64), page_size=PAGE, max_num_seqs=4, budget=2.0, max_prompt_tokens=16,
+                      max_prompt_seqs=4, prompt_cost=1.0, max_model_len=1000, prefix_caching=True)
+    lookups = []
+    lookup = sched.allocator.lookup
+    sched.allocator.lookup = lambda hashes: lookups.append(len(hashes)) or lookup(hashes)
+    a, b = request(0, 1, max_tokens=50), request(1, 1, max_tokens=50)
+    for s in (a, b):
+        sched.add(s)
+    finish_step(sched, sched.schedule())  # one-token prompts: single rows, then decodes that take the budget
+    assert lookups == [0, 0]
+    c = Sequence("c", 2, list(range(1, 14)), RequestParams(max_tokens=4), frozenset())
+    d = Sequence("d", 3, list(range(1, 14)), RequestParams(max_tokens=4), frozenset())
+    sched.add(c)
+    for _ in range(3):
+        step = sched.schedule()
+        assert [ch.seq for ch in step.singles] == [a, b] and not step.prompts
+        finish_step(sched, step)
+    assert lookups == [0, 0]  # c was refused before its lookup, three times
+    sched.finish(b, "abort")
+    finish_step(sched, sched.schedule())  # a decodes; c finds nothing cached and starts (1 token: the budget left)
+    sched.add(d)
+    sched.finish(a, "abort")
+    while c.status is not Status.FINISHED:
+        finish_step(sched, sched.schedule())
+    assert d.cached_tokens == 12 and lookups[-1] == 3  # d found c's three full pages

@@ -150,7 +150,32 @@ def test_text_streams_whole_characters_and_cuts_at_stop_strings(tokenizer):
         assert "".join(pieces) + choice.finish() == text and not choice.stopped
     choice = ChoiceText(tokenizer, [], ["xyz", "日本"])  # a stop string spread over several tokens
     pieces = [choice.add([t]) for t in ids] + [choice.finish()]
-    assert "".join(pieces) == "Café ☃ naïve " and choice.stopped
+    assert "".join(pieces) == "Café ☃ naïve " == choice.text and choice.stopped
+
+
+class _Chars:
+    """A tokenizer of one character a token (the stop-string logic alone)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def test_stop_strings_cut_where_a_search_of_the_whole_text_cuts():
+    """Random outputs over a small alphabet, tokens of 1-3 characters, stop strings that overlap: what is sent, and
+    the text kept, equal the whole text cut before its first stop string (the choice keeps only a window of it)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text = "".join(rng.choice(list("abc"), int(rng.integers(0, 40))))
+        stop = ["".join(rng.choice(list("abc"), int(rng.integers(1, 5)))) for _ in range(int(rng.integers(0, 3)))]
+        found = [i for i in (text.find(s_) for s_ in stop) if i >= 0]
+        want = text[:min(found)] if found else text
+        choice, ids, pieces = ChoiceText(_Chars(), [], stop), [ord(c) for c in text], []
+        while ids:
+            n = int(rng.integers(1, 4))
+            pieces.append(choice.add(ids[:n]))
+            ids = ids[n:]
+        pieces.append(choice.finish())
+        assert "".join(pieces) == want == choice.text and choice.stopped == bool(found), (text, stop)
 
 
 # ---- the openai client -----------------------------------------------------------------------------------------------

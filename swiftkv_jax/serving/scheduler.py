@@ -32,9 +32,12 @@ scheduled. Any number of a step's chunks may continue a cached prompt.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import itertools
 import math
+import operator
 import time
 from collections import deque
 from typing import Optional
@@ -160,6 +163,9 @@ class Sequence:
         known = (prompt[start:] if start < len(prompt) else []) + self.output[max(0, start - len(prompt)):
                                                                              start + length - len(prompt)]
         return known + [-1] * (length - len(known))
+
+
+_arrival = operator.attrgetter("arrival")
 
 
 @dataclasses.dataclass(slots=True)
@@ -334,7 +340,10 @@ class Scheduler:
 
         # 2. the prompt being prefilled, then waiting requests, first come first served
         prompt_tokens, admitted = 0, []
-        candidates = [s for s in continuing if s.status is active] + list(self.waiting)
+        # the loop ends at the first waiting request it does not admit, so it sees at most one more than the free
+        # slots: only those are copied (a queue of thousands costs nothing a step)
+        candidates = ([s for s in continuing if s.status is active]
+                      + list(itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.active)) + 1)))
         tentative = None  # a new sequence holding cached pages, until it is admitted
         scored = 0
         prefilled = []
@@ -352,6 +361,13 @@ class Scheduler:
                     break
                 continue
             if new and self.prefix_caching and not seq.pages:
+                # what a cache hit cannot change refuses it first: a lookup shares its prefix's pages (and the
+                # refusal frees them), a cost of the prefix's length at every step it waits. Any hit leaves its
+                # last prompt token's page to allocate; only a prompt cached to its last token runs as a single
+                single = seq.num_tokens - (len(seq.prompt) - 1) // page_size * page_size == 1
+                if (budget < min(1.0, self.prompt_cost) or not self.allocator.num_free
+                        or (not single and len(prompts) >= self.max_prompt_seqs)):
+                    break
                 self._take_cached_prefix(seq)
                 tentative = seq
             if seq.remaining == 1:  # a one-token prompt: a single token over its (first) page
@@ -408,8 +424,7 @@ class Scheduler:
         if seq.status is Status.WAITING:
             admitted.append(seq)
             self.waiting.remove(seq)
-            self.active.append(seq)
-            self.active.sort(key=lambda s: s.arrival)
+            bisect.insort(self.active, seq, key=_arrival)  # arrival order (a preempted one returns to its place)
             seq.status = Status.ACTIVE
             seq.slot = self._free_slots.pop()
             if self.prefix_caching and not seq.scoring:  # a scored prompt never looks

@@ -56,9 +56,18 @@ class ChoiceText:
         self.detokenizer = Detokenizer(tokenizer, prompt_ids)
         self.stop = [s for s in stop if s]
         self.longest = max((len(s) for s in self.stop), default=0)
-        self.text = ""       # all the text so far (sent + held back)
-        self.sent = 0        # characters of `text` given out
+        # The text so far is `_parts` + `window`. The window holds what is not given out yet and, before it, the
+        # last longest - 1 characters given out (where a stop string could still begin); older text goes to
+        # `_parts`, joined once by `text`. So a token costs its own characters, however long the output.
+        self._parts: list[str] = []
+        self.window = ""
+        self.sent = 0        # characters of `window` given out
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All the text so far (sent + held back)."""
+        return "".join(self._parts) + self.window
 
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
@@ -72,27 +81,33 @@ class ChoiceText:
         return self._extend(self.detokenizer.flush(), final=True)
 
     def _extend(self, delta: str, final: bool) -> str:
-        start = max(0, len(self.text) - self.longest + 1)  # where a stop string could first end in the new text
-        self.text += delta
-        cut = self._find_stop(start)
+        window = self.window
+        start = max(0, len(window) - self.longest + 1)  # where a stop string could first end in the new text
+        window += delta
+        cut = self._find_stop(window, start)
         if cut is not None:
-            self.text, self.stopped = self.text[:cut], True
+            window, self.stopped = window[:cut], True
             final = True
-        end = len(self.text) if final else len(self.text) - self._hold_back()
-        out = self.text[self.sent:end]
+        end = len(window) if final else len(window) - self._hold_back(window)
+        out = window[self.sent:end]
         self.sent = max(self.sent, end)
+        done = max(0, self.sent - max(self.longest - 1, 0))  # given out, and out of every stop string's reach
+        if done:
+            self._parts.append(window[:done])
+            window, self.sent = window[done:], self.sent - done
+        self.window = window
         return out
 
-    def _find_stop(self, start: int) -> Optional[int]:
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+    def _find_stop(self, text: str, start: int) -> Optional[int]:
+        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
-    def _hold_back(self) -> int:
-        """Length of the longest tail of the text that begins some stop string (and so must not be sent yet)."""
+    def _hold_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that begins some stop string (and so must not be sent yet)."""
         best = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
                     best = k
                     break
         return best
