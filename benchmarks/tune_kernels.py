@@ -346,7 +346,8 @@ def main(argv=None) -> int:
         best, default_time = outcome.pop("block_sizes", None), outcome["default_time_s"]
         if best is None:
             return dict(point._asdict(), **outcome), None
-        entry = dict(kernel=point.kernel, device=device.device_kind, head_dim=kernels.head_dim,
+        entry = dict(kernel=point.kernel, device=device.device_kind,
+                     compute_capability=getattr(device, "compute_capability", None), head_dim=kernels.head_dim,
                      group=kernels.heads // kernels.kv_heads, cache_dtype=point.cache_dtype,
                      min_tokens=point.tokens[0], block_sizes=vars(best).copy(),
                      measured=dict(shapes=list(point.shapes), time_s=outcome["time_s"],

@@ -95,6 +95,28 @@ def test_a_cache_dtype_without_an_entry_takes_one_of_the_same_width_before_one_f
                   table=table) == sizes(256)  # its own entry, once measured, before int8's
 
 
+def test_a_gpu_without_entries_for_a_kernel_takes_those_of_its_architecture(tmp_path):
+    """An H100 with no entry of its own takes the H200's (compute capability 9.0); once it has one for the kernel,
+    only its own count; another architecture, or an entry that names none, is never borrowed."""
+    sizes = lambda k: dict(block_kv=k, max_concurrent_steps=2, ctas_per_sm=1)  # noqa: E731
+    h200 = dict(kernel="mosaic_decode", device="H200", compute_capability="9.0", head_dim=128, group=4,
+                cache_dtype="bfloat16", min_tokens=1, max_tokens=16, block_sizes=sizes(64))
+    unnamed = dict(h200, device="B200", kernel="mosaic_paged", block_sizes=sizes(256))
+    del unnamed["compute_capability"]
+    at = lambda device, capability, table, kernel="mosaic_decode": lookup(  # noqa: E731
+        kernel, device, head_dim=128, group=4, tokens=1, cache_dtype="bfloat16", compute_capability=capability,
+        table=table)
+    (tmp_path / "a").mkdir()
+    table = write(tmp_path / "a", [h200, unnamed])
+    assert at("NVIDIA H100 80GB HBM3", "9.0", table) == sizes(64)
+    assert at("NVIDIA H100 80GB HBM3", None, table) is None and at("NVIDIA B200", "10.0", table) is None
+    assert at("NVIDIA H100 80GB HBM3", "9.0", table, kernel="mosaic_paged") is None
+    h100 = dict(h200, device="H100", cache_dtype="int8", block_sizes=sizes(128))
+    table = write(tmp_path, [h200, h100])
+    assert at("NVIDIA H100 80GB HBM3", "9.0", table) is None  # its own int8 entry: not a bf16 one from the H200
+    assert at("NVIDIA H200", "9.0", table) == sizes(64)
+
+
 def test_a_compiled_mosaic_kernel_without_block_sizes_takes_the_tuned_ones(tmp_path, monkeypatch):
     """`settings`, which every Mosaic kernel's entry point calls: the table's entry for this device (here the CPU)
     when compiled and given no block sizes; the defaults interpreted; given sizes as given."""

@@ -10,7 +10,9 @@ takes the entry that matches it most narrowly (its own cache dtype, then another
 entry for any dtype; its head dim and group before any; then the narrowest token range), else its own defaults,
 which are unmeasured guesses. The same-width rule is why an FP8 pool with no entry of its own takes int8's blocks:
 what the blocks trade is the bytes a block of keys moves (on an H200 the untuned FP8 pool ran as slowly as the
-untuned int8 one, 0.42 against 0.41 ms at 32 x 8K, and int8's tuned blocks took it to 0.32).
+untuned int8 one, 0.42 against 0.41 ms at 32 x 8K, and int8's tuned blocks took it to 0.32). A GPU with no entry
+for a kernel takes the entries measured on a GPU of its compute capability (an entry's `compute_capability`): on an
+H100, the H200's, whose SMs and shared memory are the same (its memory is faster), until the H100 is tuned.
 """
 
 from __future__ import annotations
@@ -36,12 +38,18 @@ def _entries(path: str) -> tuple:
 
 
 def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: int, cache_dtype=None,
-           table: Optional[Path] = None) -> Optional[dict]:
+           compute_capability: Optional[str] = None, table: Optional[Path] = None) -> Optional[dict]:
     """The block sizes (a dict of the kernel's block-size fields) measured best for this kernel on this device at
     these shapes, or None. An entry for this cache dtype wins over one for any dtype, one for this head dim and
     group over one for any (in that order); then the narrowest token range. An entry for another cache dtype of the
-    same width (FP8's for int8, bf16's for fp16) ranks after this dtype's own and before one for any dtype."""
+    same width (FP8's for int8, bf16's for fp16) ranks after this dtype's own and before one for any dtype.
+    compute_capability (e.g. "9.0"): where no entry names this device, one measured on another GPU of the same
+    architecture (an H200's on an H100: the same SMs and shared memory, other memory) is used, ranked as above."""
     dtype = None if cache_dtype is None else str(cache_dtype)
+    entries = [e for e in _entries(str(table or TABLE)) if e["device"].lower() in device_kind.lower()]
+    if compute_capability is not None and not any(e["kernel"] == kernel for e in entries):
+        entries = [e for e in _entries(str(table or TABLE))
+                   if str(e.get("compute_capability")) == str(compute_capability)]
 
     def dtype_rank(e) -> Optional[int]:  # 0: this dtype's own entry, 1: one of the same width, 2: any dtype
         if "cache_dtype" not in e:
@@ -50,9 +58,8 @@ def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: 
             return 0
         return 1 if dtype is not None and _itemsize(e["cache_dtype"]) == _itemsize(dtype) else None
 
-    matches = [e for e in _entries(str(table or TABLE))
-               if e["kernel"] == kernel and e["device"].lower() in device_kind.lower()
-               and e.get("head_dim", head_dim) == head_dim and e.get("group", group) == group
+    matches = [e for e in entries
+               if e["kernel"] == kernel and e.get("head_dim", head_dim) == head_dim and e.get("group", group) == group
                and dtype_rank(e) is not None
                and e.get("min_tokens", 0) <= tokens <= e.get("max_tokens", float("inf"))]
     if not matches:
@@ -80,6 +87,7 @@ def tuned(kernel: str, cls, *, head_dim: int, group: int, tokens: int, cache_dty
     """`cls(**entry)` for the current device when the table has one, else None (the caller's defaults)."""
     import jax
 
-    found = lookup(kernel, jax.devices()[0].device_kind, head_dim=head_dim, group=group, tokens=tokens,
-                   cache_dtype=cache_dtype)
+    device = jax.devices()[0]
+    found = lookup(kernel, device.device_kind, head_dim=head_dim, group=group, tokens=tokens, cache_dtype=cache_dtype,
+                   compute_capability=getattr(device, "compute_capability", None))
     return None if found is None else cls(**found)
