@@ -448,3 +448,18 @@ def test_no_trained_token_is_an_error(tokenizer, tmp_path):
 def test_a_missing_tokenizer_directory_is_named_as_missing(tmp_path):
     with pytest.raises(DataError, match=f"the tokenizer directory '{tmp_path / 'nothere'}' does not exist: check"):
         load_tokenizer(str(tmp_path / "nothere"))
+
+
+def test_the_tokenized_cache_follows_the_tokenizer_not_its_folder(tokenizer, tmp_path):
+    """A copy of the teacher's tokenizer in another folder finds the tokens cached by the first (datasets hashed the
+    object, its folder included: a moved teacher re-tokenized everything); another chat template does not."""
+    src = DataSource(write_jsonl(tmp_path / "c.jsonl", EXAMPLES[:12]))
+    config = DataConfig(sources=(src,), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    files = {}
+    for name in ("a", "b"):
+        tokenizer.save_pretrained(tmp_path / name)
+        files[name] = build_dataset(config, load_tokenizer(str(tmp_path / name))).cache_files
+    assert files["a"] == files["b"]
+    other = load_tokenizer(str(tmp_path / "a"))
+    other.chat_template = other.chat_template.replace("<|eot_id|>", "<|eot_id|>\n")
+    assert build_dataset(config, other).cache_files != files["a"]

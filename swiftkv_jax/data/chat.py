@@ -15,6 +15,7 @@ from typing import Optional
 import datasets
 import jinja2
 import numpy as np
+from datasets.fingerprint import Hasher
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from swiftkv_jax.data.errors import DataError
@@ -70,9 +71,23 @@ def tokenize(ds: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, assistant
     """
     if assistant_mask and not tokenizer.is_fast:
         raise DataError("loss_mask: assistant needs a fast tokenizer (tokenizer.json) for offset mappings")
+    what = tokenizer_fingerprint(tokenizer)
     return ds.map(_tokenize_batch, batched=True, remove_columns=ds.column_names, features=FEATURES,
                   fn_kwargs={"tokenizer": tokenizer, "assistant_mask": assistant_mask}, num_proc=num_proc,
+                  new_fingerprint=None if what is None else Hasher.hash(
+                      ("tokenize", ds._fingerprint, what, assistant_mask, Hasher.hash(_tokenize_batch),
+                       Hasher.hash(render_chat))),
                   desc="tokenizing")
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> Optional[str]:
+    """What tokenizing with `tokenizer` depends on (its model, template and special tokens), not where it was loaded
+    from: datasets' own hash of the object holds its folder, so a copied or moved teacher re-tokenized all the data.
+    None for a slow tokenizer, which has no serialised model (datasets' own hash then, paths included)."""
+    if not tokenizer.is_fast:
+        return None
+    return Hasher.hash((type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str(), tokenizer.chat_template,
+                        tokenizer.special_tokens_map, tokenizer.bos_token_id, tokenizer.eos_token_id))
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, messages: list, text: Optional[str],

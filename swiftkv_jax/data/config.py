@@ -34,5 +34,5 @@ class DataConfig:
     seq_len: int = 8192                # packed sequence length
     loss_mask: str = "all"             # all: every position (paper era); assistant: assistant tokens only
     seed: int = 0                      # shuffling of documents and of packed sequences
-    num_proc: Optional[int] = None     # tokenisation workers (datasets.map)
+    num_proc: Optional[int] = None     # tokenisation workers (datasets.map); another value tokenises again
     cache_dir: Optional[str] = None    # datasets cache (tokenised + packed); default: HF_DATASETS_CACHE
