@@ -6,6 +6,7 @@ References not written here: numpy float64 KL/MSE, the published parameter arith
 an unsharded single-device run, and the paper's recipe values.
 """
 
+import collections
 import dataclasses
 import glob
 import os
@@ -14,6 +15,7 @@ import datasets
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import yaml
 from flax import traverse_util
@@ -222,6 +224,38 @@ def test_fused_kl_runs_the_head_three_times_a_token():
     assert 3 * one_head <= cost["flops"] < 3.5 * one_head, cost["flops"] / one_head
 
 
+def _weight_uses(jaxpr, times: int = 1, found=None) -> collections.Counter:
+    """Per module of the published layout (q_proj, gate_proj, ...): the layer-applications of its weight's
+    products in a jaxpr (a product inside a scan over n layers counts n), sub-jaxprs included."""
+    found = collections.Counter() if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            *scopes, _ = str(eqn.source_info.name_stack).split("/")
+            found[scopes[-1] if scopes else ""] += times
+        inner_times = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _weight_uses(inner, inner_times, found)
+    return found
+
+
+@pytest.mark.parametrize("l", [1, 3])
+def test_the_layers_below_l_run_once_a_step(l):
+    """The method's saving (SWIFTKV.md: the student shares the teacher's layers below l, computed once): in the
+    traced step, the teacher's own q/k/v (frozen, no gradient) are applied in L layers a step, l shared and L - l of
+    the teacher's wiring, and each MLP in l + 3 (L - l): the shared forward, the teacher's, the student's, and
+    the student's backward to its input. Running the layers below l again (for the student) adds l to each."""
+    cfg, trainable, frozen = student(tiny_config(), l=l)
+    fn, optimizer = jit_step(cfg, LOSS)
+    uses = _weight_uses(jax.make_jaxpr(fn)(init_state(trainable, optimizer), frozen,
+                                           packed_batch(cfg.vocab_size)).jaxpr)
+    layers = cfg.num_hidden_layers
+    assert uses["q_proj"] == uses["k_proj"] == uses["v_proj"] == layers, uses
+    assert uses["gate_proj"] == uses["up_proj"] == uses["down_proj"] == l + 3 * (layers - l), uses
+
+
 def two_steps(cfg, trainable, frozen, loss=LOSS, grad_accum=1):
     fn, optimizer = jit_step(cfg, loss, FAST, grad_accum=grad_accum)
     return run_steps(fn, init_state(trainable, optimizer), frozen,
@@ -266,12 +300,35 @@ def test_loss_is_t2_masked_kl_over_tokens_plus_hidden_mse(perturbed, temperature
 
     fn, optimizer = jit_step(cfg, LossSection(temperature=temperature, hidden_loss_mult=hidden_loss_mult,
                                               chunk_size=7))
-    _, (m,) = run_steps(fn, init_state(trainable, optimizer), frozen, [batch])
+    state, (m,) = run_steps(fn, init_state(trainable, optimizer), frozen, [batch])
     assert m["tokens"] == n
     np.testing.assert_allclose(m["kl"], kl, rtol=2e-5)
     np.testing.assert_allclose(m["loss"], temperature**2 * kl + hidden_loss_mult * mse, rtol=2e-5)
     if hidden_loss_mult:
         np.testing.assert_allclose(m["hidden_mse"], mse, rtol=2e-5)
+
+    # The gradient the step applies is that of this loss (its metrics are recomputed from sums, so a step that
+    # differentiated another weighting would still report the right loss): the same loss written with jnp over
+    # the model's own full forwards, differentiated by jax.grad, against the step's gradient norm and Adam's
+    # first moment after one step ((1 - b1) g, with grad_clip's scale)
+    def reference_loss(tr):
+        student_model = sk.Model(cfg, merge(tr, frozen))
+        s_logits, s_inter = sk.intermediates(student_model, batch["tokens"], swiftkv=True, **where)
+        weight = jnp.asarray(batch["loss_mask"] * valid, jnp.float32)
+        log_t = jax.nn.log_softmax(jnp.asarray(t_logits, jnp.float32) / temperature)
+        log_s = jax.nn.log_softmax(s_logits.astype(jnp.float32) / temperature)
+        kl_ = jnp.sum(weight * jnp.sum(jnp.exp(log_t) * (log_t - log_s), -1)) / n
+        diff_ = s_inter["residual"][last] - jnp.asarray(t_inter["residual"][last])
+        mse_ = jnp.sum(jnp.asarray(valid, jnp.float32)[..., None] * diff_**2) / (n * cfg.hidden_size)
+        return temperature**2 * kl_ + hidden_loss_mult * mse_
+
+    grads = jax.grad(reference_loss)(trainable)
+    norm = float(optax.tree_utils.tree_norm(grads))
+    np.testing.assert_allclose(m["grad_norm"], norm, rtol=1e-4)
+    optim = OptimSection()  # jit_step's
+    scale = (1 - optim.b1) * (min(1.0, optim.grad_clip / norm) if optim.grad_clip > 0 else 1.0)
+    mu = optax.tree_utils.tree_get(state.opt_state, "mu")
+    assert_trees_close(mu, jax.tree.map(lambda g: scale * g, grads), rtol=2e-3, atol=1e-4 * scale * norm)
 
 
 @pytest.mark.parametrize("grad_accum", [2, 4])
