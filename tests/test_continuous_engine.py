@@ -11,6 +11,7 @@ import functools
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +23,7 @@ from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.ragged_step import Sampled, ragged_step, sample_rows
 from swiftkv_jax.serving.scheduler import prompt_token_cost
 
+from numpy_reference import sampling_distribution
 from test_serving import MODELS  # name -> (model, swiftkv wiring): plain, SwiftKV g=1 and g=2, g=2 as teacher
 
 PROMPTS = [np.random.default_rng(i).integers(6, 96, n).tolist() for i, n in enumerate((13, 1, 40, 7, 25, 3, 17, 2))]
@@ -163,6 +165,23 @@ def test_sample_rows_follows_each_rows_settings():
     top3 = np.argsort(-np.asarray(logits[4]))[:3]
     draws = {int(sample(logits, s.replace(count=np.full(5, n, np.int32)))[4]) for n in range(40)}
     assert draws <= set(top3.tolist()) and len(draws) > 1
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 0, 0.79), (1.0, 0, 0.8),
+                                                      (0.7, 3, 1.0), (1.5, 4, 0.9)])
+def test_sample_rows_draws_from_the_distribution_its_settings_define(temperature, top_k, top_p):
+    """4,000 rows of one logits row, each its own draw (count): the frequencies are numpy's distribution (softmax
+    at the temperature, top-k, then top-p), drawn from its tokens only (at T = 1 the first two tokens hold 0.797
+    of the mass: top_p 0.79 keeps them, 0.8 a third)."""
+    n = 4000
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05, 1e-3, 1e-3, 1e-3, 1e-3]))
+    full = lambda x, dtype: np.full(n, x, dtype)  # noqa: E731
+    s = Sampled(temperature=full(temperature, np.float32), top_k=full(top_k, np.int32),
+                top_p=full(top_p, np.float32), seed=full(7, np.int32), count=np.arange(n, dtype=np.int32))
+    tokens = np.asarray(jax.jit(sample_rows)(jnp.asarray(np.tile(row, (n, 1)), jnp.float32), s))
+    want = sampling_distribution(row, temperature, top_k, top_p)
+    assert set(np.unique(tokens).tolist()) <= set(np.nonzero(want)[0].tolist())
+    assert 0.5 * np.abs(np.bincount(tokens, minlength=len(row)) / n - want).sum() < 0.03
 
 
 def test_aborts_finishes_and_preemptions_give_every_page_back():
@@ -452,6 +471,21 @@ def test_top_logprobs_are_the_full_forwards():
         engine("swiftkv-g2").add_request([1], logprobs=True, top_logprobs=21)
     with pytest.raises(ValueError, match="top_logprobs needs logprobs=True"):
         engine("swiftkv-g2").add_request([1], top_logprobs=2)
+
+
+def test_sampled_tokens_logprobs_are_the_models_own_before_temperature():
+    """A sampled request (T = 0.7, top_k 5): each token's logprob is the model's own log-softmax at its position (full
+    forward), not the tempered or truncated one, in sk.Engine as in sk.generate (each its own random stream)."""
+    model, _ = MODELS["swiftkv-g1"]
+    settings = dict(temperature=0.7, top_k=5, seed=11)
+    out = engine("swiftkv-g1").generate([PROMPTS[1]], max_tokens=8, logprobs=True, stop_token_ids=[],
+                                        **settings)[0]
+    static = sk.generate(model, [PROMPTS[1]], 8, logprobs=True, stop_token_ids=[], cache_dtype="float32", **settings)
+    for tokens, logprobs in ((out.token_ids, out.logprobs), (static.tokens[0], static.logprobs[0])):
+        log_probs = full_forward_log_probs("swiftkv-g1", PROMPTS[1] + tokens[:-1])
+        assert len(set(tokens)) > 1  # sampled, not greedy
+        np.testing.assert_allclose(logprobs, [log_probs[len(PROMPTS[1]) - 1 + i, t] for i, t in enumerate(tokens)],
+                                   atol=1e-4)
 
 
 def full_forward_log_probs(name: str, tokens) -> np.ndarray:

@@ -231,3 +231,17 @@ def test_a_waiting_request_the_step_cannot_start_does_not_look_up_its_cached_pre
     while c.status is not Status.FINISHED:
         finish_step(sched, sched.schedule())
     assert d.cached_tokens == 12 and lookups[-1] == 3  # d found c's three full pages
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_ends_as_a_stop():
+    """As vLLM and OpenAI report it: the stop id sampled as the max_tokens-th token is a "stop", not a "length"."""
+    sched = make()
+    a = request(0, 3, max_tokens=2, stop=(9,))
+    sched.add(a)
+    assert finish_step(sched, sched.schedule(), token=5) == [(a, None)]
+    assert finish_step(sched, sched.schedule(), token=9) == [(a, "stop")]
+    assert a.output == [5, 9] and a.finish_reason == "stop"
+    b = request(1, 3, max_tokens=2, stop=(9,))
+    sched.add(b)
+    finish_step(sched, sched.schedule(), token=5)
+    assert finish_step(sched, sched.schedule(), token=4) == [(b, "length")]

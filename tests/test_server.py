@@ -307,6 +307,10 @@ def test_n_seed_and_logprobs(client, tokenizer, reference):
     assert bytes(b for entry in content for b in entry.bytes).decode("utf-8", "replace") == \
         tokenizer.decode(reference(_chat_ids(tokenizer, PROMPTS[2]), 8)[0])
     assert all(len(entry.top_logprobs) == 2 for entry in content)
+    # usage, as OpenAI counts it: the prompt once, every choice's tokens
+    chat_ids = _chat_ids(tokenizer, PROMPTS[2])
+    want = (len(chat_ids), 2 * len(reference(chat_ids, 8)[0]))
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == want
 
 
 def test_stop_strings_cut_the_text(client, tokenizer, reference):

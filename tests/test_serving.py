@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import swiftkv_jax as sk
+from numpy_reference import sampling_distribution
 from swiftkv_jax.model.kv_quant import KVCacheFormat, as_format
 from swiftkv_jax.serving import KVCache, SamplingParams, cache_layers, decode_step, init_cache, prefill, sample
 
@@ -132,6 +133,18 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert (draw(SamplingParams(temperature=1.0, top_k=2**63 - 1)) == free).all()
     with pytest.raises(ValueError, match="top_p must lie in"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.5), SamplingParams(2.0), SamplingParams(0.7, top_k=3),
+                                    SamplingParams(1.5, top_k=3, top_p=0.9), SamplingParams(0.8, top_p=0.7)], ids=str)
+def test_sampling_draws_from_the_distribution_its_settings_define(params):
+    """The frequencies of 4,000 draws are numpy's distribution (softmax at the temperature, top-k, then top-p), and
+    only its tokens are drawn: at T = 1 alone a missing or doubled temperature would pass the test above."""
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05, 1e-3, 1e-3, 1e-3, 1e-3]))
+    tokens = np.asarray(sample(jnp.asarray(np.tile(row, (4000, 1)), jnp.float32), jax.random.key(3), params))
+    want = sampling_distribution(row, params.temperature, params.top_k, params.top_p)
+    assert set(np.unique(tokens).tolist()) <= set(np.nonzero(want)[0].tolist())
+    assert 0.5 * np.abs(np.bincount(tokens, minlength=len(row)) / 4000 - want).sum() < 0.03
 
 
 def test_bad_requests_raise_clear_errors():
