@@ -90,7 +90,9 @@ def test_winogrande_partial_contexts(tmp_path, load):
          "Sarah was a much better surgeon than Maria so Sarah",
          "The trophy doesn't fit into the suitcase because the suitcase is too small.\n\n"
          "Sarah was a much better surgeon than Maria so Maria"),
-        (" always got the harder cases.", " always got the harder cases."), 0)
+        (" always got the harder cases.", " always got the harder cases."), 0,
+        choices=("Sarah was a much better surgeon than Maria so Sarah", "Sarah was a much better surgeon than Maria so "
+                 "Maria"))  # lm-eval's doc_to_choice: the filled-in contexts, without the few-shot prefix
     assert task.items[1].contexts == (
         "Sarah was a much better surgeon than Maria so Sarah always got the harder cases.\n\n"
         "The trophy doesn't fit into the suitcase because the trophy",
@@ -253,3 +255,18 @@ def test_hub_names_offline_say_how_to_download(load):
         load("arc_easy")
     with pytest.raises(TaskError, match="cais/mmlu:abstract_algebra@validation.*offline"):
         load("mmlu=cais/mmlu:abstract_algebra@validation")
+
+
+def test_acc_norm_divides_by_the_choices_characters_as_lm_eval():
+    """lm-eval's multiple-choice acc_norm: argmax(loglikelihood / len(choice)), the choice as its doc_to_choice gives
+    it (no target delimiter) and counted in characters (bytes are its acc_bytes). Numbers where counting the
+    leading space, or bytes, picks the other choice."""
+    from swiftkv_jax.evaluation.harness import choice_hits
+
+    item = MultipleChoiceItem(("Q:",) * 2, (" ab", " abcd"), 1)
+    assert choice_hits(item, [-2.0, -3.9]) == {"acc": 0.0, "acc_norm": 1.0}  # -1.0 < -0.975; with the space, 0 wins
+    item = MultipleChoiceItem(("Q:",) * 2, (" é", " ab"), 1)
+    assert choice_hits(item, [-1.1, -2.0]) == {"acc": 0.0, "acc_norm": 1.0}  # per byte, "é" (2 bytes) would win
+    winogrande = MultipleChoiceItem(("shots\n\nIt was x", "shots\n\nIt was yyy"), (" ok.", " ok."), 1,
+                                    choices=("It was x", "It was yyy"))
+    assert choice_hits(winogrande, [-8.2, -10.0])["acc_norm"] == 1.0  # -1.025 < -1.0: lengths of its choices

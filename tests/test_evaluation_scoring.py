@@ -78,14 +78,20 @@ def test_rolling_loglikelihood_equals_the_forward_when_one_window():
         np.testing.assert_allclose(total, forward_logprobs(model, swiftkv, ids)[0].sum(), rtol=1e-5, atol=1e-4)
 
 
-def test_rolling_windows_condition_on_one_token():
-    """A document cut into windows scores as the sum of its windows scored separately, each with the token
-    before it as context."""
+@pytest.mark.parametrize("length", [23, 25, 30])
+def test_rolling_windows_are_lm_evals(length):
+    """A document cut into windows scores as lm-eval's own windows (`get_rolling_token_windows` with context 1,
+    `make_disjoint_window`), each scored alone by a full forward: the last, shorter one conditions on as many
+    tokens as fill max_length, not one."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
     model, swiftkv = MODELS["plain"]
-    ids = RNG.integers(0, 64, 23).tolist()
+    ids = RNG.integers(0, 64, length).tolist()
     [(total, count)] = rolling_loglikelihood(model, [ids], max_length=8, swiftkv=swiftkv, batch_size=2)
-    expected = sum(forward_logprobs(model, swiftkv, ids[s - 1: s + 8])[0].sum() for s in range(1, 23, 8))
-    assert count == 22
+    expected = 0.0
+    for context, continuation in map(make_disjoint_window, get_rolling_token_windows(ids[1:], ids[0], 8, 1)):
+        expected += forward_logprobs(model, swiftkv, context + continuation)[0][-len(continuation):].sum()
+    assert count == length - 1
     np.testing.assert_allclose(total, expected, rtol=1e-5, atol=1e-4)
 
 

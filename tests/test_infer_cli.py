@@ -95,23 +95,45 @@ def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
         for metric, delta in report["deltas"][name].items():
             assert delta == pytest.approx(report["results"][student][name][metric]
                                           - report["results"][teacher][name][metric])
-    # accuracy against an independent computation: each choice scored by one full forward of context + choice
+    # the metrics against an independent computation, each sequence scored by one full forward in float64:
+    # acc and lm-eval's acc_norm (per character of the choice) from context + choice; perplexity per token and
+    # bits per byte over the documents (every token after the prefix BOS predicted; one window each here)
     tokenizer = load_tokenizer(student)
+
+    def logp(model, ids):
+        logits = np.asarray(sk.logits(model, np.asarray([ids])), np.float64)[0]
+        return (logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))[np.arange(len(ids) - 1), ids[1:]]
+
+    texts = [(checkpoints / "docs" / name).read_text() for name in ("a.txt", "b.txt")]
+    documents = [tokenizer(t)["input_ids"] for t in texts]
+    documents = [ids if ids[0] == tokenizer.bos_token_id else [tokenizer.bos_token_id] + ids for ids in documents]
     for path in (student, teacher):
         model = sk.load(path)
-        correct = []
+        correct, correct_norm = [], []
         for row in ARC_ROWS:
             context = f"Question: {row['question']}\nAnswer:"
             n = len(tokenizer(context)["input_ids"])
-            scores = []
-            for choice in row["choices"]["text"]:
-                ids = tokenizer(context + " " + choice)["input_ids"]
-                logits = np.asarray(sk.logits(model, np.asarray([ids])), np.float64)[0]
-                logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-                scores.append(sum(logp[i - 1, ids[i]] for i in range(n, len(ids))))
-            correct.append(row["choices"]["label"][int(np.argmax(scores))] == row["answerKey"])
-        assert report["results"][path]["arc_easy"]["acc"] == pytest.approx(np.mean(correct))
-        assert 0 < report["results"][path]["perplexity"]["perplexity"] < float(model.config.vocab_size) * 4
+            scores = np.array([logp(model, tokenizer(context + " " + c)["input_ids"])[n - 1:].sum()
+                               for c in row["choices"]["text"]])
+            chars = np.array([len(c) for c in row["choices"]["text"]])
+            for hits, pick in ((correct, np.argmax(scores)), (correct_norm, np.argmax(scores / chars))):
+                hits.append(row["choices"]["label"][int(pick)] == row["answerKey"])
+        got = report["results"][path]
+        assert got["arc_easy"]["acc"] == pytest.approx(np.mean(correct))
+        assert got["arc_easy"]["acc_norm"] == pytest.approx(np.mean(correct_norm))
+        nats = -sum(logp(model, ids).sum() for ids in documents)
+        tokens = sum(len(ids) - 1 for ids in documents)
+        assert got["perplexity"]["tokens"] == tokens
+        assert got["perplexity"]["nats_per_token"] == pytest.approx(nats / tokens, rel=1e-4)
+        assert got["perplexity"]["perplexity"] == pytest.approx(np.exp(nats / tokens), rel=1e-4)
+        assert got["perplexity"]["bits_per_byte"] == pytest.approx(
+            nats / sum(len(t.encode("utf-8")) for t in texts) / np.log(2), rel=1e-4)
+    # the table's last column is model - compare, as its header says
+    rows = [cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines())
+            if len(cells) == 6 and cells[0] in report["deltas"]]
+    assert len(rows) == 6  # arc_easy acc, acc_norm; gsm8k exact_match; perplexity bits_per_byte, nats_per_token
+    for task, metric, *_, delta in rows:
+        assert float(delta) == pytest.approx(report["deltas"][task][metric], abs=1e-4)
 
 
 def test_eval_keeps_the_results_of_a_model_when_the_compared_one_fails_to_load(checkpoints, capsys, tmp_path):

@@ -1,7 +1,7 @@
 """Evaluate a model on tasks (`swiftkv_jax.evaluation.tasks`): tokenise, score on the serving engine, metrics.
 
-Multiple choice: log p(continuation | context) for every choice (acc), and per byte of the continuation
-(acc_norm), as lm-evaluation-harness. Generation: greedy answers through `sk.generate`, cut at the task's
+Multiple choice: log p(continuation | context) for every choice (acc), and per character of the choice (acc_norm),
+as lm-evaluation-harness. Generation: greedy answers through `sk.generate`, cut at the task's
 stop strings, answer extracted and compared (exact_match). Perplexity: rolling log-likelihood of each
 document, reported per token and per byte (bits per byte compares models with different tokenizers).
 """
@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from swiftkv_jax.evaluation.scoring import rolling_loglikelihood, score_continuations
-from swiftkv_jax.evaluation.tasks import Task, extract_answer, is_correct
+from swiftkv_jax.evaluation.tasks import MultipleChoiceItem, Task, extract_answer, is_correct
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.generate import generate
 
@@ -99,13 +99,20 @@ def _multiple_choice(model, tokenizer, task, options, progress) -> dict:
     acc, acc_norm, start = [], [], 0
     for item in task.items:
         n = len(item.continuations)
-        logp = np.array([s[0] for s in scores[start: start + n]])
-        length = np.array([len(c.encode("utf-8")) or 1 for c in item.continuations])
-        acc.append(float(np.argmax(logp) == item.gold))
-        acc_norm.append(float(np.argmax(logp / length) == item.gold))
+        hits = choice_hits(item, [s[0] for s in scores[start: start + n]])
+        acc.append(hits["acc"])
+        acc_norm.append(hits["acc_norm"])
         start += n
     return {"acc": float(np.mean(acc)), "acc_stderr": _stderr(acc), "acc_norm": float(np.mean(acc_norm)),
             "acc_norm_stderr": _stderr(acc_norm), "n": len(task.items)}
+
+
+def choice_hits(item: MultipleChoiceItem, logp) -> dict:
+    """Whether the most likely choice is the gold one (acc), and the most likely per character of lm-eval's choice
+    text (acc_norm: its `len(choice)`, the target delimiter left out; characters, not bytes)."""
+    length = np.array([len(c) or 1 for c in item.choice_texts], np.float64)
+    logp = np.asarray(logp, np.float64)
+    return {"acc": float(np.argmax(logp) == item.gold), "acc_norm": float(np.argmax(logp / length) == item.gold)}
 
 
 def _generation(model, tokenizer, task, options, progress) -> dict:

@@ -27,11 +27,12 @@ from swiftkv_jax.serving.generate import padded_length
 from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
-def _token_scores(logits, targets, lengths):
-    """(sum of log p(targets) over the first `lengths`, every one of them the argmax) per row."""
+def _token_scores(logits, targets, lengths, starts=None):
+    """(sum of log p(targets) over positions [starts, lengths) (starts: 0), every one of them the argmax) per row."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     token_lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    valid = jnp.arange(targets.shape[1]) < lengths[:, None]
+    index = jnp.arange(targets.shape[1])
+    valid = (index < lengths[:, None]) & (True if starts is None else index >= starts[:, None])
     total = jnp.sum(jnp.where(valid, token_lp, 0.0), axis=1)
     greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~valid, axis=1)
     return total, greedy
@@ -127,12 +128,13 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
 
 
 @functools.partial(jax.jit, static_argnames=("config", "swiftkv", "mesh"))
-def _window_scores(params, inputs, targets, lengths, *, config: ModelConfig, swiftkv: bool, mesh: Optional[Mesh]):
+def _window_scores(params, inputs, targets, starts, ends, *, config: ModelConfig, swiftkv: bool,
+                   mesh: Optional[Mesh]):
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     with activation_sharding(config, mesh):
         logits = forward(params, inputs, positions, None, config=config, swiftkv=swiftkv)
         logits = sharding.constrain(logits, ("batch", "length", None))  # scored whole on every device
-    return _token_scores(logits, targets, lengths)[0]
+    return _token_scores(logits, targets, ends, starts)[0]
 
 
 def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, max_length: int,
@@ -141,33 +143,37 @@ def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, m
                           mesh: Optional[Mesh] = None) -> list[tuple[float, int]]:
     """(sum of log p, tokens predicted) per document of ids, every token after the first predicted.
 
-    Documents longer than max_length are cut into disjoint windows of max_length targets, each window
-    conditioned on the one token before it (lm-eval's rolling log-likelihood with context 1). mesh: tensor-parallel
-    serving mesh.
+    Documents longer than max_length are cut into disjoint windows of max_length targets, each conditioned on the
+    token before it, the last (shorter) one on as many tokens before it as fill max_length: lm-eval's rolling
+    log-likelihood (`get_rolling_token_windows` with context 1, then `make_disjoint_window`). mesh:
+    tensor-parallel serving mesh.
     """
     model = for_serving(model, mesh)
     cfg = model.config
     swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
-    windows = []  # (document, input ids, target ids)
+    windows = []  # (document, input ids, their next ids: input j predicts target j, the first scored)
     for d, ids in enumerate(documents):
         ids = [int(t) for t in ids]
         if len(ids) < 2:
             raise ValueError(f"document {d} has {len(ids)} token(s): perplexity needs at least 2")
         _check_ids("document", ids, cfg.vocab_size)
-        for s in range(1, len(ids), max_length):  # input j predicts target j: as many of each
-            targets = ids[s: s + max_length]
-            windows.append((d, ids[s - 1: s - 1 + len(targets)], targets))
+        for s in range(1, len(ids), max_length):  # targets ids[s:end] after up to max_length inputs
+            end = min(s + max_length, len(ids))
+            first = max(0, end - 1 - max_length)
+            windows.append((d, ids[first: end - 1], ids[first + 1: end], s - 1 - first))
     sums = [0.0] * len(documents)
-    width = padded_length(max(len(w[2]) for w in windows), None)
+    width = padded_length(max(len(w[1]) for w in windows), None)
     for start in range(0, len(windows), batch_size):
         chunk = windows[start: start + batch_size]
         count = min(_bucket(len(chunk)), batch_size)
         inputs = _pad_rows([w[1] for w in chunk], width, count)
         targets = _pad_rows([w[2] for w in chunk], width, count)
-        lengths = np.array([len(w[2]) for w in chunk] + [0] * (count - len(chunk)), np.int32)
+        starts = np.array([w[3] for w in chunk] + [0] * (count - len(chunk)), np.int32)
+        ends = np.array([len(w[2]) for w in chunk] + [0] * (count - len(chunk)), np.int32)
         scores = jax.device_get(_window_scores(model.params, jnp.asarray(inputs), jnp.asarray(targets),
-                                               jnp.asarray(lengths), config=cfg, swiftkv=swiftkv, mesh=mesh))
-        for (d, _, _), s in zip(chunk, scores):
+                                               jnp.asarray(starts), jnp.asarray(ends), config=cfg, swiftkv=swiftkv,
+                                               mesh=mesh))
+        for (d, *_), s in zip(chunk, scores):
             sums[d] += float(s)
         if progress:
             progress(len(chunk))

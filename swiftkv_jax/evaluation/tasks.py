@@ -34,6 +34,13 @@ class MultipleChoiceItem:
     contexts: tuple[str, ...]        # one per choice (Winogrande's differ per choice; others repeat one)
     continuations: tuple[str, ...]   # one per choice, with lm-eval's leading space (" Paris")
     gold: int
+    # lm-eval's choices (its doc_to_choice), whose characters acc_norm divides by: () for the continuations without
+    # their leading space (the target delimiter); Winogrande's are its contexts without a few-shot prefix
+    choices: tuple[str, ...] = ()
+
+    @property
+    def choice_texts(self) -> tuple[str, ...]:
+        return self.choices or tuple(c.removeprefix(" ") for c in self.continuations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +108,7 @@ def _winogrande(row: dict):
     contexts = tuple(sentence[:blank] + option for option in (row["option1"], row["option2"]))
     rest = " " + sentence[blank + 1:].strip()
     gold = _index(str(row["answer"]), ["1", "2"], "answer")
-    return MultipleChoiceItem(contexts, (rest, rest), gold), contexts[gold] + rest
+    return MultipleChoiceItem(contexts, (rest, rest), gold, choices=contexts), contexts[gold] + rest
 
 
 def _mmlu(row: dict):
