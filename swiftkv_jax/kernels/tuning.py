@@ -43,8 +43,9 @@ def lookup(kernel: str, device_kind: str, *, head_dim: int, group: int, tokens: 
     these shapes, or None. An entry for this cache dtype wins over one for any dtype, one for this head dim and
     group over one for any (in that order); then the narrowest token range. An entry for another cache dtype of the
     same width (FP8's for int8, bf16's for fp16) ranks after this dtype's own and before one for any dtype.
-    compute_capability (e.g. "9.0"): where no entry names this device, one measured on another GPU of the same
-    architecture (an H200's on an H100: the same SMs and shared memory, other memory) is used, ranked as above."""
+    compute_capability (e.g. "9.0"): where no entry for this kernel names this device, those measured on another GPU
+    of the same architecture (an H200's on an H100: the same SMs and shared memory, other memory) are used, ranked
+    as above."""
     dtype = None if cache_dtype is None else str(cache_dtype)
     entries = [e for e in _entries(str(table or TABLE)) if e["device"].lower() in device_kind.lower()]
     if compute_capability is not None and not any(e["kernel"] == kernel for e in entries):
