@@ -99,6 +99,24 @@ def test_transformers_4x_config_layout_loads_like_5x(family, overrides, tmp_path
     np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-4)
 
 
+def test_a_list_of_eos_ids_survives_load_export_and_convert(tmp_path):
+    """Llama-3.1's published config ends generation at any of three ids ([128001, 128008, 128009]); loading keeps all
+    three (sk.generate and sk.Engine stop at each), and the HF export, plain or SwiftKV, writes the list (that
+    transformers reads back from the plain one; it does not know the llama_swiftkv model type)."""
+    from transformers import AutoConfig
+
+    eos = [300, 301, 302]
+    make_hf_model(tmp_path / "hf", "llama", seed=2, eos_token_id=eos)
+    model = sk.load(tmp_path / "hf")
+    assert model.config.eos_token_id == tuple(eos)
+    for name, out in (("plain", model), ("swiftkv", sk.to_swiftkv(model, 2, 2))):
+        sk.save(out, tmp_path / name, format="hf")
+        assert json.loads((tmp_path / name / "config.json").read_text())["eos_token_id"] == eos
+        if name == "plain":
+            assert AutoConfig.from_pretrained(tmp_path / name).eos_token_id == eos
+        assert sk.load(tmp_path / name).config.eos_token_id == tuple(eos)
+
+
 def test_rope_parameters_without_theta_take_the_top_level_one(tmp_path, tokens):
     """{"rope_parameters": {"rope_type": "default"}, "rope_theta": 5e4}: transformers reads the theta beside
     rope_parameters into them; so do we (it was a KeyError)."""
