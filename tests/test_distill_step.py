@@ -21,6 +21,7 @@ import yaml
 from flax import traverse_util
 
 import swiftkv_jax as sk
+from jaxpr_walk import sub_jaxprs
 from distill_fixtures import (LLAMA_8B_TRAINABLE_L16, assert_trees_close, assert_trees_equal, init_state, jit_step,
                               n_params, numpy_kl, packed_batch, student, tiny_config, write_hf_config)
 from swiftkv_jax import configuration
@@ -233,11 +234,8 @@ def _weight_uses(jaxpr, times: int = 1, found=None) -> collections.Counter:
             *scopes, _ = str(eqn.source_info.name_stack).split("/")
             found[scopes[-1] if scopes else ""] += times
         inner_times = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _weight_uses(inner, inner_times, found)
+        for inner in sub_jaxprs(eqn):
+            _weight_uses(inner, inner_times, found)
     return found
 
 

@@ -8,6 +8,8 @@ import swiftkv_jax as sk
 from swiftkv_jax.model.precision import einsum_fp32
 from swiftkv_jax.model.transformer import Transformer
 
+from jaxpr_walk import sub_jaxprs
+
 EQUATION = "BTD,DV->BTV"
 
 
@@ -27,11 +29,8 @@ def _dot_operand_dtypes(jaxpr) -> list:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
             found.append(tuple(v.aval.dtype for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _dot_operand_dtypes(inner)
+        for inner in sub_jaxprs(eqn):
+            found += _dot_operand_dtypes(inner)
     return found
 
 
