@@ -54,7 +54,8 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
     p.add_argument("--kv-scales", default=None, help="scales of a quantised KV cache: per-token-head (default) or "
                                                        "per-layer (a static scale of 1.0: fp8 only, int8 is refused)")
     p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "mosaic", "cudnn"), default=None,
-                   help="prefill attention (default: the checkpoint's, xla_flash)")
+                   help="prefill attention (default: the checkpoint's off a GPU, xla_flash; on one, the measured "
+                        "fastest, see swiftkv_jax.serving.kernel_choice)")
     p.add_argument("--decode-attention-impl", choices=("xla", "pallas", "mosaic"), default=None,
                    help="few-query attention over the cache (decode; SwiftKV's later layers in prefill); mosaic: "
                         "the Mosaic GPU (Hopper) kernel, bf16/fp16 caches")
@@ -234,6 +235,12 @@ def _load_model(path: str, args, mesh=None):
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
 
 
+def _named_impls(args) -> dict:
+    """--attention-impl / --decode-attention-impl for the engines: on a GPU they serve their measured defaults
+    (`kernel_choice`) unless the caller names the impls, whatever the model's config says."""
+    return dict(attention_impl=args.attention_impl, decode_attention_impl=args.decode_attention_impl)
+
+
 def _model_config(args, path: Optional[str] = None):
     """The checkpoint's ModelConfig from its config.json alone, before its tokenizer or any weight is read: a missing
     directory, then a malformed config, are named as such, not as a tokenizer that does not load."""
@@ -321,7 +328,7 @@ def _generate(args) -> int:
     stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                    stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
-                   max_len=args.max_len, tokenizer=tokenizer, mesh=mesh)
+                   max_len=args.max_len, tokenizer=tokenizer, mesh=mesh, **_named_impls(args))
     if len(ids) == 1:
         stream = _Stream(tokenizer)
         out = generate(model, ids, args.max_new_tokens, on_token=stream, **options)
@@ -375,7 +382,7 @@ def _eval(args) -> int:
     tasks = [dataclasses.replace(t, label=spec) if names.count(t.name) > 1 else t for t, spec in zip(tasks, args.tasks)]
     options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                           chat_template=args.chat_template, swiftkv=False if args.teacher_mode else None,
-                          cache_dtype=_cache_format(args), mesh=_mesh(args))
+                          cache_dtype=_cache_format(args), mesh=_mesh(args), **_named_impls(args))
     paths = [args.model] + ([args.compare] if args.compare else [])
     # every checkpoint's config and tokenizer before any evaluation: a bad --compare must not cost --model's results
     chat_flag = "--chat-template" if args.chat_template else None
@@ -575,6 +582,7 @@ def _serve(args) -> int:
                    budget_unit=args.budget_unit, max_model_len=args.max_model_len, cache_dtype=_cache_format(args),
                    enable_prefix_caching=args.enable_prefix_caching,
                    mesh=mesh, consume_weights=True,  # the model is the engine's alone: its weights in memory once
+                   **_named_impls(args),
                    **buckets, **{k: v for k, v in given.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,

@@ -1,7 +1,9 @@
 """`python infer.py generate | eval | bench` end to end on a tiny teacher and its SwiftKV student (CPU, fp32)."""
 
+import importlib
 import json
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -290,3 +292,36 @@ def test_bad_settings_are_refused_before_the_weights_are_read(checkpoints, capsy
     code, _, err = run(capsys, "analyze", "--model", tmp_path / "nowhere", "--data", checkpoints / "docs" / "a.txt",
                        "--out", tmp_path / "analysis")
     assert code == 2 and "no such checkpoint directory" in err, err
+
+
+class _Resolved(Exception):
+    """Raised by the spy once an engine has resolved its kernels: nothing needs to run past that."""
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0"],
+                                     ["eval", "--tasks", "gsm8k={gsm8k}", "--max-new-tokens", "2"]])
+def test_named_attention_impls_are_served_on_a_gpu(checkpoints, capsys, monkeypatch, command):
+    """--attention-impl / --decode-attention-impl only went into the model's config, and on a GPU the engines
+    serve their measured defaults unless the impls are named to them (`kernel_choice`): `--attention-impl xla`
+    ran cuDNN or Mosaic there, without a word. Shown on a described GPU (sm_90), the kernels each engine resolves."""
+    kernel_choice = importlib.import_module("swiftkv_jax.serving.kernel_choice")
+    hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+    default_impls = kernel_choice.default_impls
+    monkeypatch.setattr(kernel_choice, "default_impls", lambda config, cache_dtype="bfloat16", *, paged, device=None:
+                        default_impls(config, cache_dtype, paged=paged, device=hopper))
+    monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
+    resolved = []
+
+    def spy(config, *args, **kwargs):
+        chosen = kernel_choice.serving_config(config, *args, **kwargs)
+        resolved.append((chosen.attention_impl, chosen.decode_attention_impl))
+        raise _Resolved
+
+    for module in ("swiftkv_jax.serving.generate", "swiftkv_jax.serving.continuous"):
+        monkeypatch.setattr(importlib.import_module(module), "serving_config", spy)
+    argv = [a.format(gsm8k=checkpoints / "gsm8k.jsonl") for a in command]
+    with pytest.raises(_Resolved):
+        main([*argv, "--model", str(checkpoints / "teacher"), "--dtype", "bfloat16", "--attention-impl", "xla",
+              "--decode-attention-impl", "xla"])
+    capsys.readouterr()
+    assert resolved == [("xla", "xla")]

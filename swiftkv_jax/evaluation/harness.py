@@ -30,6 +30,8 @@ class EvalOptions:
     swiftkv: Optional[bool] = None  # None: the SwiftKV fast path for a SwiftKV model; False: teacher wiring
     cache_dtype: str = "bfloat16"
     mesh: Optional[Mesh] = None     # tensor-parallel serving mesh (`serving_mesh(N)`), None: one device
+    attention_impl: Optional[str] = None         # generation tasks' kernels; None: `generate`'s defaults
+    decode_attention_impl: Optional[str] = None
 
 
 PRIMARY_METRIC = {"multiple_choice": "acc", "generation": "exact_match", "perplexity": "bits_per_byte"}
@@ -126,7 +128,8 @@ def _generation(model, tokenizer, task, options, progress) -> dict:
     for start in range(0, len(prompts), options.batch_size):
         batch = prompts[start: start + options.batch_size]
         out = generate(model, batch, options.max_new_tokens, stop_token_ids=sorted(stops), swiftkv=options.swiftkv,
-                       cache_dtype=options.cache_dtype, tokenizer=tokenizer, mesh=options.mesh)
+                       cache_dtype=options.cache_dtype, tokenizer=tokenizer, mesh=options.mesh,
+                       attention_impl=options.attention_impl, decode_attention_impl=options.decode_attention_impl)
         for item, text in zip(task.items[start: start + len(batch)], out.texts):
             answer = extract_answer(task, text)
             correct.append(float(is_correct(task, answer, item.answer)))
