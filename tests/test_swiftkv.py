@@ -163,3 +163,15 @@ def test_transform_keeps_the_parameter_dtype(base):
     assert {a.dtype for a in jax.tree.leaves(student.params)} == {jnp.dtype(jnp.bfloat16)}
     np.testing.assert_array_equal(student.params["embed_tokens"]["embedding"],
                                   base.params["embed_tokens"]["embedding"].astype(jnp.bfloat16))
+
+
+def test_a_swiftkv_flag_that_is_not_a_bool_is_refused():
+    """bool("false") is True: swiftkv="false" served the SwiftKV wiring it asked to turn off, without a word."""
+    model = sk.to_swiftkv(sk.init(sk.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=8, max_position_embeddings=64), 0), 2, 1)
+    for call in (lambda: sk.Engine(model, swiftkv="false", num_pages=16, max_num_seqs=4, max_num_batched_tokens=64),
+                 lambda: sk.generate(model, [[1, 2, 3]], 2, swiftkv="false"),
+                 lambda: sk.logits(model, [[1, 2, 3]], swiftkv="false")):
+        with pytest.raises(ValueError, match=r"swiftkv must be True, False or None .* got 'false'"):
+            call()

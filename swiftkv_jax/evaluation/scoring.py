@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from swiftkv_jax import sharding
-from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.config import ModelConfig, serves_swiftkv
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model, forward
 from swiftkv_jax.serving.cache import init_cache
@@ -89,7 +89,7 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
     """
     model = for_serving(model, mesh)
     cfg = model.config
-    swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
+    swiftkv = serves_swiftkv(cfg, swiftkv)
     groups: dict[tuple, list[int]] = {}
     for i, (context, continuation) in enumerate(requests):
         _check_ids("context", context, cfg.vocab_size)
@@ -150,7 +150,7 @@ def rolling_loglikelihood(model: Model, documents: Sequence[Sequence[int]], *, m
     """
     model = for_serving(model, mesh)
     cfg = model.config
-    swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
+    swiftkv = serves_swiftkv(cfg, swiftkv)
     windows = []  # (document, input ids, their next ids: input j predicts target j, the first scored)
     for d, ids in enumerate(documents):
         ids = [int(t) for t in ids]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.attention import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS
 
@@ -143,6 +145,16 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def serves_swiftkv(config: ModelConfig, swiftkv) -> bool:
+    """The wiring a `swiftkv` argument asks for: None, the model's own (SwiftKV for a SwiftKV model); True or False.
+    Anything else raises: bool("false") is True, and would serve the SwiftKV wiring asked to be off."""
+    if swiftkv is None:
+        return config.is_swiftkv
+    if not isinstance(swiftkv, (bool, np.bool_)):
+        raise ValueError(f"swiftkv must be True, False or None (None: the model's own wiring), got {swiftkv!r}")
+    return bool(swiftkv)
 
 
 def check_swiftkv_layout(num_layers: int, num_key_value_layers, group_size) -> None:

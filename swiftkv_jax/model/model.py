@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from swiftkv_jax import sharding
 from swiftkv_jax.dtypes import as_dtype, dtype_name
-from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.config import ModelConfig, serves_swiftkv
 from swiftkv_jax.model.transformer import Transformer
 
 
@@ -119,8 +119,7 @@ def _as_int_array(name: str, value, shape=None):
 
 def _checked_inputs(model: Model, tokens, swiftkv, positions, segment_ids):
     cfg = model.config
-    if swiftkv is None:
-        swiftkv = cfg.is_swiftkv
+    swiftkv = serves_swiftkv(cfg, swiftkv)
     tokens = _as_int_array("tokens", tokens)
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= cfg.vocab_size:

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import unstack_layers
+from swiftkv_jax.model.config import serves_swiftkv
 from swiftkv_jax.model.kv_quant import as_format
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
@@ -212,7 +213,7 @@ class Engine:
         self.config = cfg = serving_config(model.config, options.cache_dtype, paged=True,
                                            attention_impl=options.attention_impl,
                                            decode_attention_impl=options.decode_attention_impl)
-        self.swiftkv = cfg.is_swiftkv if options.swiftkv is None else bool(options.swiftkv)
+        self.swiftkv = serves_swiftkv(cfg, options.swiftkv)
         self.cache_format = as_format(options.cache_dtype, options.kv_scales)
         page_size = self.page_size = options.page_size
         budget = dict(num_pages=options.num_pages, kv_cache_bytes=options.kv_cache_bytes,

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import unstack_layers
-from swiftkv_jax.model.config import ModelConfig
+from swiftkv_jax.model.config import ModelConfig, serves_swiftkv
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
@@ -113,7 +113,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     model = for_serving(model, mesh)
     cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
                          decode_attention_impl=decode_attention_impl)
-    swiftkv = cfg.is_swiftkv if swiftkv is None else bool(swiftkv)
+    swiftkv = serves_swiftkv(cfg, swiftkv)
     sampling = SamplingParams(temperature, top_k, top_p)
     if isinstance(prompts, str):
         prompts = [prompts]
