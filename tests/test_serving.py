@@ -286,3 +286,20 @@ def test_streaming_callback_sees_every_token_in_order():
     out = sk.generate(model, [SEQ[0, :5].tolist()], 12, stop_token_ids=[], cache_dtype="float32",
                       on_token=lambda t, live: seen.append(int(t[0])) if live[0] else None)
     assert seen == out.tokens[0] and len(seen) == 12
+
+
+@pytest.mark.parametrize("padded", [32, 300])  # one block of queries (xla_attention), several (xla_flash's blocks)
+def test_prompt_padding_sees_no_key(padded):
+    """The right padding of a prompt's bucket attends to nothing, so attention skips its blocks (it did a real
+    token's work: a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one): the K/V that layer 1 writes
+    at padding positions come from the padding token alone, the same whatever the prompt."""
+    model = MODELS["plain"][0]
+    prompts = np.random.default_rng(1).integers(6, 96, (2, PROMPT))
+    tokens = np.zeros((2, padded), np.int32)
+    tokens[:, :PROMPT] = prompts
+    cache = init_cache(model.config, 2, padded, False, dtype="float32")
+    _, cache = _prefill(model.config, False, None)(model.params, cache, jnp.asarray(tokens),
+                                                   jnp.asarray([PROMPT, PROMPT], jnp.int32))
+    k = np.asarray(cache.lower[1][0])[:, :, PROMPT:padded]  # [B, K, padding, H]
+    assert np.abs(k).max() > 0
+    np.testing.assert_array_equal(k[0], k[1])

@@ -62,12 +62,22 @@ def _run_layer(config: ModelConfig, has_swiftkv_query: bool, layer_params, h, *a
     return DecoderLayer(config, has_swiftkv_query).apply({"params": layer_params}, h, *args)
 
 
+def _query_segments(cache_write, positions):
+    """Segment ids [B, T] of new tokens over a dense cache: 0, or -1 for the right padding past each sequence's
+    length (a prompt padded to its bucket), which then sees no key: attention skips its blocks instead of doing a
+    real token's work (a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one). A paged batch masks by
+    its own segments (`PagedView.attend` ignores these)."""
+    if isinstance(cache_write, CacheWrite):
+        return jnp.where(positions < cache_write.kv_lengths[:, None], 0, -1)
+    return jnp.zeros_like(positions)
+
+
 def cached_lower(params, config: ModelConfig, tokens, positions, cache_write: CacheWrite, cache: tuple):
     """Embedding and layers < l for new tokens [B, T] at positions [B, T], each layer's K/V written into its
     (k, v) of `cache`: (residual h_l [B, T, D], updated cache)."""
     h = Embedder(config).apply({"params": params["embed_tokens"]}, tokens)
     rope = rope_angles(config.rope, config.head_dim, positions)
-    segments = jnp.zeros_like(positions)
+    segments = _query_segments(cache_write, positions)
     updated = []
     for layer_params, layer_cache in zip(params["layers"], cache):
         h, layer_cache = _run_layer(config, False, layer_params, h, rope, positions, segments, None, cache_write,
@@ -99,7 +109,7 @@ def cached_upper(params, config: ModelConfig, h, positions, cache_write: CacheWr
     if not config.num_kv_groups:
         return h, cache
     rope = rope_angles(config.rope, config.head_dim, positions)
-    segments = jnp.zeros_like(positions)
+    segments = _query_segments(cache_write, positions)
     updated = []
     for group, group_layers in enumerate(params["swiftkv_groups"]["layers"]):
         shared_kv = cache_write.view(cache[group]) if swiftkv else None
