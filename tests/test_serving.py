@@ -153,6 +153,12 @@ def test_bad_requests_raise_clear_errors():
         sk.generate(model, [list(range(6, 20))], 8, max_len=16)
     with pytest.raises(ValueError, match="token ids must lie in"):
         sk.generate(model, [[1, 200]], 4)
+    # beyond the model's positions (as the Engine and infer.py refuse it; sk.generate ran on into unseen RoPE angles)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"needs {limit + 1} positions, .* lower max_new_tokens to at most 8"):
+        sk.generate(model, [[6] * (limit - 8)], 9)
+    with pytest.raises(ValueError, match=f"shorten the prompt to fewer than {limit} tokens"):
+        sk.generate(model, [[6] * limit], 1)
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         sk.generate(model, "hello", 4)
     with pytest.raises(ValueError, match=r"one prompt: \[\[1, 2, 3\]\], not \[1, 2, 3\]"):

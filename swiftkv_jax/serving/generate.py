@@ -132,6 +132,13 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     if min(flat) < 0 or max(flat) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")
     longest = max(len(p) for p in prompts)
+    limit = cfg.max_position_embeddings  # beyond it RoPE gives degenerate text: refused, as the Engine and vLLM do
+    if longest + max_new_tokens > limit:
+        fix = (f"lower max_new_tokens to at most {limit - longest}" if longest < limit else
+               f"shorten the prompt to fewer than {limit} tokens")
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
+                         f"{longest + max_new_tokens} positions, but the model has {limit} "
+                         f"(max_position_embeddings): {fix}")
     padded = padded_length(longest, prefill_chunk)
     if max_len is not None and not prefill_chunk and longest + max_new_tokens <= max_len < padded:
         padded = max_len  # the bucket only spares compiles: a cache that holds the request is not grown for it
