@@ -296,9 +296,9 @@ def test_streaming_callback_sees_every_token_in_order():
 
 @pytest.mark.parametrize("padded", [32, 300])  # one block of queries (xla_attention), several (xla_flash's blocks)
 def test_prompt_padding_sees_no_key(padded):
-    """The right padding of a prompt's bucket attends to nothing, so attention skips its blocks (it did a real
-    token's work: a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one): the K/V that layer 1 writes
-    at padding positions come from the padding token alone, the same whatever the prompt."""
+    """The right padding of a prompt's bucket attends to the padding only, so attention skips the prompt's blocks
+    for it (it did a real token's work: a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one): the K/V
+    that layer 1 writes at padding positions come from the padding tokens alone, the same whatever the prompt."""
     model = MODELS["plain"][0]
     prompts = np.random.default_rng(1).integers(6, 96, (2, PROMPT))
     tokens = np.zeros((2, padded), np.int32)
@@ -309,3 +309,19 @@ def test_prompt_padding_sees_no_key(padded):
     k = np.asarray(cache.lower[1][0])[:, :, PROMPT:padded]  # [B, K, padding, H]
     assert np.abs(k).max() > 0
     np.testing.assert_array_equal(k[0], k[1])
+
+
+def test_long_prompts_pad_to_finer_buckets():
+    """Past 2048 tokens a power-of-two bucket cost up to twice the prompt's work (16385 tokens ran as 32768): there
+    the buckets are four an octave, so padding stays under a quarter of the prompt; below, powers of two (compiles)."""
+    from swiftkv_jax.serving.generate import padded_length
+
+    lengths = range(1, 70_000)
+    padded = [padded_length(n, None) for n in lengths]
+    assert all(p >= n for n, p in zip(lengths, padded))
+    assert all(p & (p - 1) == 0 and p >= 16 and (p == 16 or p < 2 * n) for n, p in zip(lengths, padded) if n <= 2048)
+    assert all(p < 1.25 * n for n, p in zip(lengths, padded) if n > 2048)
+    assert padded_length(16385, None) == 20480 and padded_length(16384, None) == 16384
+    for octave in (2048, 4096, 32768):  # (octave, 2 * octave]: four buckets
+        assert len({padded_length(n, None) for n in range(octave + 1, 2 * octave + 1)}) == 4
+    assert padded_length(3000, 1024) == 3072  # chunked: multiples of the chunk, as before

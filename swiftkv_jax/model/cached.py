@@ -64,9 +64,10 @@ def _run_layer(config: ModelConfig, has_swiftkv_query: bool, layer_params, h, *a
 
 def _query_segments(cache_write, positions):
     """Segment ids [B, T] of new tokens over a dense cache: 0, or -1 for the right padding past each sequence's
-    length (a prompt padded to its bucket), which then sees no key: attention skips its blocks instead of doing a
-    real token's work (a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one). A paged batch masks by
-    its own segments (`PagedView.attend` ignores these)."""
+    length (a prompt padded to its bucket). The cache marks its entries past the length -1 too (`cache_positions`),
+    so the padding sees the padding only (or nothing, where a kernel masks by kv_lengths), never the prompt's keys:
+    attention skips those blocks instead of doing a real token's work (a 16385-token prompt, padded to 32768, cost
+    3.2x a 16384-token one). A paged batch masks by its own segments (`PagedView.attend` ignores these)."""
     if isinstance(cache_write, CacheWrite):
         return jnp.where(positions < cache_write.kv_lengths[:, None], 0, -1)
     return jnp.zeros_like(positions)
