@@ -7,8 +7,8 @@ ROW: 'NAME|STEPS|key=value;key=value' (STEPS empty: the budget's; the overrides 
 row changes only what it names). OUT: a demo's --out of that budget (`demo.py --budget B --out OUT`), whose corpus
 and teacher are used; a missing teacher is pretrained there first, as the demo does. --arch: the teacher's
 architecture keys changed (e.g. twice the width), for how a recipe's best rate moves with the model. Each row
-distils the 50% student into OUT/distill/exp-NAME (kept: a row run again is only re-scored) and is written to
---out as soon as it is scored.
+distils the 50% student into OUT/distill/exp-NAME (kept: a row run again is only re-scored; a NAME given other
+STEPS or overrides is refused) and is written to --out as soon as it is scored.
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ def main(argv=None) -> int:
     payload = {"budget": args.budget, "arch": arch, "teacher_val_loss": t, "undistilled_val_loss": u, "rows": []}
     for name, steps, overrides in rows:
         settings = row_settings(base, steps, overrides)
-        student = sk.load(demo.distill(args.work, settings, teacher_dir, demo.Variant(f"exp-{name}", l)))
+        try:
+            student = sk.load(demo.distill(args.work, settings, teacher_dir, demo.Variant(f"exp-{name}", l)))
+        except ValueError as e:  # e.g. a kept student of this name trained with other settings
+            raise SystemExit(f"row {name}: {e}") from None
         s = held_out_scores(teacher, student, batches)["val_loss"]
         payload["rows"].append(dict(name=name, steps=settings.distill_steps, overrides=list(overrides), val_loss=s,
                                     gap_closed=(u - s) / (u - t) if u > t else math.nan))

@@ -245,12 +245,18 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     from swiftkv_jax.distill import trainer
     from swiftkv_jax.distill.config import TrainConfig
 
-    if export.is_dir():
-        _say(f"{export} exists: skipped")
-        return
     run_dir = export.parent
     resume = ["train.resume=true"] if (run_dir / trainer.CHECKPOINT_DIR).is_dir() else []
     config = configuration.load(TrainConfig, CONFIGS / recipe, overrides + resume)
+    if export.is_dir():
+        # kept only if trained as asked: a sweep row run again under its name with other steps or overrides, or a
+        # recipe edited since, would otherwise be reported under settings it was not trained with
+        changed = _changed_settings(run_dir / trainer.CONFIG_FILE, config)
+        if changed:
+            raise ValueError(f"{export} was trained with other settings ({'; '.join(changed)}): delete {run_dir} "
+                             f"to train it again, or choose another folder")
+        _say(f"{export} exists: skipped")
+        return
     start = time.perf_counter()
     status = trainer.train(config)
     seconds = time.perf_counter() - start
@@ -265,13 +271,60 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
                                                         if before else ""))
 
 
+# keys that say where a run's files are or how it computes, not what it trains: a moved --out stays usable
+_WHERE_NOT_WHAT = ("train.resume", "train.output_dir", "model.teacher", "data.sources")
+
+
+def _changed_settings(saved: Path, config) -> list[str]:
+    """`key: saved -> now` for each setting of `config` that differs from the run saved at `saved` (its config.yaml),
+    over the keys both have (a key added to the code since is not a change)."""
+    import yaml
+
+    from swiftkv_jax.configuration import to_dict
+    from swiftkv_jax.distill.trainer import RESUME_FREE
+
+    if not saved.is_file():
+        return []
+
+    def changes(before, now, key: str) -> list[str]:
+        if isinstance(before, dict) and isinstance(now, dict):
+            return [c for k in before if k in now for c in changes(before[k], now[k], f"{key}.{k}" if key else k)]
+        ignored = key in RESUME_FREE or key in _WHERE_NOT_WHAT
+        return [] if ignored or before == now else [f"{key}: {before!r} -> {now!r}"]
+
+    now = yaml.safe_load(yaml.safe_dump(to_dict(config)))  # as config.yaml holds it (tuples as lists)
+    return changes(yaml.safe_load(saved.read_text()), now, "")
+
+
 def earlier_training_seconds(out: Path, layers: int) -> float:
     """Seconds of the demo's training stages (the teacher's and its distilled students', not a recipe sweep's rows
     beside them) that earlier calls spent: a finished stage's whole time, a stopped one's up to its checkpoint.
-    What a demo resumed after a time limit adds to its own time."""
+    (Not to be added to earlier evaluation seconds: on the gpu budget models were scored beside the training.)"""
     runs = [out / "teacher", *(out / "distill" / v.name for v in variants(layers) if v.distilled)]
     return sum(_seconds(r / TRAIN_SECONDS) if (r / TRAIN_SECONDS).is_file() else _seconds(r / STOPPED_SECONDS)
                for r in runs)
+
+
+CALLS = "demo_calls.json"  # in --out: each earlier call's seconds up to the last thing it saved
+
+
+class _Calls:
+    """This call's entry in CALLS, rewritten whenever it saves something new (a training stage's export or a stopped
+    one's checkpoint, an evaluated row): the time a later call adds as its earlier calls'. Wall time: the models
+    scored beside a distillation, or on several threads, count once (summing their seconds counted them again). A
+    call that saved nothing new (a rerun that only reads back) adds nothing; a call killed outright, its time up to
+    its last save."""
+
+    def __init__(self, out: Path, start: float):
+        self.path, self.start, self.lock = out / CALLS, start, threading.Lock()
+        self.earlier = json.loads(self.path.read_text())["calls"] if self.path.is_file() else []
+
+    def saved(self) -> None:
+        with self.lock:
+            partial = self.path.with_suffix(".tmp")
+            partial.write_text(json.dumps({"calls": self.earlier + [round(time.perf_counter() - self.start, 1)]})
+                               + "\n")
+            partial.replace(self.path)
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
@@ -363,8 +416,9 @@ class Evaluation:
     4. `rows()`: every row, once all are scored. Leaving the `with` block on an error cancels what has not started.
     """
 
-    def __init__(self, teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None):
-        self.teacher, self.models, self.settings, self.done = teacher, models, settings, done
+    def __init__(self, teacher, models: dict, batches, prompts, settings: DemoSettings, done: Optional[Path] = None,
+                 saved=lambda: None):
+        self.teacher, self.models, self.settings, self.done, self.saved = teacher, models, settings, done, saved
         self.batches, self.prompts = batches, prompts
         self.earlier = json.loads(done.read_text()) if done is not None and done.is_file() else {}
         self.results, self.bench_seconds, self.speed = {}, {}, {}  # name -> row; name -> s; (l, g) -> SPEED
@@ -454,6 +508,7 @@ class Evaluation:
                 partial = self.done.with_suffix(".tmp")
                 partial.write_text(json.dumps(self.earlier, indent=1) + "\n")
                 partial.replace(self.done)
+                self.saved()
             _say_evaluated(name, row)
 
 
@@ -515,17 +570,21 @@ def markdown_table(rows: list[dict], settings: DemoSettings, names=TABLE_ROWS) -
     return "\n".join(lines)
 
 
-def shape_checks(rows: list[dict]) -> dict:
+def shape_checks(rows: list[dict], target: Optional[float] = None) -> dict:
     """The paper's shape: distillation closes most of the gap to the teacher at 50%, and quality falls faster
-    beyond 50% skipped than before it (validation loss gaps to the teacher)."""
+    beyond 50% skipped than before it (validation loss gaps to the teacher); target: the share of the gap to close
+    (the gpu budget's GAP_CLOSED_TARGET), judged as gap_closed_pass."""
     loss = {r["model"]: r["val_loss"] for r in rows}
     gap = lambda name: loss[name] - loss["teacher"]
     closed = (1 - gap("swiftkv-50") / gap("swiftkv-50-undistilled") if gap("swiftkv-50-undistilled") > 0
               else float("nan"))
     steeper = (gap("swiftkv-75") - gap("swiftkv-50")) - (gap("swiftkv-50") - gap("swiftkv-25"))
-    return {"gap_closed_by_distillation_at_50": float(closed), "distilled_better_than_undistilled":
-            bool(loss["swiftkv-50"] < loss["swiftkv-50-undistilled"]),
-            "quality_falls_faster_beyond_50": bool(steeper > 0), "second_difference_of_gap": float(steeper)}
+    checks = {"gap_closed_by_distillation_at_50": float(closed), "distilled_better_than_undistilled":
+              bool(loss["swiftkv-50"] < loss["swiftkv-50-undistilled"]),
+              "quality_falls_faster_beyond_50": bool(steeper > 0), "second_difference_of_gap": float(steeper)}
+    if target is not None:
+        checks.update(gap_closed_target=target, gap_closed_pass=bool(closed >= target))  # nan: not passed
+    return checks
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -578,14 +637,25 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     _settings_guard(out, name, settings)
     earlier = earlier_training_seconds(out, settings.architecture["num_hidden_layers"])
     start = time.perf_counter()
-    stages = {}
+    calls, stages = _Calls(out, start), {}
 
     def lap(stage: str) -> None:
         stages[stage] = round(time.perf_counter() - start - sum(stages.values()), 1)
 
+    def train(export: Path, fn, *args) -> Path:  # a stage trained (or stopped at its checkpoint) in this call
+        new = not export.is_dir()
+        try:
+            fn(*args)
+        except Stopped:
+            calls.saved()
+            raise
+        if new:
+            calls.saved()
+        return export
+
     _, tokenizer = build_data(out, settings)
     lap("data")
-    teacher_dir = pretrain(out, settings, teacher_init(out, settings, tokenizer))
+    teacher_dir = train(out / "teacher" / "model_hf", pretrain, out, settings, teacher_init(out, settings, tokenizer))
     lap("pretrain")
     teacher = sk.load(teacher_dir)
     layers = teacher.config.num_hidden_layers
@@ -595,7 +665,8 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
         models[v.name] = ((functools.partial(sk.load, student), v, [teacher_dir, student]) if v.distilled
                           else (functools.partial(sk.to_swiftkv, teacher, v.l, v.g), v, [teacher_dir]))
     batches, prompts = held_out(out, settings, tokenizer)
-    with Evaluation(teacher, models, batches, prompts, settings, done=out / EVAL_ROWS) as evaluation:
+    with Evaluation(teacher, models, batches, prompts, settings, done=out / EVAL_ROWS,
+                    saved=calls.saved) as evaluation:
         evaluation.time_prefills()
         lap("prefill_bench")
         evaluation.start("teacher")
@@ -606,25 +677,24 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
                 evaluation.start(v.name)
         # the AcrossKV student first: it has no undistilled twin whose scores compile its programs
         for v in sorted((v for v in variants(layers) if v.distilled), key=lambda v: v.g == 1):
-            distill(out, settings, teacher_dir, v)
+            train(student_export(out, v), distill, out, settings, teacher_dir, v)
             evaluation.start(v.name)
         lap("distill")
         rows = evaluation.rows()
     lap("evaluate")
-    # rows read back from an earlier call: their evaluation was that call's time
+    # rows read back from an earlier call: the seconds their scoring took there (wall times of rows scored at once,
+    # beside training on the gpu budget: overlapping, so not added to a total; CALLS' entries are)
     earlier_eval = sum(sum(r["eval_seconds"].values()) for r in rows if r["evaluated_earlier"])
-    checks = shape_checks(rows)
-    if name == "gpu":
-        checks["gap_closed_target"] = GAP_CLOSED_TARGET
-        checks["gap_closed_pass"] = bool(checks["gap_closed_by_distillation_at_50"] >= GAP_CLOSED_TARGET)
+    checks = shape_checks(rows, GAP_CLOSED_TARGET if name == "gpu" else None)
     table = markdown_table(rows, settings)
     every = markdown_table(rows, settings, sorted((r["model"] for r in rows), key=lambda n: (n != "teacher", n)))
     (out / "results.md").write_text(f"{table}\n\nAll models:\n\n{every}\n")
     device = jax.devices()[0]
     seconds = time.perf_counter() - start
+    earlier_calls = round(sum(calls.earlier), 1)
     result = {"settings": name, "rows": rows, "checks": checks, "seconds": seconds,
-              "seconds_with_earlier_calls": seconds + earlier + earlier_eval, "earlier_training_seconds": earlier,
-              "earlier_evaluation_seconds": earlier_eval,
+              "seconds_with_earlier_calls": seconds + earlier_calls, "earlier_calls_seconds": earlier_calls,
+              "earlier_training_seconds": earlier, "earlier_evaluation_seconds": earlier_eval,
               "stage_seconds": stages, "device": f"{device.device_kind} ({device.platform})",
               "estimate": gpu_seconds(settings) if name == "gpu" else None}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -637,8 +707,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
         for name_ in RESULT_FILES:
             shutil.copyfile(out / name_, results / name_.replace("/", "_"))
         _say(f"results copied to {results}")
-    resumed = (f"; {(seconds + earlier + earlier_eval) / 60:.1f} min with earlier calls' training and evaluation"
-               if earlier or earlier_eval else "")
+    resumed = f"; {(seconds + earlier_calls) / 60:.1f} min with earlier calls" if earlier_calls else ""
     _say(f"done in {seconds / 60:.1f} min{resumed} ({', '.join(f'{k} {v:.0f} s' for k, v in stages.items())}): "
          f"{out / 'results.md'}, {out / 'results.json'}, {out / 'quality_vs_layers_skipped.png'}, "
          f"{out / 'analysis' / 'similarity.png'}")

@@ -91,7 +91,10 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     result = json.loads((out / "results.json").read_text())
     stopped_s = json.loads((out / "teacher" / demo.STOPPED_SECONDS).read_text())["seconds"]
     assert 0 < stopped_s == result["earlier_training_seconds"]
-    assert result["seconds_with_earlier_calls"] == pytest.approx(result["seconds"] + stopped_s)
+    # earlier calls' time is their wall time up to their last save: the stopped call's, its corpus and pretraining
+    [stopped_call] = json.loads((out / demo.CALLS).read_text())["calls"][:1]
+    assert stopped_s <= stopped_call == result["earlier_calls_seconds"]
+    assert result["seconds_with_earlier_calls"] == pytest.approx(result["seconds"] + stopped_call)
     teacher_s = json.loads((out / "teacher" / demo.TRAIN_SECONDS).read_text())
     assert teacher_s["seconds"] == pytest.approx(stopped_s + teacher_s["this_call_seconds"], abs=0.11)
     stages = sorted(p.parent.name for p in out.glob(f"**/{demo.TRAIN_SECONDS}"))
@@ -122,8 +125,9 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
         assert by_name[name]["prefill_time_vs_teacher"] == by_name[twin]["prefill_time_vs_teacher"]
     reused = sum(sum(r["eval_seconds"].values()) for r in again["rows"] if r["evaluated_earlier"])
     assert again["earlier_evaluation_seconds"] == pytest.approx(reused) and reused > 0
-    assert again["seconds_with_earlier_calls"] == pytest.approx(
-        again["seconds"] + again["earlier_training_seconds"] + again["earlier_evaluation_seconds"])
+    # the call before took result["seconds"] in all, its rows scored beside its distillations: counted once
+    assert 0 < again["earlier_calls_seconds"] - stopped_call <= result["seconds"] + 0.05  # (rounded to 0.1 s)
+    assert again["seconds_with_earlier_calls"] == pytest.approx(again["seconds"] + again["earlier_calls_seconds"])
     assert set(json.loads((out / demo.EVAL_ROWS).read_text())) == set(rows)
     # the recipe sweep over that demo's teacher: one row, scored against the demo's own numbers
     sweep = tmp_path / "sweep.json"
@@ -338,3 +342,53 @@ def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):
     with pytest.raises(ValueError, match="differentiable attention, one of auto, xla, xla_chunked, cudnn"):
         demo.with_attention(demo.SETTINGS["gpu"], "mosaic")
     assert demo.parser().parse_args(["--budget", "gpu", "--attention", "cudnn"]).attention == "cudnn"
+
+
+def test_a_kept_training_stage_of_other_settings_is_refused_not_reported(tmp_path, monkeypatch):
+    """A stage's export is reused only if its config.yaml holds what this call would train (a recipe sweep's row run
+    again under its name with other steps or rate was scored and reported as trained with them); where its files
+    are (a moved --out) is not a change."""
+    import yaml
+
+    from swiftkv_jax import configuration
+    from swiftkv_jax.configuration import to_dict
+    from swiftkv_jax.distill import trainer
+    from swiftkv_jax.distill.config import TrainConfig
+
+    settings = demo.SETTINGS["smoke"]
+
+    def overrides(out, steps, rate):
+        return ([f"model.teacher={out / 'teacher'}", f"optim.learning_rate={rate}"]
+                + demo.common_overrides(out, settings, steps, out / "run"))
+
+    before = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-swiftkv.yaml", overrides(tmp_path / "a", 2, 1e-3))
+    run_dir = tmp_path / "b" / "run"
+    (run_dir / "student_hf").mkdir(parents=True)
+    (run_dir / trainer.CONFIG_FILE).write_text(yaml.safe_dump(to_dict(before), sort_keys=False))  # as train() does
+    monkeypatch.setattr(trainer, "train", lambda config: pytest.fail("a kept stage trained again"))
+    demo._train("stdlib-swiftkv.yaml", overrides(tmp_path / "b", 2, 1e-3), run_dir / "student_hf")  # moved: kept
+    for (steps, rate), change in (((50, 1e-3), "train.max_steps: 2 -> 50"),
+                                  ((2, 5e-2), "optim.learning_rate: 0.001 -> 0.05")):
+        with pytest.raises(ValueError, match=f"trained with other settings \\({re.escape(change)}\\)"):
+            demo._train("stdlib-swiftkv.yaml", overrides(tmp_path / "b", steps, rate), run_dir / "student_hf")
+
+
+def test_shape_checks_against_hand_computed_gaps():
+    """The share of the 50% gap closed is (undistilled - distilled) / (undistilled - teacher) in validation loss (the
+    recipe sweep's formula); the second difference of the gaps over 25/50/75%; the gpu target is judged on it."""
+    def rows(distilled_50, skipped_75=3.6):
+        loss = {"teacher": 3.0, "swiftkv-25": 3.1, "swiftkv-50-undistilled": 4.0, "swiftkv-50": distilled_50,
+                "swiftkv-75": skipped_75}
+        return [{"model": name, "val_loss": value} for name, value in loss.items()]
+
+    checks = demo.shape_checks(rows(3.2), target=0.9)  # gaps 0.1, 0.2 (undistilled 1.0), 0.6
+    assert checks["gap_closed_by_distillation_at_50"] == pytest.approx(0.8)
+    assert checks["second_difference_of_gap"] == pytest.approx((0.6 - 0.2) - (0.2 - 0.1))
+    assert checks["quality_falls_faster_beyond_50"] and checks["distilled_better_than_undistilled"]
+    assert (checks["gap_closed_target"], checks["gap_closed_pass"]) == (0.9, False)
+    assert demo.shape_checks(rows(3.05), target=0.9)["gap_closed_pass"]  # 95%
+    assert not demo.shape_checks(rows(3.2, skipped_75=3.25))["quality_falls_faster_beyond_50"]  # 0.05 < 0.1
+    assert "gap_closed_pass" not in demo.shape_checks(rows(3.2))  # the CPU budgets have no target
+    worse = demo.shape_checks(rows(4.2))
+    assert worse["gap_closed_by_distillation_at_50"] == pytest.approx(-0.2)
+    assert not worse["distilled_better_than_undistilled"]
