@@ -544,10 +544,11 @@ def _distill_lines(label: str, result: dict) -> list[str]:
                      f"{result['target']}: {verdict}); host {e2e['host_s_mean'] * 1e3:.2f} ms a step")
     if result.get("rows") and result.get("checks"):
         checks = result["checks"]
-        # a demo resumed after a call's time limit: the training and evaluation that earlier calls finished
-        earlier = (result.get("earlier_training_seconds") or 0) + (result.get("earlier_evaluation_seconds") or 0)
-        total = (f"{result['seconds_with_earlier_calls'] / 60:.1f} min with the training and evaluation of earlier "
-                 f"calls, " if earlier else "")
+        # a demo resumed after a call's time limit: the earlier calls' wall time up to their last save (results
+        # written before 2026-11-27 summed their training and evaluation seconds instead)
+        earlier = result.get("earlier_calls_seconds", (result.get("earlier_training_seconds") or 0)
+                             + (result.get("earlier_evaluation_seconds") or 0))
+        total = f"{result['seconds_with_earlier_calls'] / 60:.1f} min with earlier calls, " if earlier else ""
         stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.get("stage_seconds", {}).items())
         lines += ["", f"demo ({result['settings']}, {result.get('device', '?')}, {total}{result['seconds'] / 60:.1f} "
                       f"min this call: {stages})", ""]
