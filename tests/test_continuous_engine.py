@@ -436,17 +436,20 @@ def test_paged_pallas_kernel_in_the_engine(cache_dtype, kv_scales):
     """The ragged paged kernel (interpret mode on CPU; a quantised pool dequantised in the kernel) serves what the
     XLA path serves: decode_attention_impl="pallas" (single tokens and continued chunks from the pages, other
     chunks over their own K/V), and with attention_impl="pallas" too, every token from the pages in one call (a
-    float pool: from a quantised one a fresh chunk would read its own K/V quantised, which the XLA path does not)."""
+    quantised pool too: the XLA path's fresh chunk reads its own K/V as the pages hold them). The last request
+    shares 5 pages of the third's prompt: a prefix-cache hit continues over (quantised) pages in every path."""
     model = sk.to_swiftkv(sk.init(MODELS["plain"][0].config.replace(head_dim=16), 1), 2, 2)  # the kernel: H >= 16
     kwargs = dict(swiftkv=True, page_size=4, num_pages=40, max_num_seqs=4, max_num_batched_tokens=16,
                   cache_dtype=cache_dtype, kv_scales=kv_scales, single_buckets=(4,), prompt_buckets=(32,),
                   max_model_len=64)
+    prompts = PROMPTS[:3] + [PROMPTS[2][:21] + [7, 7]]
     outs = {}
-    paths = ((None, "pallas"),) + ((("pallas", "pallas"),) if cache_dtype == "float32" else ())
+    paths = ((None, "pallas"), ("pallas", "pallas"))
     for prefill, decode in (("xla", "xla"),) + paths:
         eng = Engine(model, attention_impl=prefill, decode_attention_impl=decode, **kwargs)
-        done = run(eng, PROMPTS[:3], arrivals=[0, 0, 2], max_tokens=6)
-        outs[prefill, decode] = [done[str(i)] for i in range(3)]
+        done = run(eng, prompts, arrivals=[0, 0, 2, 6], max_tokens=6)
+        assert eng.stats()["prefix_cache_hits"] == 20
+        outs[prefill, decode] = [done[str(i)] for i in range(len(prompts))]
     for impls in paths:
         for xla, pallas in zip(outs["xla", "xla"], outs[impls]):
             assert pallas.token_ids == xla.token_ids, impls
