@@ -223,6 +223,11 @@ def test_admission_waits_for_pages():
     (dict(prompt=[1], seed=2**31), "seed", r"seed must lie in \[0, 2\*\*31\)"),
     (dict(prompt=[1], prompt_logprobs=21), "prompt_logprobs", "prompt_logprobs must lie in"),
     (dict(prompt=[1], prompt_logprobs=True), "prompt_logprobs", "prompt_logprobs must be an integer"),
+    # int() truncated float ids and parsed a string's digits as tokens
+    (dict(prompt=[1.7, 2.2]), "prompt", r"prompt must be token ids \(integers\), got 1.7"),
+    (dict(prompt="123"), "prompt", "prompt must be a sequence of token ids"),
+    (dict(prompt=[1], logprobs="false"), "logprobs", "logprobs must be True or False"),  # bool("false") is True
+    (dict(prompt=[1], stop_token_ids=5), "stop_token_ids", "stop_token_ids must be a sequence of token ids"),
 ])
 def test_bad_requests_are_refused_alone(request_, param, message):
     """Each bad setting raises InvalidRequest (a ValueError) naming the setting; the engine serves on."""
@@ -291,6 +296,9 @@ def test_a_request_larger_than_the_whole_cache_is_refused():
     (dict(swiftkv=True, model="plain"), "needs a SwiftKV model"),
     (dict(cache_dtype="float32", kv_scales="per-layer"), "do not apply to a float32 cache"),
     (dict(cache_dtype="float8_e5m2"), "unknown KV cache dtype 'float8_e5m2': choose one of"),
+    (dict(num_pages=2.5), "num_pages must be an integer, got 2.5"),  # int() floored it
+    (dict(num_pages="8"), "num_pages must be an integer"),
+    (dict(warmup="false"), "warmup must be True or False"),
 ])
 def test_bad_engine_settings(kwargs, message):
     kwargs = dict(kwargs)
@@ -689,3 +697,28 @@ def test_engine_config_and_keywords_are_one_thing():
         Engine(model, cfg, page_size=8)
     with pytest.raises(ValueError, match="xla_loop must be one of"):
         Engine(model, num_pages=40, xla_loop="sometimes")
+
+
+def test_consume_weights_given_as_text_is_refused_before_it_deletes_the_weights():
+    """bool("false") is True: consume_weights="false" deleted the caller's model arrays as the engine copied them."""
+    model = sk.init(MODELS["plain"][0].config, 0)
+    with pytest.raises(ValueError, match="consume_weights must be True or False"):
+        engine("plain", model=model, consume_weights="false")
+    assert not any(a.is_deleted() for a in jax.tree.leaves(model.params))
+
+
+def test_numpy_scalars_are_taken_as_numbers():
+    """A numpy integer is an integer: max_tokens=np.int64(4) was refused as 'must be an integer'."""
+    eng = engine("swiftkv-g1", page_size=np.int64(4))
+    want = eng.generate([PROMPTS[2]], max_tokens=MAX_TOKENS, temperature=0.7, seed=3, stop_token_ids=[])[0].token_ids
+    got = eng.generate([np.array(PROMPTS[2])], max_tokens=np.int64(MAX_TOKENS), temperature=np.float32(0.7),
+                       seed=np.int64(3), stop_token_ids=np.array([], np.int64))[0].token_ids
+    assert got == want
+
+
+def test_an_engine_refuses_the_weights_of_another_config_when_made():
+    """Not at its first step (a server had started and warmed up by then)."""
+    base = MODELS["plain"][0]
+    wider = sk.init(base.config.replace(intermediate_size=2 * base.config.intermediate_size), 0)
+    with pytest.raises(ValueError, match=r"\['mlp'\]\['down_proj'\]\['kernel'\] has shape .*the config needs"):
+        engine("plain", model=sk.Model(base.config, wider.params))

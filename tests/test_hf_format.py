@@ -605,6 +605,25 @@ def test_save_refuses_a_non_empty_directory(llama, occupied, fmt):
     assert sorted(p.name for p in occupied.parent.iterdir()) == ["target"]
 
 
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_overwrite_given_as_text_is_refused_and_keeps_the_directory(llama, occupied, fmt):
+    """bool("false") is True: overwrite="false" replaced the directory it was meant to keep."""
+    before = file_digests(occupied)
+    with pytest.raises(ValueError, match="overwrite must be True or False, got 'false'"):
+        sk.save(sk.load(llama[0]), occupied, format=fmt, overwrite="false")
+    assert file_digests(occupied) == before
+
+
+def test_extra_files_of_text_are_refused_before_the_weights_are_written(llama, tmp_path, monkeypatch):
+    """A str, not bytes, failed in write_bytes after every shard was written, naming neither."""
+    import swiftkv_jax.checkpoints.hf as hf
+
+    monkeypatch.setattr(hf, "save_file", lambda *a, **k: pytest.fail("weights written before the check"))
+    with pytest.raises(TypeError, match="extra_files maps file names to bytes, got 'README.md': str"):
+        sk.save(sk.load(llama[0]), tmp_path / "out", format="hf", extra_files={"README.md": "text"})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_refuses_a_file_path(llama, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="is a file"):

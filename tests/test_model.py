@@ -175,6 +175,25 @@ def test_bad_tokens(tokens, match):
         sk.logits(sk.init(TINY, 0), tokens)
 
 
+def test_tokens_without_a_token_are_named():
+    with pytest.raises(ValueError, match=r"tokens \[1, 0\] hold no token"):  # numpy's reduction error named neither
+        sk.logits(sk.init(TINY, 0), np.zeros((1, 0), np.int32))
+
+
+def test_config_takes_eos_ids_as_hf_gives_them_and_refuses_text_flags():
+    """One id or a list (config.json's forms) is stored as a tuple: an int was iterated and a list unhashable,
+    failing in generate / the Engine / jit; "false" for a flag would read as True."""
+    assert TINY.replace(eos_token_id=2).eos_token_id == (2,)
+    assert TINY.replace(eos_token_id=[2, np.int64(3)]).eos_token_id == (2, 3)
+    hash(TINY.replace(eos_token_id=[2, 3]))
+    with pytest.raises(ValueError, match="eos_token_id must be token ids"):
+        TINY.replace(eos_token_id=[2.5])
+    with pytest.raises(ValueError, match="tie_word_embeddings must be True or False, got 'false'"):
+        TINY.replace(tie_word_embeddings="false")
+    with pytest.raises(ValueError, match="max_position_embeddings must be a positive int"):
+        TINY.replace(max_position_embeddings="4096")
+
+
 def test_bad_positions_shape():
     with pytest.raises(ValueError, match="positions has shape"):
         sk.logits(sk.init(TINY, 0), np.zeros((1, 4), np.int32), positions=np.zeros((1, 5), np.int32))

@@ -325,3 +325,45 @@ def test_long_prompts_pad_to_finer_buckets():
     for octave in (2048, 4096, 32768):  # (octave, 2 * octave]: four buckets
         assert len({padded_length(n, None) for n in range(octave + 1, 2 * octave + 1)}) == 4
     assert padded_length(3000, 1024) == 3072  # chunked: multiples of the chunk, as before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),  # sampled token 0 at every step
+    (dict(prompts=[[6.7, 7.2]]), r"prompts must be token ids \(integers\), got 6.7"),  # int() truncated them
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),  # failed inside jnp.zeros
+    (dict(temperature=1.0, top_k=2.5), "top_k must be an integer"),  # failed inside lax.top_k
+    (dict(temperature="0.5"), "temperature must be a finite number"),
+    (dict(seed="1"), "seed must be an integer"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a sequence of token ids"),
+    (dict(prefill_chunk=-4), "prefill_chunk must be >= 0"),
+    (dict(max_len=20.5), "max_len must be an integer"),
+    (dict(logprobs="false"), "logprobs must be True or False"),  # bool("false") is True
+])
+def test_generate_names_a_setting_of_the_wrong_type_or_value(kwargs, message):
+    model, _ = MODELS["plain"]
+    kwargs = {"prompts": [[6, 7]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        sk.generate(model, **kwargs)
+
+
+def test_generate_takes_numpy_scalars_and_a_config_eos_id_given_as_an_int():
+    model, _ = MODELS["plain"]
+    want = sk.generate(model, [[6, 7]], 3, temperature=0.5, top_k=4, seed=1).tokens
+    assert sk.generate(model, np.array([[6, 7]]), np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4),
+                       seed=np.int64(1)).tokens == want
+    # HF's config.json gives one eos id as an int: iterating over it failed in generate and the Engine
+    eos = sk.Model(model.config.replace(eos_token_id=want[0][1]), model.params)
+    assert eos.config.eos_token_id == (want[0][1],)
+    assert sk.generate(eos, [[6, 7]], 3, temperature=0.5, top_k=4, seed=1).tokens == [want[0][:2]]
+
+
+def test_generate_and_logits_refuse_the_weights_of_another_config():
+    """Weights of a deeper model under this config: generate ran on the first layers silently, logits failed in
+    lax.scan naming neither."""
+    model, _ = MODELS["plain"]
+    deeper = sk.init(CFG.replace(num_hidden_layers=6), 0)
+    mixed = sk.Model(CFG, deeper.params)
+    with pytest.raises(ValueError, match=r"parameter \['layers'\].* has shape \(6, .*the config needs \(4, "):
+        sk.generate(mixed, [[6, 7]], 2)
+    with pytest.raises(ValueError, match=r"has shape \(6, .*the config needs \(4, "):
+        sk.logits(mixed, [[6, 7]])

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from swiftkv_jax.checks import flag
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -43,6 +45,11 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
     the new directory before it is committed. With several JAX processes every one gets the same directory
     (for collective writers such as Orbax); process 0 alone writes the extra files and commits.
     """
+    overwrite = flag("overwrite", overwrite)  # bool("false") is True: it replaced the checkpoint it was to keep
+    for name, content in (extra_files or {}).items():  # checked before the weights are written, not after
+        if not isinstance(name, str) or not isinstance(content, (bytes, bytearray)):
+            raise TypeError(f"extra_files maps file names to bytes, got {name!r}: {type(content).__name__} "
+                            f"(encode text, e.g. text.encode())")
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is a file; choose a directory path")

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from swiftkv_jax.checks import flag, token_ids
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.attention import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS
 
@@ -92,10 +93,19 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"unsupported model family {self.family!r}: supported are {', '.join(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "key_value_group_size"):
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "key_value_group_size",
+                     "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
+            flag(name, getattr(self, name))  # bool("false") is True: another parameter tree
+        # HF's config.json gives one id or a list (Llama-3.1's three); generate and the Engine iterate over a tuple
+        # and the config is hashed (a static argument): an int or a list failed there, naming neither
+        eos = self.eos_token_id
+        if eos is not None:
+            ids = token_ids("eos_token_id", [eos] if isinstance(eos, (int, np.integer)) else eos)
+            object.__setattr__(self, "eos_token_id", tuple(ids))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

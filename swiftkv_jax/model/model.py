@@ -119,8 +119,11 @@ def _as_int_array(name: str, value, shape=None):
 
 def _checked_inputs(model: Model, tokens, swiftkv, positions, segment_ids):
     cfg = model.config
+    check_params(cfg, model.params)  # another config's weights failed inside flax or lax.scan, naming neither
     swiftkv = serves_swiftkv(cfg, swiftkv)
     tokens = _as_int_array("tokens", tokens)
+    if tokens.size == 0:
+        raise ValueError(f"tokens {list(tokens.shape)} hold no token: logits need at least one")
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= cfg.vocab_size:
         raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got values in [{low}, {high}]")

@@ -33,10 +33,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from swiftkv_jax.checks import flag, integer, real, token_ids
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import serves_swiftkv
 from swiftkv_jax.model.kv_quant import as_format
-from swiftkv_jax.model.model import Model
+from swiftkv_jax.model.model import Model, check_params
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
 from swiftkv_jax.serving.compile_cache import count_compiles
 from swiftkv_jax.serving.errors import InvalidRequest
@@ -159,13 +160,18 @@ class EngineConfig:
         """Raise ValueError naming the setting and what it takes."""
         if self.budget_unit not in BUDGET_UNITS:
             raise ValueError(f"budget_unit must be one of {BUDGET_UNITS}, got {self.budget_unit!r}")
+        # numpy scalars are taken as Python numbers; a float page count (int() floored 2.5 to 2), text or a string
+        # "false" for a flag (consume_weights="false" deleted the caller's weights) are refused by name
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prompt_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
-                                               or not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+            object.__setattr__(self, name, integer(name, getattr(self, name), 1))
+        for name in ("max_model_len", "num_pages", "kv_cache_bytes"):  # None: unset (the pool's size: its own check)
+            if getattr(self, name) is not None:
+                minimum = 1 if name == "max_model_len" else None
+                object.__setattr__(self, name, integer(name, getattr(self, name), minimum))
+        if self.kv_cache_fraction is not None:
+            object.__setattr__(self, "kv_cache_fraction", real("kv_cache_fraction", self.kv_cache_fraction))
+        for name in ("consume_weights", "warmup", "enable_prefix_caching"):
+            flag(name, getattr(self, name))
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
                              f"({self.max_num_seqs}), so that every running sequence can decode in every step")
@@ -177,8 +183,6 @@ class EngineConfig:
                                                        for v in value)):
                 raise ValueError(f"{name} must be positive integers, got {value!r}")
         as_format(self.cache_dtype, self.kv_scales)  # a bad dtype or scale setting names the choices
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
 @dataclasses.dataclass
@@ -209,6 +213,7 @@ class Engine:
         options.check()
         self.engine_config = options
         self.mesh = mesh = options.mesh
+        check_params(model.config, model.params)  # another config's weights failed in the first step, not here
         model = for_serving(model, mesh)  # first: a tensor size that cannot work fails before anything is allocated
         self.config = cfg = serving_config(model.config, options.cache_dtype, paged=True,
                                            attention_impl=options.attention_impl,
@@ -301,10 +306,7 @@ class Engine:
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
         runs as full-depth single tokens, see the scheduler); on the request's first output."""
-        try:
-            prompt = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequest("a prompt must be a sequence of token ids (integers)", "prompt") from None
+        prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
         vocab = self.config.vocab_size
@@ -313,9 +315,11 @@ class Engine:
                                  "prompt")
         with self._id_lock:
             number = next(self._ids)
+        if stop_token_ids is not None:
+            stop_token_ids = token_ids("stop_token_ids", stop_token_ids, InvalidRequest)
         params = RequestParams(max_tokens, temperature, top_k, top_p, number % 2**31 if seed is None else seed,
-                               tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs)
-        params.validate(vocab)
+                               tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs).validate(vocab)
+        max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
         needed = len(prompt) + max_tokens

@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import ModelConfig, serves_swiftkv
-from swiftkv_jax.model.model import Model
+from swiftkv_jax.checks import flag, integer, token_ids
+from swiftkv_jax.model.model import Model, check_params
 from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.kernel_choice import serving_config
@@ -120,6 +121,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     mesh: serve tensor-parallel on this mesh (`serving_mesh(N)`): the weights, unless already placed there
     (`load_sharded`), are split by heads (`tensor_parallel.shard_model`), and so is the cache.
     """
+    check_params(model.config, model.params)  # another config's weights ran silently (extra layers) or failed in flax
     model = for_serving(model, mesh)
     cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
                          decode_attention_impl=decode_attention_impl)
@@ -127,17 +129,26 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     sampling = SamplingParams(temperature, top_k, top_p)
     if isinstance(prompts, str):
         prompts = [prompts]
+    if not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a list of token id lists (or of texts, with a tokenizer), got "
+                         f"{prompts!r:.80}")
     if any(isinstance(p, str) for p in prompts):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (pass tokenizer=, or token id lists)")
         prompts = [tokenizer(p)["input_ids"] for p in prompts]
     if any(isinstance(p, (int, np.integer)) for p in prompts):
         raise ValueError("prompts is a batch: a list of token id lists (one prompt: [[1, 2, 3]], not [1, 2, 3])")
-    prompts = [list(map(int, p)) for p in prompts]
+    # every number by name, before any compile: int() truncated float ids, a float count failed inside jnp.zeros
+    prompts = [token_ids("prompts", p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_new_tokens = integer("max_new_tokens", max_new_tokens, 1)
+    seed = integer("seed", seed)
+    logprobs = flag("logprobs", logprobs)
+    max_len = None if max_len is None else integer("max_len", max_len, 1)
+    prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0) or None
+    if stop_token_ids is not None:
+        stop_token_ids = token_ids("stop_token_ids", stop_token_ids)
     flat = [t for p in prompts for t in p]
     if min(flat) < 0 or max(flat) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")

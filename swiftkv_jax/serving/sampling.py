@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from swiftkv_jax.checks import integer, real
 from swiftkv_jax.serving.errors import InvalidRequest
 
 
@@ -17,10 +18,13 @@ class SamplingParams:
     top_p: float = 1.0        # 1: off
 
     def __post_init__(self):
+        # a NaN temperature sampled token 0 every step, a float top_k failed inside lax.top_k: refused by name, and
+        # numpy scalars stored as Python numbers (the params are a static argument of the decode loop)
+        object.__setattr__(self, "temperature", real("temperature", self.temperature, InvalidRequest))
+        object.__setattr__(self, "top_k", integer("top_k", self.top_k, 0, InvalidRequest))
+        object.__setattr__(self, "top_p", real("top_p", self.top_p, InvalidRequest))
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}", "top_k")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}", "top_p")
 

@@ -36,7 +36,6 @@ import bisect
 import dataclasses
 import enum
 import itertools
-import math
 import operator
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from typing import Optional
 
 import numpy as np
 
+from swiftkv_jax.checks import flag, integer, real
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
@@ -72,28 +72,25 @@ class RequestParams:
     top_logprobs: int = 0       # and the k most likely tokens' (k <= MAX_TOP_LOGPROBS), with logprobs
     prompt_logprobs: Optional[int] = None  # each prompt token's logprob and the k most likely there (vLLM's)
 
-    def validate(self, vocab_size: int) -> None:
-        def number(name, value, kind=(int, float)):
-            if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
-                what = "an integer" if kind is int else "a finite number"
-                raise InvalidRequest(f"{name} must be {what}, got {value!r}", name)
-
-        number("temperature", self.temperature)
-        number("top_p", self.top_p)
-        number("max_tokens", self.max_tokens, int)
-        number("top_k", self.top_k, int)
-        number("top_logprobs", self.top_logprobs, int)
-        number("seed", self.seed, int)
-        if self.max_tokens < 1:
+    def validate(self, vocab_size: int) -> "RequestParams":
+        """These params with numpy scalars as Python numbers; InvalidRequest naming the first bad setting."""
+        number = lambda name, value: real(name, value, InvalidRequest)
+        whole = lambda name, value: integer(name, value, error=InvalidRequest)
+        sampling = SamplingParams(number("temperature", self.temperature), self.top_k,
+                                  number("top_p", self.top_p))  # its own range checks
+        changes = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                       max_tokens=whole("max_tokens", self.max_tokens), seed=whole("seed", self.seed),
+                       top_logprobs=whole("top_logprobs", self.top_logprobs),
+                       logprobs=flag("logprobs", self.logprobs, InvalidRequest))  # bool("false") is True
+        if changes["max_tokens"] < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
-        SamplingParams(self.temperature, self.top_k, self.top_p)  # its own range checks
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                  "top_logprobs")
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs and not changes["logprobs"]:
             raise InvalidRequest("top_logprobs needs logprobs=True", "top_logprobs")
         if self.prompt_logprobs is not None:
-            number("prompt_logprobs", self.prompt_logprobs, int)
+            changes["prompt_logprobs"] = whole("prompt_logprobs", self.prompt_logprobs)
             if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequest(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (or None: off), got "
                                      f"{self.prompt_logprobs}", "prompt_logprobs")
@@ -105,6 +102,7 @@ class RequestParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")
+        return dataclasses.replace(self, stop_token_ids=tuple(map(int, self.stop_token_ids)), **changes)
 
 
 @dataclasses.dataclass(eq=False, slots=True)  # slots: the engine touches every running one each step
