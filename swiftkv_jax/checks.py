@@ -26,12 +26,14 @@ def flag(name: str, value, error=ArgumentError) -> bool:
     return bool(value)
 
 
-def integer(name: str, value, minimum: Optional[int] = None, error=ArgumentError) -> int:
+def integer(name: str, value, minimum: Optional[int] = None, error=ArgumentError, optional: bool = False) -> int:
+    """`value` as an int; `optional`: the argument may also be None (the caller handles it), as the message says."""
+    or_none = " or None" if optional else ""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise error(f"{name} must be an integer, got {value!r}", name)
+        raise error(f"{name} must be an integer{or_none}, got {value!r}", name)
     if minimum is not None and value < minimum:
-        raise error(f"{name} must be " + ("a positive integer" if minimum == 1 else f">= {minimum}") + f", got {value}",
-                    name)
+        raise error(f"{name} must be " + ("a positive integer" if minimum == 1 else f">= {minimum}") + or_none
+                    + f", got {value}", name)
     return int(value)
 
 

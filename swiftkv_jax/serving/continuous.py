@@ -167,7 +167,7 @@ class EngineConfig:
         for name in ("max_model_len", "num_pages", "kv_cache_bytes"):  # None: unset (the pool's size: its own check)
             if getattr(self, name) is not None:
                 minimum = 1 if name == "max_model_len" else None
-                object.__setattr__(self, name, integer(name, getattr(self, name), minimum))
+                object.__setattr__(self, name, integer(name, getattr(self, name), minimum, optional=True))
         if self.kv_cache_fraction is not None:
             object.__setattr__(self, "kv_cache_fraction", real("kv_cache_fraction", self.kv_cache_fraction))
         for name in ("consume_weights", "warmup", "enable_prefix_caching"):

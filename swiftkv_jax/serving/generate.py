@@ -145,8 +145,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     max_new_tokens = integer("max_new_tokens", max_new_tokens, 1)
     seed = integer("seed", seed)
     logprobs = flag("logprobs", logprobs)
-    max_len = None if max_len is None else integer("max_len", max_len, 1)
-    prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0) or None
+    max_len = None if max_len is None else integer("max_len", max_len, 1, optional=True)
+    prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0, optional=True) or None
     if stop_token_ids is not None:
         stop_token_ids = token_ids("stop_token_ids", stop_token_ids)
     flat = [t for p in prompts for t in p]
