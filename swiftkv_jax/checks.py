@@ -48,6 +48,11 @@ def token_ids(name: str, values, error=ArgumentError) -> list[int]:
     """A sequence of token ids as ints; floats, bools and text are refused (int() would truncate or parse them)."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise error(f"{name} must be a sequence of token ids (integers), got {values!r:.80}", name)
+    if hasattr(values, "dtype") and hasattr(values, "shape"):  # a numpy or jax array: its dtype says it at once
+        if len(values.shape) != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise error(f"{name} must be token ids (a 1-D integer array), got {values.dtype}{list(values.shape)}",
+                        name)
+        return np.asarray(values).tolist()
     ids = list(values)
     bad = [t for t in ids if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
     if bad:

@@ -351,6 +351,9 @@ def test_generate_takes_numpy_scalars_and_a_config_eos_id_given_as_an_int():
     want = sk.generate(model, [[6, 7]], 3, temperature=0.5, top_k=4, seed=1).tokens
     assert sk.generate(model, np.array([[6, 7]]), np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4),
                        seed=np.int64(1)).tokens == want
+    assert sk.generate(model, jnp.array([[6, 7]]), 3, temperature=0.5, top_k=4, seed=1).tokens == want  # jax too
+    with pytest.raises(ValueError, match=r"prompts must be token ids \(a 1-D integer array\), got float32\[2\]"):
+        sk.generate(model, np.array([[6.0, 7.0]], np.float32), 3)
     # HF's config.json gives one eos id as an int: iterating over it failed in generate and the Engine
     eos = sk.Model(model.config.replace(eos_token_id=want[0][1]), model.params)
     assert eos.config.eos_token_id == (want[0][1],)
