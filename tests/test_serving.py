@@ -370,3 +370,10 @@ def test_generate_and_logits_refuse_the_weights_of_another_config():
         sk.generate(mixed, [[6, 7]], 2)
     with pytest.raises(ValueError, match=r"has shape \(6, .*the config needs \(4, "):
         sk.logits(mixed, [[6, 7]])
+    # the engines' serving layout (per-layer tuples, as benchmarks hand it over) is checked as such
+    from swiftkv_jax.model.cached import unstack_layers
+
+    served = sk.Model(CFG, unstack_layers(model.params, CFG))
+    assert sk.generate(served, [[6, 7]], 2).tokens == sk.generate(model, [[6, 7]], 2).tokens
+    with pytest.raises(ValueError, match=r"unexpected parameter\(s\) \['layers'\]\[4\]"):
+        sk.generate(sk.Model(CFG, unstack_layers(deeper.params, deeper.config)), [[6, 7]], 2)

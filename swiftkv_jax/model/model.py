@@ -69,8 +69,13 @@ def cast(model: Model, dtype, compute_dtype=None) -> Model:
 
 
 def check_params(config: ModelConfig, params) -> None:
-    """Raise ValueError naming the first missing, unexpected or mis-shaped parameter."""
+    """Raise ValueError naming the first missing, unexpected or mis-shaped parameter; `params` stacked, or in the
+    engines' serving layout (`unstack_layers`: tuples of per-layer dicts)."""
     expected = abstract_params(config)
+    if isinstance(params, dict) and isinstance(params.get("layers"), tuple):
+        from swiftkv_jax.model.cached import unstack_layers  # it imports this module
+
+        expected = jax.eval_shape(lambda p: unstack_layers(p, config), expected)
     flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
     flat_given = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     for path, spec in flat_expected.items():
