@@ -157,6 +157,15 @@ def test_text_documents_get_bos_and_eos(tokenizer):
     assert ids[0] == tokenizer.bos_token_id and list(mask) == [1] * len(ids)
 
 
+def test_text_of_a_rendered_conversation_keeps_one_bos_and_eos(tokenizer):
+    """A text column of conversations already through the chat template: the ids the chat path gives, as
+    transformers' apply_chat_template (and serving) do, not a second BOS before and a second EOT after."""
+    messages = EXAMPLES[0]["messages"]
+    ids, _ = encode(tokenizer, [], tokenizer.apply_chat_template(messages, tokenize=False))
+    assert ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert ids.count(tokenizer.bos_token_id) == 1 and ids[-2:] != [tokenizer.eos_token_id] * 2
+
+
 def test_tokenizer_round_trip(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "tok")
     loaded = load_tokenizer(str(tmp_path / "tok"))

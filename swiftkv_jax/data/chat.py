@@ -128,7 +128,9 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list,
 
 
 def _tokenize_batch(batch, tokenizer: PreTrainedTokenizerBase, assistant_mask: bool):
-    # Chat: the template already holds BOS and turn ends, so no special tokens are added. Text: BOS + EOS.
+    # Chat: the template already holds BOS and turn ends, so no special tokens are added. Text: BOS + EOS, where the
+    # text does not hold them already (a text column of conversations rendered with the chat template starts with
+    # its BOS and ends with its EOT): a second BOS is not what serving sends the model.
     rendered = [render_chat(tokenizer, m, assistant_mask) if m else (t, None)
                 for m, t in zip(batch["messages"], batch["text"])]
     enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, verbose=False,
@@ -137,7 +139,9 @@ def _tokenize_batch(batch, tokenizer: PreTrainedTokenizerBase, assistant_mask: b
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     ids, masks = [], []
     for i, (text, spans) in enumerate(rendered):
-        ids.append(enc["input_ids"][i] if spans is not None else bos + enc["input_ids"][i] + eos)
+        text_ids = enc["input_ids"][i]
+        ids.append(text_ids if spans is not None else
+                   (bos if text_ids[:1] != bos else []) + text_ids + (eos if text_ids[-1:] != eos else []))
         masks.append(np.ones(len(ids[-1]), np.int8))
         if spans is not None and assistant_mask:
             in_span = np.zeros(len(text) + 1, np.int8)
