@@ -270,3 +270,28 @@ def test_acc_norm_divides_by_the_choices_characters_as_lm_eval():
     winogrande = MultipleChoiceItem(("shots\n\nIt was x", "shots\n\nIt was yyy"), (" ok.", " ok."), 1,
                                     choices=("It was x", "It was yyy"))
     assert choice_hits(winogrande, [-8.2, -10.0])["acc_norm"] == 1.0  # -1.025 < -1.0: lengths of its choices
+
+
+@pytest.mark.parametrize("context,continuation", [
+    ("Question: What is 2 + 3?\nAnswer:", " 5"),
+    ("Question: What is 2 + 3?\nAnswer: ", "5"),          # the space ends the context: lm-eval moves it on
+    ("The dog ran to the. ", " Sort these words"),       # HellaSwag's " [title]" -> ". " leaves one there
+    ("<|begin_of_text|>Question: What is 2 + 3?\nAnswer:", " 5"),  # rendered with its BOS: no second one
+])
+def test_context_and_continuation_ids_are_lm_evals(context, continuation):
+    """lm-eval's own _encode_pair, over HFLM.tok_encode (the tokenizer's BOS, none where the text starts with
+    it; written out here, as HFLM needs accelerate), gives the ids that infer.py eval scores."""
+    from types import SimpleNamespace
+
+    from swiftkv_jax.data import toy
+    from swiftkv_jax.evaluation.harness import encode_pair
+    template_lm = pytest.importorskip("lm_eval.api.model").TemplateLM
+    tokenizer = toy.train_chat_tokenizer([m["content"] for e in toy.synthetic_chat_examples(40)
+                                          for m in e["messages"]], vocab_size=400)
+
+    def tok_encode(text, add_special_tokens=None):
+        return tokenizer.encode(text, add_special_tokens=not text.startswith(tokenizer.bos_token))
+
+    lm_eval = template_lm._encode_pair(SimpleNamespace(backend="causal", tok_encode=tok_encode), context, continuation)
+    assert encode_pair(tokenizer, context, continuation, False) == lm_eval
+    assert lm_eval[0].count(tokenizer.bos_token_id) == 1

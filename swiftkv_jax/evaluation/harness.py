@@ -40,12 +40,19 @@ PRIMARY_METRIC = {"multiple_choice": "acc", "generation": "exact_match", "perple
 def render_context(tokenizer, context: str, chat_template: bool) -> list[int]:
     """Context ids: BOS (if the tokenizer adds one) + text, or the chat template's user turn + assistant header."""
     if not chat_template:
-        return tokenizer(context)["input_ids"]
+        return _encode(tokenizer, context)
     if not tokenizer.chat_template:
         raise ValueError("--chat-template: this tokenizer has no chat template; drop the option")
     text = tokenizer.apply_chat_template([{"role": "user", "content": context}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """The tokenizer's special tokens (its BOS), but none where the text starts with the BOS already (lm-eval's
+    tok_encode): a context of a prompt rendered beforehand is not given a second one."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
 def encode_pair(tokenizer, context: str, continuation: str, chat_template: bool) -> tuple[list[int], list[int]]:
@@ -54,8 +61,11 @@ def encode_pair(tokenizer, context: str, continuation: str, chat_template: bool)
     if chat_template:  # the answer starts the assistant turn: no separating space
         return render_context(tokenizer, context, True), tokenizer(continuation.lstrip(),
                                                                   add_special_tokens=False)["input_ids"]
-    context_ids = tokenizer(context)["input_ids"]
-    whole = tokenizer(context + continuation)["input_ids"]
+    spaces = len(context) - len(context.rstrip())  # lm-eval's: a context's trailing spaces begin the continuation
+    if spaces and context.strip():
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = _encode(tokenizer, context)
+    whole = _encode(tokenizer, context + continuation)
     if whole[: len(context_ids)] == context_ids and len(whole) > len(context_ids):
         return context_ids, whole[len(context_ids):]
     return context_ids, tokenizer(continuation, add_special_tokens=False)["input_ids"]
