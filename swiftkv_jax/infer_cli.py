@@ -232,7 +232,24 @@ def _load_model(path: str, args, mesh=None):
     model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
+    eos = _generation_eos(path, model.config.eos_token_id)
+    if eos != model.config.eos_token_id:
+        changes["eos_token_id"] = eos
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
+
+
+def _generation_eos(path: str, eos):
+    """config.json's EOS ids and generation_config.json's after them, which generate, eval and serve stop at: as
+    transformers' generate and vLLM do. Llama-3-Instruct and Qwen2.5-Instruct name only <|eot_id|> / <|im_end|> in
+    config.json, <|end_of_text|> / <|endoftext|> too in generation_config.json, and do end answers with them."""
+    try:
+        with open(os.path.join(os.path.expanduser(path), "generation_config.json"), encoding="utf-8") as f:
+            more = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # none (an orbax checkpoint may have none), or not a JSON object
+        return eos
+    more = more if isinstance(more, list) else [more]
+    extra = [t for t in more if isinstance(t, int) and not isinstance(t, bool) and t not in (eos or ())]
+    return tuple(eos or ()) + tuple(dict.fromkeys(extra)) if extra else eos
 
 
 def _named_impls(args) -> dict:

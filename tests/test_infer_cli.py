@@ -325,3 +325,21 @@ def test_named_attention_impls_are_served_on_a_gpu(checkpoints, capsys, monkeypa
               "--decode-attention-impl", "xla"])
     capsys.readouterr()
     assert resolved == [("xla", "xla")]
+
+
+def test_generate_eval_and_serve_stop_at_generation_configs_eos_ids_too(checkpoints, tmp_path):
+    """As Llama-3-Instruct and Qwen2.5-Instruct ship: config.json names <|eot_id|>, generation_config.json
+    <|end_of_text|> too. The model the commands load stops at what transformers' generate stops at."""
+    from transformers import GenerationConfig
+
+    from swiftkv_jax.infer_cli import _load_model
+    model_dir = shutil.copytree(checkpoints / "teacher", tmp_path / "teacher")
+    tokenizer = load_tokenizer(str(model_dir))
+    eot, end = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
+    assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == eot
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [end, eot]}))
+    args = types.SimpleNamespace(dtype=None, attention_impl=None, decode_attention_impl=None)
+    eos = _load_model(str(model_dir), args).config.eos_token_id
+    assert sorted(eos) == sorted(GenerationConfig.from_pretrained(model_dir).eos_token_id) == sorted([eot, end])
+    (model_dir / "generation_config.json").unlink()
+    assert _load_model(str(model_dir), args).config.eos_token_id == (eot,)
