@@ -242,11 +242,14 @@ def _generation_eos(path: str, eos):
     """config.json's EOS ids and generation_config.json's after them, which generate, eval and serve stop at: as
     transformers' generate and vLLM do. Llama-3-Instruct and Qwen2.5-Instruct name only <|eot_id|> / <|im_end|> in
     config.json, <|end_of_text|> / <|endoftext|> too in generation_config.json, and do end answers with them."""
-    try:
-        with open(os.path.join(os.path.expanduser(path), "generation_config.json"), encoding="utf-8") as f:
-            more = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):  # none (an orbax checkpoint may have none), or not a JSON object
+    file = os.path.join(os.path.expanduser(path), "generation_config.json")
+    if not os.path.isfile(file):  # none (an orbax checkpoint, a converted folder may have none)
         return eos
+    try:
+        with open(file, encoding="utf-8") as f:
+            more = json.load(f).get("eos_token_id")
+    except (ValueError, AttributeError) as e:  # as transformers, which refuses to load such a checkpoint
+        raise ValueError(f"{file} is not a JSON object ({e}): fix or delete it (it only adds stop ids)") from None
     more = more if isinstance(more, list) else [more]
     extra = [t for t in more if isinstance(t, int) and not isinstance(t, bool) and t not in (eos or ())]
     return tuple(eos or ()) + tuple(dict.fromkeys(extra)) if extra else eos

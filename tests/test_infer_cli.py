@@ -343,3 +343,6 @@ def test_generate_eval_and_serve_stop_at_generation_configs_eos_ids_too(checkpoi
     assert sorted(eos) == sorted(GenerationConfig.from_pretrained(model_dir).eos_token_id) == sorted([eot, end])
     (model_dir / "generation_config.json").unlink()
     assert _load_model(str(model_dir), args).config.eos_token_id == (eot,)
+    (model_dir / "generation_config.json").write_text("{not json")  # named, as transformers refuses it too
+    with pytest.raises(ValueError, match=r"generation_config.json is not a JSON object .*fix or delete it"):
+        _load_model(str(model_dir), args)
