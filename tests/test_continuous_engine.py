@@ -294,6 +294,7 @@ def test_a_request_larger_than_the_whole_cache_is_refused():
     (dict(page_size=0), "page_size must be a positive integer"),
     (dict(num_pages=1), "at least 2 pages"),
     (dict(kv_cache_fraction=0.5, num_pages=None), "does not report"),
+    (dict(kv_cache_fraction="0.5", num_pages=None), "kv_cache_fraction must be a finite number"),
     (dict(swiftkv=True, model="plain"), "needs a SwiftKV model"),
     (dict(cache_dtype="float32", kv_scales="per-layer"), "do not apply to a float32 cache"),
     (dict(cache_dtype="float8_e5m2"), "unknown KV cache dtype 'float8_e5m2': choose one of"),

@@ -103,3 +103,13 @@ def test_bad_requests_are_refused():
         score_continuations(model, [([1, 99], [3])])
     with pytest.raises(ValueError, match="at least 2"):
         rolling_loglikelihood(model, [[4]], max_length=8)
+
+
+@pytest.mark.parametrize("scorer", [lambda model, **kw: score_continuations(model, REQUESTS[:1], **kw),
+                                    lambda model, **kw: rolling_loglikelihood(model, [CONTEXTS[1]], max_length=8,
+                                                                              **kw)])
+def test_a_swiftkv_flag_that_is_not_a_bool_is_refused_by_the_scorers(scorer):
+    """bool("false") is True: swiftkv="false" scored a SwiftKV model in the wiring it asked to turn off."""
+    model, _ = MODELS["swiftkv-g2"]
+    with pytest.raises(ValueError, match=r"swiftkv must be True, False or None .* got 'false'"):
+        scorer(model, swiftkv="false")

@@ -641,3 +641,22 @@ def test_distill_summary_shows_the_recipe_sweep():
     text = "\n".join(pack_steps._distill_lines("benchmarks/recipe_sweep.py --budget gpu", result))
     assert "recipe sweep (gpu): teacher 2.5000, undistilled 50% 2.7000" in text
     assert "| lr6e-3 | 300 | optim.learning_rate=6e-3 | 2.5200 | 90.0% |" in text
+
+
+def test_demo_summary_totals_a_resumed_demo_with_its_earlier_calls_wall_time():
+    """A resumed demo's total is its earlier calls' wall time (earlier_calls_seconds), not their training plus
+    evaluation seconds, which overlap on the gpu budget; results written before that field sum those two."""
+    row = {"model": "teacher", "val_loss": 2.5, "kl_to_teacher": 0.0, "greedy_agreement": 1.0,
+           "prefill_time_vs_teacher": 1.0}
+    result = {"settings": "gpu", "device": "H100 (gpu)", "rows": [row], "stage_seconds": {"data": 5.0},
+              "checks": {"gap_closed_by_distillation_at_50": 0.95, "gap_closed_target": 0.9, "gap_closed_pass": True},
+              "seconds": 60.0, "seconds_with_earlier_calls": 150.0, "earlier_calls_seconds": 90.0,
+              "earlier_training_seconds": 0.0, "earlier_evaluation_seconds": 0.0}
+    line = lambda result: next(line for line in pack_steps._distill_lines("demo.py --budget gpu", result)
+                               if line.startswith("demo ("))
+    assert line(result) == "demo (gpu, H100 (gpu), 2.5 min with earlier calls, 1.0 min this call: data 5 s)"
+    first = dict(result, seconds_with_earlier_calls=60.0, earlier_calls_seconds=0.0, earlier_training_seconds=30.0)
+    assert line(first) == "demo (gpu, H100 (gpu), 1.0 min this call: data 5 s)"
+    older = {k: v for k, v in dict(result, earlier_training_seconds=50.0).items() if k != "earlier_calls_seconds"}
+    assert "2.5 min with earlier calls, 1.0 min this call" in line(older)
+    assert "gap closed by distillation at 50%: 95.0% (target 90%: PASS)" in pack_steps._distill_lines("", result)

@@ -159,6 +159,8 @@ def test_bad_requests_raise_clear_errors():
         sk.generate(model, [[6] * (limit - 8)], 9)
     with pytest.raises(ValueError, match=f"shorten the prompt to fewer than {limit} tokens"):
         sk.generate(model, [[6] * limit], 1)
+    short = sk.Model(model.config.replace(max_position_embeddings=40), model.params)  # every position: served
+    assert len(sk.generate(short, [[6] * 32], 8, stop_token_ids=[]).tokens[0]) == 8
     with pytest.raises(ValueError, match="text prompts need a tokenizer"):
         sk.generate(model, "hello", 4)
     with pytest.raises(ValueError, match=r"one prompt: \[\[1, 2, 3\]\], not \[1, 2, 3\]"):
@@ -294,21 +296,24 @@ def test_streaming_callback_sees_every_token_in_order():
     assert seen == out.tokens[0] and len(seen) == 12
 
 
-@pytest.mark.parametrize("padded", [32, 300])  # one block of queries (xla_attention), several (xla_flash's blocks)
-def test_prompt_padding_sees_no_key(padded):
+@pytest.mark.parametrize("name, padded", [("plain", 32), ("plain", 300),  # one block of queries, several (flash's)
+                                          ("swiftkv-g2-as-teacher", 32)])  # the layers past l too (`cached_upper`)
+def test_prompt_padding_sees_no_key(name, padded):
     """The right padding of a prompt's bucket attends to the padding only, so attention skips the prompt's blocks
     for it (it did a real token's work: a 16385-token prompt, padded to 32768, cost 3.2x a 16384-token one): the K/V
-    that layer 1 writes at padding positions come from the padding tokens alone, the same whatever the prompt."""
-    model = MODELS["plain"][0]
+    that layer 1 (and the last layer) writes at padding positions come from the padding tokens alone, the same
+    whatever the prompt."""
+    model, swiftkv = MODELS[name]
     prompts = np.random.default_rng(1).integers(6, 96, (2, PROMPT))
     tokens = np.zeros((2, padded), np.int32)
     tokens[:, :PROMPT] = prompts
-    cache = init_cache(model.config, 2, padded, False, dtype="float32")
-    _, cache = _prefill(model.config, False, None)(model.params, cache, jnp.asarray(tokens),
-                                                   jnp.asarray([PROMPT, PROMPT], jnp.int32))
-    k = np.asarray(cache.lower[1][0])[:, :, PROMPT:padded]  # [B, K, padding, H]
-    assert np.abs(k).max() > 0
-    np.testing.assert_array_equal(k[0], k[1])
+    cache = init_cache(model.config, 2, padded, swiftkv, dtype="float32")
+    _, cache = _prefill(model.config, swiftkv, None)(model.params, cache, jnp.asarray(tokens),
+                                                     jnp.asarray([PROMPT, PROMPT], jnp.int32))
+    for pair in (cache.lower[1], (cache.upper or cache.lower)[-1]):
+        k = np.asarray(pair[0])[:, :, PROMPT:padded]  # [B, K, padding, H]
+        assert np.abs(k).max() > 0
+        np.testing.assert_array_equal(k[0], k[1])
 
 
 def test_long_prompts_pad_to_finer_buckets():
@@ -330,6 +335,8 @@ def test_long_prompts_pad_to_finer_buckets():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=float("nan")), "temperature must be a finite number"),  # sampled token 0 at every step
     (dict(prompts=[[6.7, 7.2]]), r"prompts must be token ids \(integers\), got 6.7"),  # int() truncated them
+    (dict(prompts=[[True, 7]]), r"prompts must be token ids \(integers\), got True"),  # a bool is no token id
+    (dict(stop_token_ids=np.array([[1, 2]])), r"stop_token_ids must be token ids \(a 1-D integer array\)"),
     (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),  # failed inside jnp.zeros
     (dict(temperature=1.0, top_k=2.5), "top_k must be an integer"),  # failed inside lax.top_k
     (dict(temperature="0.5"), "temperature must be a finite number"),
