@@ -86,13 +86,41 @@ def test_plan_of_the_tiny_preset(tmp_path, monkeypatch):
     assert bf16["argument_bytes"] < rows["ours", "full"]["argument_bytes"]
 
 
+def test_each_train_pipeline_preset_times_whole_checkpoint_periods():
+    """A save after step s shows in step s + 1's step_s: the timed steps hold one save per checkpoint_every, neither
+    the save Orbax makes after step 1 nor the last step's (the 1b preset's 40 steps after 3 of warm-up timed 3 saves
+    in 37 steps, one every 12.3)."""
+    for name, preset in train_pipeline.PRESETS.items():
+        saves = train_pipeline.timed_saves(preset)
+        assert 1 not in saves and len(saves) * preset["checkpoint_every"] == preset["steps"] - preset["skip"], name
+
+
+def test_train_pipeline_judges_the_target_on_a_gpu_at_1b_only():
+    assert train_pipeline.verdict("1b", "gpu", 0.95) is True and train_pipeline.verdict("1b", "gpu", 0.949) is False
+    assert train_pipeline.verdict("test", "gpu", 0.5) is None and train_pipeline.verdict("cpu", "gpu", 1.0) is None
+    assert train_pipeline.verdict("1b", "cpu", 1.0) is None
+
+
 @pytest.mark.slow
-def test_train_pipeline_tiny_preset_end_to_end(tmp_path):
+def test_train_pipeline_tiny_preset_end_to_end(tmp_path, monkeypatch):
+    from swiftkv_jax.distill import trainer
+
+    saved, real = [], trainer._save
+
+    def spy(manager, step, *args, force=False, **kwargs):
+        if force or manager.should_save(step):
+            saved.append(step)
+        return real(manager, step, *args, force=force, **kwargs)
+
+    monkeypatch.setattr(trainer, "_save", spy)
     out = tmp_path / "pipeline.json"
     assert train_pipeline.main(["--preset", "test", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     preset = train_pipeline.PRESETS["test"]
     assert result["end_to_end"]["steps"] == preset["steps"] - preset["skip"]
+    # the saves train made whose blocking time shows in a timed step's step_s (that of the step after the save)
+    assert [s for s in saved if preset["skip"] < s + 1 <= preset["steps"]] == train_pipeline.timed_saves(preset)
+    assert result["end_to_end"]["checkpoint_saves_timed"] == len(train_pipeline.timed_saves(preset))
     assert result["end_to_end"]["host_s_mean"] > 0 and result["bare"]["step_s"] > 0
     assert result["end_to_end_over_bare"] > 0 and result["pass"] is None  # judged on a GPU only
     # the bare step compiles train's attention: xla_chunked sized for the rows' runs of segment ids (2026-11-26 on
@@ -100,7 +128,7 @@ def test_train_pipeline_tiny_preset_end_to_end(tmp_path):
     assert preset["attention_impl"] == "xla_chunked"
     assert result["bare"]["max_segments_per_row"] == result["packing"]["max_runs"] > 1
     checkpoints = sorted(p.name for p in (tmp_path / "work" / "run" / "checkpoints").iterdir() if p.name.isdigit())
-    assert checkpoints == ["2", "4"]
+    assert checkpoints == ["4", "6"]
 
 
 @pytest.mark.slow
