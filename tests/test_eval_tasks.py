@@ -132,7 +132,7 @@ def test_gsm8k_prompt_answer_and_fewshot(tmp_path, load):
              "answer": "1,000+250=<<1000+250=1250>>1,250\n#### 1,250"}]
     path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
     task = load(f"gsm8k={path}")
-    assert (task.kind, task.stop) == ("generation", ("Question:", "</s>", "<|im_end|>", "\n\n"))
+    assert (task.kind, task.stop) == ("generation", ("Question:", "</s>", "<|im_end|>"))  # gsm8k.yaml's until
     assert task.items == (
         GenerationItem("Question: Janet has 3 apples and buys 15 more. How many does she have?\nAnswer:", "18"),
         GenerationItem("Question: A car costs $1,000 and a bike $250. What do both cost?\nAnswer:", "1250"))
@@ -177,29 +177,92 @@ def test_folder_is_read_like_a_hub_dataset_with_splits(tmp_path, load):
         load(f"gsm8k={tmp_path / 'gsm'}")
 
 
-@pytest.mark.parametrize("generated, expected", [
-    ("She has 3 + 15 = 18 apples.\n#### 18", "18"),                        # strict
-    ("#### 42 since 6 * 7 = 42, not 100", "42"),                           # strict wins over the last number
-    ("So she has 5 + 13 = 18 apples.", "18"),                              # flexible: the last number
-    ("The total is $1,250.50.", "1250.50"),                                # $ and commas, trailing "."
-    ("#### $1,000", "1000"),
-    ("It drops to -7 degrees.", "-7"),
-    ("I do not know.", ""),
-    ("The answer is 18.\n\nQuestion: Tom has 99 apples", "18"),            # cut at the stop strings
-    ("It is 5 Question: and 7", "5"),
-    ("It is 5<|im_end|>7", "5"),
+@pytest.mark.parametrize("generated, strict, flexible", [
+    ("She has 3 + 15 = 18 apples.\n#### 18", "18", "18"),
+    ("#### 42 since 6 * 7 = 42, not 100", "42", "100"),                   # strict: the first "#### N"; flexible: last
+    ("So she has 5 + 13 = 18 apples.", "[invalid]", "18"),
+    ("The total is $1,250.50.", "[invalid]", "$1,250.50."),               # as written; exact_match drops $ , and "."
+    ("#### $1,000", "[invalid]", "$1,000"),                               # strict wants a digit after "#### "
+    ("####18", "[invalid]", "18"),
+    ("It drops to -7 degrees.", "[invalid]", "-7"),
+    ("I do not know.", "[invalid]", "[invalid]"),
+    ("#### 18\n\nThen 20 more", "18", "20"),                               # "\n\n" is no stop string in gsm8k.yaml
+    ("The answer is 18.\n\nQuestion: Tom has 99 apples", "[invalid]", "18."),  # cut at the stop strings
+    ("It is 5 Question: and 7", "[invalid]", "5"),
+    ("It is 5<|im_end|>7", "[invalid]", "5"),
 ])
-def test_gsm8k_extract_answer(tmp_path, load, generated, expected):
+def test_gsm8k_extract_answer_is_lm_evals_filters(tmp_path, load, generated, strict, flexible):
+    """gsm8k.yaml's strict-match and flexible-extract filters (regex, take_first) after its until strings; checked
+    against lm-eval's own RegexFilter where it is installed."""
     task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': '#### 1'}])}")
-    assert extract_answer(task, generated) == expected
+    assert extract_answer(task, generated) == strict
+    assert extract_answer(task, generated, "exact_match_flexible") == flexible
+    extraction = pytest.importorskip("lm_eval.filters.extraction")
+    cut = generated
+    for stop in task.stop:
+        cut = cut.split(stop)[0]
+    assert extraction.RegexFilter(r"#### (\-?[0-9\.\,]+)").apply([[cut]], [{}]) == [[strict]]
+    assert extraction.RegexFilter(r"(-?[$0-9.,]{2,})|(-?[0-9]+)", group_select=-1).apply([[cut]], [{}]) == [[flexible]]
 
 
-def test_gsm8k_is_correct_compares_numbers(tmp_path, load):
-    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': 'x #### -3'}])}")
+def test_gsm8k_is_correct_is_lm_evals_exact_match(tmp_path, load):
+    """gsm8k.yaml's exact_match: ",", "$", everything to "#### " and a final "." removed from both sides, case
+    ignored; no numeric comparison ("18.0" is not "18")."""
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "x\n#### -3"}])
+    task = load(f"gsm8k={path}")
     assert task.items[0].answer == "-3"
-    assert is_correct(task, "The answer is -3.0", "-3") and is_correct(task, "#### -3", "-3")
-    assert is_correct(task, "18", "18.0") and is_correct(task, "1,000", "1000")
-    assert not is_correct(task, "-4", "-3") and not is_correct(task, "no idea", "-3")
+    assert is_correct(task, "-3", "-3") and is_correct(task, "$1,000.", "1000") and is_correct(task, "-3.", "-3")
+    assert not is_correct(task, "-3.0", "-3") and not is_correct(task, "-4", "-3")
+    assert not is_correct(task, "[invalid]", "-3") and not is_correct(task, "1000..", "1000")
+    metrics = pytest.importorskip("lm_eval.api.metrics")
+    for predicted, gold in (("$1,000.", "x\n#### 1,000"), ("-3.0", "x #### -3"), ("18...", "a\n#### 18")):
+        lm_eval = metrics.exact_match_hf_evaluate([gold], [predicted], ignore_case=True, ignore_punctuation=False,
+                                                  regexes_to_ignore=[",", "\\$", "(?s).*#### ", "\\.$"])
+        assert is_correct(task, predicted, gold) == bool(lm_eval["exact_match"])
+
+
+def _shots(context: str) -> list[str]:
+    return context.split("\n\n")[:-1]
+
+
+def test_hellaswag_and_winogrande_draw_one_example_more_as_lm_eval(tmp_path, load):
+    """lm-eval draws num_fewshot + 1 examples from the shared Random (and keeps the first num_fewshot that are not the
+    doc) where the task's fewshot_split equals its test_split: for HellaSwag and Winogrande both are unset, so even
+    with a separate train split each doc moves the Random on by one draw more than ARC's. Written out with
+    random.Random(1234), and checked against lm-eval's own ConfigurableTask where it is installed."""
+    import os
+    import random
+
+    hs = [{"ind": i, "activity_label": f"Act {i}", "ctx_a": f"Context {i}.", "ctx_b": "then", "endings":
+           [f"end {i}.{k}" for k in range(4)], "label": str(i % 4)} for i in range(30)]
+    wg = [{"sentence": f"Ann{i} met Bo{i} and _ smiled.", "option1": f"Ann{i}", "option2": f"Bo{i}",
+           "answer": "12"[i % 2]} for i in range(30)]
+    for name, rows, split, first in (("hellaswag", hs, "validation", "Act {}:"), ("winogrande", wg, "validation",
+                                                                                 "Ann{} met")):
+        folder = tmp_path / name
+        (folder / "data").mkdir(parents=True)
+        files = {"train": write_jsonl(folder / "data" / "train-00000-of-00001.jsonl", rows[:24]),
+                 split: write_jsonl(folder / "data" / f"{split}-00000-of-00001.jsonl", rows[24:])}
+        task = load(f"{name}={folder}:default", num_fewshot=3)
+        rng, expected = random.Random(1234), []
+        for _ in task.items:
+            expected.append(rng.sample(range(24), 4)[:3])
+        for item, picked in zip(task.items, expected):
+            shots = _shots(item.contexts[0])
+            assert len(shots) == 3 and all(s.startswith(first.format(j)) for s, j in zip(shots, picked))
+        lm_eval = pytest.importorskip("lm_eval")
+        lm_task = pytest.importorskip("lm_eval.api.task")
+        yaml = pytest.importorskip("lm_eval.tasks._yaml_loader")
+        config = yaml.load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", name,
+                                             {"hellaswag": "hellaswag.yaml", "winogrande": "default.yaml"}[name]))
+        config.pop("tag", None)
+        config.update(dataset_path="json", dataset_name=None, num_fewshot=3,
+                      dataset_kwargs={"data_files": files, "cache_dir": str(tmp_path / "hf")})
+        reference = lm_task.ConfigurableTask(config=config)
+        reference.set_fewshot_seed(1234)
+        reference.build_all_requests(rank=0, world_size=1)
+        contexts = [i.arguments[0] for i in reference.instances]  # every choice of every doc, in order
+        assert contexts == [c for it in task.items for c in it.contexts]
 
 
 def test_perplexity_documents(tmp_path, load):

@@ -2,7 +2,8 @@
 
 Multiple choice: log p(continuation | context) for every choice (acc), and per character of the choice (acc_norm),
 as lm-evaluation-harness. Generation: greedy answers through `sk.generate`, cut at the task's
-stop strings, answer extracted and compared (exact_match). Perplexity: rolling log-likelihood of each
+stop strings, answer extracted and compared (GSM8K: exact_match by lm-eval's strict-match filter,
+exact_match_flexible by its flexible-extract). Perplexity: rolling log-likelihood of each
 document, reported per token and per byte (bits per byte compares models with different tokenizers).
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from swiftkv_jax.evaluation.scoring import rolling_loglikelihood, score_continuations
-from swiftkv_jax.evaluation.tasks import MultipleChoiceItem, Task, extract_answer, is_correct
+from swiftkv_jax.evaluation.tasks import ANSWER_FILTERS, MultipleChoiceItem, Task, extract_answer, is_correct
 from swiftkv_jax.model.model import Model
 from swiftkv_jax.serving.generate import generate
 
@@ -134,20 +135,26 @@ def _generation(model, tokenizer, task, options, progress) -> dict:
                          f"max_length={options.max_length}")
     prompts = [render_context(tokenizer, item.prompt, options.chat_template)[-budget:] for item in task.items]
     stops = set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None})
-    correct, outputs = [], []
+    metrics = tuple(ANSWER_FILTERS) if task.name == "gsm8k" else ("exact_match",)
+    correct, outputs = {m: [] for m in metrics}, []
     for start in range(0, len(prompts), options.batch_size):
         batch = prompts[start: start + options.batch_size]
         out = generate(model, batch, options.max_new_tokens, stop_token_ids=sorted(stops), swiftkv=options.swiftkv,
                        cache_dtype=options.cache_dtype, tokenizer=tokenizer, mesh=options.mesh,
                        attention_impl=options.attention_impl, decode_attention_impl=options.decode_attention_impl)
         for item, text in zip(task.items[start: start + len(batch)], out.texts):
-            answer = extract_answer(task, text)
-            correct.append(float(is_correct(task, answer, item.answer)))
-            outputs.append({"answer": answer, "target": item.answer, "output": text})
+            answers = {m: extract_answer(task, text, m) for m in metrics}
+            for m, answer in answers.items():
+                correct[m].append(float(is_correct(task, answer, item.answer)))
+            outputs.append({"answer": answers["exact_match"], **{f"answer_{m}": a for m, a in answers.items()
+                                                                  if m != "exact_match"},
+                            "target": item.answer, "output": text})
         if progress:
             progress(len(batch))
-    return {"exact_match": float(np.mean(correct)), "exact_match_stderr": _stderr(correct), "n": len(correct),
-            "samples": outputs[:8]}
+    result = {}
+    for m, hits in correct.items():
+        result.update({m: float(np.mean(hits)), f"{m}_stderr": _stderr(hits)})
+    return {**result, "n": len(outputs), "samples": outputs[:8]}
 
 
 def scored_documents(tokenizer, texts) -> list[list[int]]:

@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"), "generation": ("exact_match",),
+TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"),
+                 "generation": ("exact_match", "exact_match_flexible"),  # lm-eval's strict-match, flexible-extract
                  "perplexity": ("perplexity", "bits_per_byte", "nats_per_token")}
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import difflib
-import fractions
 import os
 import random
 import re
@@ -46,7 +45,8 @@ class MultipleChoiceItem:
 @dataclasses.dataclass(frozen=True)
 class GenerationItem:
     prompt: str                      # few-shot prefix + question, ends where the model should answer
-    answer: str                      # gold answer, normalised (GSM8K: the number after '####', no commas)
+    answer: str                      # gold answer, normalised (GSM8K: lm-eval's exact_match normalisation of the
+                                     # answer: the number after '#### ', no commas, '$' or final '.', lower case)
 
 
 Item = Union[MultipleChoiceItem, GenerationItem, str]
@@ -128,7 +128,7 @@ def _gsm8k(row: dict):
     if "####" not in row["answer"]:
         raise ValueError("answer has no '#### <number>' at its end")
     prompt = f"Question: {row['question']}\nAnswer:"
-    return GenerationItem(prompt, _number(row["answer"].split("####")[-1])), f"{prompt} {row['answer']}"
+    return GenerationItem(prompt, _exact_match_form(row["answer"])), f"{prompt} {row['answer']}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +144,9 @@ class _Spec:
     header: Callable[[dict], str] = lambda row: ""  # before the few-shot examples (MMLU's description)
     group: Optional[str] = None       # few-shot examples share this field (lm-eval's MMLU is per subject)
     first_n: bool = False             # few-shot examples in pool order (lm-eval's MMLU), not a seeded draw
+    # lm-eval draws num_fewshot + 1 examples (and drops the doc) wherever its fewshot_split equals its test_split,
+    # which holds for HellaSwag and Winogrande as both are unset there: the extra draw moves the shared Random on
+    draw_extra: bool = False
     stop: tuple[str, ...] = ()
 
 
@@ -155,16 +158,17 @@ _SPECS = {
                            ("question", "choices", "answerKey"), _ARC_SCHEMA, _arc),
     "hellaswag": _Spec("multiple_choice", "Rowan/hellaswag", None, "validation", "train",
                        ("activity_label", "ctx_a", "ctx_b", "endings", "label"),
-                       "{activity_label, ctx_a, ctx_b, endings: [...], label}", _hellaswag),
+                       "{activity_label, ctx_a, ctx_b, endings: [...], label}", _hellaswag, draw_extra=True),
     "winogrande": _Spec("multiple_choice", "allenai/winogrande", "winogrande_xl", "validation", "train",
                         ("sentence", "option1", "option2", "answer"),
-                        "{sentence (with one '_'), option1, option2, answer: '1' | '2'}", _winogrande),
+                        "{sentence (with one '_'), option1, option2, answer: '1' | '2'}", _winogrande,
+                        draw_extra=True),
     "mmlu": _Spec("multiple_choice", "cais/mmlu", "all", "test", "dev", ("question", "subject", "choices", "answer"),
                   "{question, subject, choices: [4 strings], answer: 0-3}", _mmlu, _mmlu_header,
                   group="subject", first_n=True),
     "gsm8k": _Spec("generation", "openai/gsm8k", "main", "test", "train", ("question", "answer"),
                    "{question, answer: '... #### <number>'}", _gsm8k,
-                   stop=("Question:", "</s>", "<|im_end|>", "\n\n")),
+                   stop=("Question:", "</s>", "<|im_end|>")),  # gsm8k.yaml's until
     "perplexity": _Spec("perplexity", None, None, "train", None, ("text",),
                         ".txt files (one document per file) or json/jsonl/parquet rows {text}"),
 }
@@ -188,7 +192,8 @@ def parse_task_spec(spec: str) -> tuple[str, Optional[str]]:
 def load_task(spec: str, *, num_fewshot: int = 0, limit: Optional[int] = None, seed: int = 1234,
               cache_dir: Optional[str] = None) -> Task:
     """The task's items: the first `limit` docs, each with `num_fewshot` examples drawn with `seed` (lm-eval's
-    sampler: one Random per task, an extra example drawn and dropped when the pool holds the doc itself)."""
+    sampler: one Random per task, an extra example drawn and dropped when the pool holds the doc itself, and for
+    HellaSwag and Winogrande always, as lm-eval)."""
     name, source = parse_task_spec(spec)
     spec_ = _SPECS[name]
     if num_fewshot < 0 or (limit is not None and limit < 1):
@@ -236,7 +241,7 @@ def _fewshot(name: str, spec_: _Spec, candidates: list[int], i: int, same: bool,
         where = f" of {spec_.group} {group!r}" if spec_.group else ""
         raise TaskError(f"{name}: {n} few-shot examples asked, the few-shot pool{where} has only "
                         f"{len(candidates) - same} (other than doc {i}); lower num_fewshot")
-    k = n + 1 if same else n
+    k = min(n + 1, len(candidates)) if same or spec_.draw_extra else n
     picked = candidates[:k] if spec_.first_n else rng.sample(candidates, k)
     return [j for j in picked if not (same and j == i)][:n]
 
@@ -335,32 +340,42 @@ def read_documents(source: str, *, label: str = "perplexity", cache_dir: Optiona
 
 # --- answers of generation tasks ---
 
-_NUMBER = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+# gsm8k.yaml's filters, each giving one exact_match: its first "#### N" (strict-match, the report's exact_match) and its
+# last number (flexible-extract, exact_match_flexible); "[invalid]" where there is none
+ANSWER_FILTERS = {"exact_match": (re.compile(r"#### (\-?[0-9\.\,]+)"), 0),
+                  "exact_match_flexible": (re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)"), -1)}
+_INVALID = "[invalid]"
+# gsm8k.yaml's exact_match: these removed from prediction and gold, in this order, then lower case
+_IGNORE = (",", r"\$", r"(?s).*#### ", r"\.$")
 
 
-def _number(text: str) -> str:
-    return text.strip().replace(",", "").replace("$", "").rstrip(".")
+def _exact_match_form(text: str) -> str:
+    for pattern in _IGNORE:
+        text = re.sub(pattern, "", text)
+    return text.lower()
 
 
-def extract_answer(task: Task, generated: str) -> str:
-    """The answer in a generation, cut at the first stop string. GSM8K: the number after '####' (lm-eval's
-    strict-match), else the last number (its flexible-extract); "" when there is none."""
+def extract_answer(task: Task, generated: str, metric: str = "exact_match") -> str:
+    """The answer in a generation, cut at the first stop string. GSM8K: lm-eval's filter of `metric` (a key of
+    ANSWER_FILTERS): the number after the first '#### ' (strict-match) or the last number (flexible-extract), as
+    written ("$1,250."); "[invalid]" when there is none."""
     cut = min((i for i in (generated.find(s) for s in task.stop) if i >= 0), default=len(generated))
     text = generated[:cut]
     if task.name != "gsm8k":
         return text.strip()
-    strict = re.search(rf"####\s*({_NUMBER})", text)
-    numbers = re.findall(_NUMBER, text)
-    return _number(strict.group(1) if strict else numbers[-1] if numbers else "")
+    pattern, select = ANSWER_FILTERS[metric]
+    found = pattern.findall(text)
+    if not found:
+        return _INVALID
+    match = found[select]
+    if isinstance(match, tuple):
+        match = next((m for m in match if m), _INVALID)
+    return match.strip()
 
 
-def is_correct(task: Task, generated: str, answer: str) -> bool:
-    """Whether the generation's answer (`extract_answer`, so an extracted one works too) matches the gold one:
-    numerically for GSM8K ("18" == "18.0"), else exactly."""
-    predicted = extract_answer(task, generated)
+def is_correct(task: Task, predicted: str, answer: str) -> bool:
+    """Whether an extracted answer (`extract_answer`) matches the gold one: GSM8K by lm-eval's exact_match (commas,
+    '$' and a final '.' ignored, case too: "1,250." == "1250", but "18.0" != "18"), else exactly."""
     if task.name == "gsm8k":
-        try:
-            return fractions.Fraction(predicted) == fractions.Fraction(answer)
-        except ValueError:  # no number
-            return False
+        return _exact_match_form(predicted) == _exact_match_form(answer)
     return predicted == answer
