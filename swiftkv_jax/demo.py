@@ -281,19 +281,13 @@ def _changed_settings(saved: Path, config) -> list[str]:
     import yaml
 
     from swiftkv_jax.configuration import to_dict
-    from swiftkv_jax.distill.trainer import RESUME_FREE
+    from swiftkv_jax.distill.trainer import RESUME_FREE, setting_changes
 
     if not saved.is_file():
         return []
-
-    def changes(before, now, key: str) -> list[str]:
-        if isinstance(before, dict) and isinstance(now, dict):
-            return [c for k in before if k in now for c in changes(before[k], now[k], f"{key}.{k}" if key else k)]
-        ignored = key in RESUME_FREE or key in _WHERE_NOT_WHAT
-        return [] if ignored or before == now else [f"{key}: {before!r} -> {now!r}"]
-
     now = yaml.safe_load(yaml.safe_dump(to_dict(config)))  # as config.yaml holds it (tuples as lists)
-    return changes(yaml.safe_load(saved.read_text()), now, "")
+    return setting_changes("", yaml.safe_load(saved.read_text()), now, free=RESUME_FREE + _WHERE_NOT_WHAT,
+                           common_only=True)
 
 
 def earlier_training_seconds(out: Path, layers: int) -> float:

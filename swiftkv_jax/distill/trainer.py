@@ -232,14 +232,17 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _leaf_changes(key: str, before, now) -> list[str]:
-    """`key: old -> new` for every leaf under `key` that differs (lists compared whole, e.g. data.sources), but for
-    the keys a resume may change (RESUME_FREE)."""
-    if key in RESUME_FREE:
+def setting_changes(key: str, before, now, free=RESUME_FREE, common_only: bool = False) -> list[str]:
+    """`key: old -> new` for every leaf under `key` ("" for the root) that differs (lists compared whole, e.g.
+    data.sources), but for the keys in `free` (default: those a resume may change); common_only: over the keys both
+    have (one added to the code since is no change)."""
+    if key in free:
         return []
     if isinstance(before, dict) and isinstance(now, dict):
-        return [change for name in dict.fromkeys([*before, *now])
-                for change in _leaf_changes(f"{key}.{name}", before.get(name), now.get(name))]
+        names = [n for n in before if n in now] if common_only else dict.fromkeys([*before, *now])
+        return [change for name in names
+                for change in setting_changes(f"{key}.{name}" if key else name, before.get(name), now.get(name),
+                                              free, common_only)]
     return [] if before == now else [f"{key}: {before!r} -> {now!r}"]
 
 
@@ -252,7 +255,7 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
         a, b = saved, now
         for part in key.split("."):
             a, b = (a or {}).get(part), (b or {}).get(part)
-        changed += _leaf_changes(key, a, b)
+        changed += setting_changes(key, a, b)
     if changed:
         raise ConfigError(
             f"cannot resume: settings differ from the run saved in {saved_path.parent} (see {saved_path}): "
