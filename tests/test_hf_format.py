@@ -624,6 +624,28 @@ def test_extra_files_of_text_are_refused_before_the_weights_are_written(llama, t
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["../escaped.txt", "sub/tokenizer.json", "..", ""])
+def test_extra_files_with_a_directory_part_are_refused_before_the_weights_are_written(llama, tmp_path, monkeypatch,
+                                                                                       name):
+    """"../x" was written beside the checkpoint, outside it; "sub/x" failed after every shard was written."""
+    import swiftkv_jax.checkpoints.hf as hf
+
+    monkeypatch.setattr(hf, "save_file", lambda *a, **k: pytest.fail("weights written before the check"))
+    with pytest.raises(ValueError, match="not a plain file name"):
+        sk.save(sk.load(llama[0]), tmp_path / "out", format="hf", extra_files={name: b"x"})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_extra_files_may_not_replace_a_file_of_the_checkpoint(llama, occupied, fmt):
+    """extra_files={"config.json": ...} replaced the config the save wrote, so the weights no longer loaded."""
+    before = file_digests(occupied)
+    with pytest.raises(FileExistsError, match="names config.json, which the save itself wrote"):
+        sk.save(sk.load(llama[0]), occupied, format=fmt, overwrite=True, extra_files={"config.json": b"{}"})
+    assert file_digests(occupied) == before
+    assert sorted(p.name for p in occupied.parent.iterdir()) == ["target"]
+
+
 def test_save_refuses_a_file_path(llama, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="is a file"):

@@ -50,6 +50,9 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
         if not isinstance(name, str) or not isinstance(content, (bytes, bytearray)):
             raise TypeError(f"extra_files maps file names to bytes, got {name!r}: {type(content).__name__} "
                             f"(encode text, e.g. text.encode())")
+        if name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:  # "../x" wrote outside it
+            raise ValueError(f"extra_files name {name!r} is not a plain file name: the files are written into the "
+                             f"checkpoint directory itself, so name one without a directory part")
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is a file; choose a directory path")
@@ -65,6 +68,9 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
         yield tmp
         if lead:
             for name, content in (extra_files or {}).items():
+                if (tmp / name).exists():  # e.g. config.json: the checkpoint's own file, silently replaced
+                    raise FileExistsError(f"extra_files names {name}, which the save itself wrote: drop it from "
+                                          f"extra_files (the checkpoint at {path} is left as it was)")
                 (tmp / name).write_bytes(content)
         _sync(f"atomic_directory:written:{tmp.name}")
     except BaseException:
