@@ -98,8 +98,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     e.add_argument("--tasks", required=True, nargs="+", help=TASKS_HELP)
     e.add_argument("--compare", metavar="DIR2", help="a second checkpoint (e.g. the teacher) evaluated in the same run")
-    e.add_argument("--num-fewshot", type=non_negative_int, default=0,
-                   help="examples before each question (not perplexity)")
+    e.add_argument("--num-fewshot", type=non_negative_int, default=None,
+                   help="examples before each question (default: lm-eval's for the task, 5 for gsm8k and 0 for the "
+                        "others; not perplexity)")
     e.add_argument("--limit", type=positive_int, default=None, help="first N examples of each task")
     e.add_argument("--chat-template", action="store_true", help="each context as a user turn of the chat template")
     e.add_argument("--batch-size", type=positive_int, default=32)

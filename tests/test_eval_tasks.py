@@ -131,7 +131,7 @@ def test_gsm8k_prompt_answer_and_fewshot(tmp_path, load):
             {"question": "A car costs $1,000 and a bike $250. What do both cost?",
              "answer": "1,000+250=<<1000+250=1250>>1,250\n#### 1,250"}]
     path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
-    task = load(f"gsm8k={path}")
+    task = load(f"gsm8k={path}", num_fewshot=0)
     assert (task.kind, task.stop) == ("generation", ("Question:", "</s>", "<|im_end|>"))  # gsm8k.yaml's until
     assert task.items == (
         GenerationItem("Question: Janet has 3 apples and buys 15 more. How many does she have?\nAnswer:", "18"),
@@ -194,7 +194,7 @@ def test_folder_is_read_like_a_hub_dataset_with_splits(tmp_path, load):
 def test_gsm8k_extract_answer_is_lm_evals_filters(tmp_path, load, generated, strict, flexible):
     """gsm8k.yaml's strict-match and flexible-extract filters (regex, take_first) after its until strings; checked
     against lm-eval's own RegexFilter where it is installed."""
-    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': '#### 1'}])}")
+    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', [{'question': 'q', 'answer': '#### 1'}])}", num_fewshot=0)
     assert extract_answer(task, generated) == strict
     assert extract_answer(task, generated, "exact_match_flexible") == flexible
     extraction = pytest.importorskip("lm_eval.filters.extraction")
@@ -209,7 +209,7 @@ def test_gsm8k_is_correct_is_lm_evals_exact_match(tmp_path, load):
     """gsm8k.yaml's exact_match: ",", "$", everything to "#### " and a final "." removed from both sides, case
     ignored; no numeric comparison ("18.0" is not "18")."""
     path = write_jsonl(tmp_path / "g.jsonl", [{"question": "q", "answer": "x\n#### -3"}])
-    task = load(f"gsm8k={path}")
+    task = load(f"gsm8k={path}", num_fewshot=0)
     assert task.items[0].answer == "-3"
     assert is_correct(task, "-3", "-3") and is_correct(task, "$1,000.", "1000") and is_correct(task, "-3.", "-3")
     assert not is_correct(task, "-3.0", "-3") and not is_correct(task, "-4", "-3")
@@ -358,3 +358,38 @@ def test_context_and_continuation_ids_are_lm_evals(context, continuation):
     lm_eval = template_lm._encode_pair(SimpleNamespace(backend="causal", tok_encode=tok_encode), context, continuation)
     assert encode_pair(tokenizer, context, continuation, False) == lm_eval
     assert lm_eval[0].count(tokenizer.bos_token_id) == 1
+
+
+def test_gsm8k_is_five_shot_unless_asked_as_lm_eval(tmp_path, load):
+    """`eval --tasks gsm8k` was 0-shot while lm-eval's (and the published numbers') is 5-shot: a user comparing
+    scores compared different prompts. None now means the task's lm-eval default; a pool too small is named."""
+    rows = [{"question": f"q{i}", "answer": f"a\n#### {i}"} for i in range(7)]
+    task = load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', rows)}")
+    assert task.num_fewshot == 5
+    assert all(item.prompt.count("Question: ") == 6 and item.prompt.endswith(f"Question: q{i}\nAnswer:")
+               for i, item in enumerate(task.items))
+    assert load(f"gsm8k={write_jsonl(tmp_path / 'g.jsonl', rows)}", num_fewshot=0).items[0].prompt == (
+        "Question: q0\nAnswer:")
+    with pytest.raises(TaskError, match=r"5 few-shot examples asked.*only 1 .*lower num_fewshot \(--num-fewshot\)"):
+        load(f"gsm8k={write_jsonl(tmp_path / 'two.jsonl', rows[:2])}")
+    arc = load(f"arc_easy={write_jsonl(tmp_path / 'arc.jsonl', [arc_row(i) for i in range(3)])}")
+    assert arc.num_fewshot == 0 and arc.items[0].contexts[0].count("Question: ") == 1
+
+
+@pytest.mark.parametrize("name, yaml_file", [
+    ("arc_easy", "arc/arc_easy.yaml"), ("arc_challenge", "arc/arc_easy.yaml"),
+    ("hellaswag", "hellaswag/hellaswag.yaml"),
+    ("winogrande", "winogrande/default.yaml"), ("mmlu", "mmlu/default/_default_template_yaml"),
+    ("gsm8k", "gsm8k/gsm8k.yaml")])
+def test_default_shots_are_lm_evals(name, yaml_file):
+    """Each task's default number of shots is its lm-eval yaml's num_fewshot (0 where it sets none), read from the
+    installed lm-eval (arc_challenge.yaml includes arc_easy.yaml)."""
+    import re
+    from pathlib import Path
+
+    from swiftkv_jax.evaluation import tasks
+
+    lm_eval = pytest.importorskip("lm_eval")
+    text = (Path(lm_eval.__file__).parent / "tasks" / yaml_file).read_text()
+    found = re.search(r"^num_fewshot:\s*(\d+)", text, re.MULTILINE)
+    assert tasks._SPECS[name].num_fewshot == (int(found.group(1)) if found else 0)

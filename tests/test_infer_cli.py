@@ -87,7 +87,8 @@ def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
     out_json = tmp_path / "eval.json"
     code, out, _ = run(capsys, "eval", "--model", checkpoints / "student", "--compare", checkpoints / "teacher",
                        "--tasks", f"arc_easy={checkpoints / 'arc.jsonl'}", f"gsm8k={checkpoints / 'gsm8k.jsonl'}",
-                       f"perplexity={checkpoints / 'docs'}", "--max-new-tokens", 8, "--output", out_json)
+                       f"perplexity={checkpoints / 'docs'}", "--max-new-tokens", 8, "--num-fewshot", 0,
+                       "--output", out_json)
     assert code == 0
     report = json.loads(out_json.read_text())
     student, teacher = str(checkpoints / "student"), str(checkpoints / "teacher")
@@ -132,11 +133,13 @@ def test_eval_compares_student_and_teacher(checkpoints, capsys, tmp_path):
             nats / sum(len(t.encode("utf-8")) for t in texts) / np.log(2), rel=1e-4)
     # the table's last column is model - compare, as its header says
     rows = [cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in out.splitlines())
-            if len(cells) == 6 and cells[0] in report["deltas"]]
+            if len(cells) == 7 and cells[0] in report["deltas"]]
     # arc_easy acc, acc_norm; gsm8k exact_match, exact_match_flexible; perplexity perplexity, bits_per_byte,
     # nats_per_token
     assert len(rows) == 7
-    for task, metric, *_, delta in rows:
+    assert {task: spec["num_fewshot"] for task, spec in report["tasks"].items()} == dict.fromkeys(report["deltas"], 0)
+    for task, shots, metric, *_, delta in rows:
+        assert shots == "0"
         assert float(delta) == pytest.approx(report["deltas"][task][metric], abs=1e-4)
 
 
@@ -300,8 +303,9 @@ class _Resolved(Exception):
     """Raised by the spy once an engine has resolved its kernels: nothing needs to run past that."""
 
 
-@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve", "--port", "0"],
-                                     ["eval", "--tasks", "gsm8k={gsm8k}", "--max-new-tokens", "2"]])
+@pytest.mark.parametrize("command", [
+    ["generate", "--prompt", "hi"], ["serve", "--port", "0"],
+    ["eval", "--tasks", "gsm8k={gsm8k}", "--num-fewshot", "0", "--max-new-tokens", "2"]])
 def test_named_attention_impls_are_served_on_a_gpu(checkpoints, capsys, monkeypatch, command):
     """--attention-impl / --decode-attention-impl only went into the model's config, and on a GPU the engines
     serve their measured defaults unless the impls are named to them (`kernel_choice`): `--attention-impl xla`

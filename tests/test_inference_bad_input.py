@@ -128,12 +128,13 @@ def test_every_compared_checkpoint_is_checked_before_any_evaluation(weightless, 
     report those instead."""
     tasks = tmp_path / "gsm.jsonl"
     tasks.write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
-    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--compare",
-                       tmp_path / "nothere")
+    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--num-fewshot", 0,
+                       "--compare", tmp_path / "nothere")
     assert code == 2 and f"{tmp_path / 'nothere'}: no such checkpoint directory" in err
     bad = _copy(weightless, tmp_path / "badjson")
     (bad / "config.json").write_text('{"model_type": "llama",\n}')
-    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--compare", bad)
+    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--num-fewshot", 0,
+                       "--compare", bad)
     assert code == 2 and str(bad / "config.json") in err and "tokenizer" not in err
 
 
@@ -167,7 +168,8 @@ def test_chat_without_a_chat_template_names_the_flag_given(weightless, capsys, t
     assert code == 2 and err.startswith("error: --chat: the tokenizer in") and "has no chat template" in err
     tasks = tmp_path / "gsm.jsonl"
     tasks.write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
-    code, _, err = run(capsys, "eval", "--model", plain, "--tasks", f"gsm8k={tasks}", "--chat-template")
+    code, _, err = run(capsys, "eval", "--model", plain, "--tasks", f"gsm8k={tasks}", "--num-fewshot", 0,
+                       "--chat-template")
     assert code == 2 and "--chat-template: the tokenizer in" in err
 
 

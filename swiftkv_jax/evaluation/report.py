@@ -64,12 +64,12 @@ def _cell(metrics: dict, name: str) -> str:
 def comparison_table(tasks, results: dict) -> str:
     """results: {model path: {task key: metrics}}. With two models the last column is first - second."""
     paths = list(results)
-    header = (["task", "metric", "n"] + [model_label(p) for p in paths]
+    header = (["task", "n-shot", "metric", "n"] + [model_label(p) for p in paths]
               + (["Δ (model − compare)"] if len(paths) == 2 else []))
     rows = []
     for task in tasks:
         for metric in TABLE_METRICS[task.kind]:
-            row = [task.key, metric, str(results[paths[0]][task.key]["n"])]
+            row = [task.key, str(task.num_fewshot), metric, str(results[paths[0]][task.key]["n"])]
             row += [_cell(results[p][task.key], metric) for p in paths]
             if len(paths) == 2:
                 a, b = (results[p][task.key][metric] for p in paths)
@@ -83,7 +83,8 @@ def comparison_table(tasks, results: dict) -> str:
 def results_json(args, tasks, results: dict) -> dict:
     paths = list(results)
     out = {"command": sys.argv, "options": {k: v for k, v in vars(args).items() if k != "command"},
-           "tasks": {t.key: {"kind": t.kind, "source": t.source, "n": len(t.items)} for t in tasks},
+           "tasks": {t.key: {"kind": t.kind, "source": t.source, "num_fewshot": t.num_fewshot,
+                             "n": len(t.items)} for t in tasks},
            "results": results}
     if len(paths) == 2:
         out["deltas"] = {t.key: {m: results[paths[0]][t.key][m] - results[paths[1]][t.key][m]

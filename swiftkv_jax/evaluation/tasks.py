@@ -148,6 +148,7 @@ class _Spec:
     # which holds for HellaSwag and Winogrande as both are unset there: the extra draw moves the shared Random on
     draw_extra: bool = False
     stop: tuple[str, ...] = ()
+    num_fewshot: int = 0              # when none is asked: lm-eval's task default (its yaml's num_fewshot)
 
 
 _ARC_SCHEMA = "{question, choices: {text: [...], label: [...]}, answerKey}"
@@ -168,7 +169,7 @@ _SPECS = {
                   group="subject", first_n=True),
     "gsm8k": _Spec("generation", "openai/gsm8k", "main", "test", "train", ("question", "answer"),
                    "{question, answer: '... #### <number>'}", _gsm8k,
-                   stop=("Question:", "</s>", "<|im_end|>")),  # gsm8k.yaml's until
+                   stop=("Question:", "</s>", "<|im_end|>"), num_fewshot=5),  # gsm8k.yaml's until and shots
     "perplexity": _Spec("perplexity", None, None, "train", None, ("text",),
                         ".txt files (one document per file) or json/jsonl/parquet rows {text}"),
 }
@@ -189,13 +190,15 @@ def parse_task_spec(spec: str) -> tuple[str, Optional[str]]:
     return name, source or None
 
 
-def load_task(spec: str, *, num_fewshot: int = 0, limit: Optional[int] = None, seed: int = 1234,
+def load_task(spec: str, *, num_fewshot: Optional[int] = None, limit: Optional[int] = None, seed: int = 1234,
               cache_dir: Optional[str] = None) -> Task:
     """The task's items: the first `limit` docs, each with `num_fewshot` examples drawn with `seed` (lm-eval's
     sampler: one Random per task, an extra example drawn and dropped when the pool holds the doc itself, and for
-    HellaSwag and Winogrande always, as lm-eval)."""
+    HellaSwag and Winogrande always, as lm-eval). `num_fewshot=None` is lm-eval's default for the task: 5 for
+    GSM8K, 0 for the others."""
     name, source = parse_task_spec(spec)
     spec_ = _SPECS[name]
+    num_fewshot = spec_.num_fewshot if num_fewshot is None else num_fewshot
     if num_fewshot < 0 or (limit is not None and limit < 1):
         raise TaskError(f"{name}: num_fewshot must be >= 0 and limit >= 1 or None, got {num_fewshot}, {limit}")
     if spec_.kind == "perplexity":
@@ -240,7 +243,7 @@ def _fewshot(name: str, spec_: _Spec, candidates: list[int], i: int, same: bool,
     if len(candidates) - same < n:
         where = f" of {spec_.group} {group!r}" if spec_.group else ""
         raise TaskError(f"{name}: {n} few-shot examples asked, the few-shot pool{where} has only "
-                        f"{len(candidates) - same} (other than doc {i}); lower num_fewshot")
+                        f"{len(candidates) - same} (other than doc {i}); lower num_fewshot (--num-fewshot)")
     k = min(n + 1, len(candidates)) if same or spec_.draw_extra else n
     picked = candidates[:k] if spec_.first_n else rng.sample(candidates, k)
     return [j for j in picked if not (same and j == i)][:n]
