@@ -324,11 +324,17 @@ def test_stop_strings_cut_the_text(client, tokenizer, reference):
     assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(**body, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
-    # stop_token_ids (vLLM's extension): the generation ends with that token
+    # stop_token_ids (vLLM's extension): the generation ends with that token, counted but not in the text (vLLM's,
+    # as an EOS: a stop id's own text is never output), whole and streamed
     tokens = reference(ids)[0]
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=REF_TOKENS, temperature=0,
-                                    extra_body={"stop_token_ids": [tokens[2]]})
-    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == tokens.index(tokens[2]) + 1
+    stop_id = next(t for t in tokens[2:] if t not in tokenizer.all_special_ids and tokenizer.decode([t]).strip())
+    body = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=REF_TOKENS, temperature=0,
+                extra_body={"stop_token_ids": [stop_id]})
+    out = client.completions.create(**body)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == tokens.index(stop_id) + 1
+    assert out.choices[0].text == reference(ids, tokens.index(stop_id))[2]
+    chunks = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
 
 
 def _cpu_seconds(pid: int) -> float:

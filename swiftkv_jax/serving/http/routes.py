@@ -137,7 +137,9 @@ class Server:
                 choice.finish_reason = "length"
                 self.loop.abort(choice.request_id, reason="stop")
             else:
-                delta = choice.text.add(item.new_token_ids)
+                # a stop id that ended the request is counted and scored but is not text (vLLM's, as an EOS)
+                ends_on_stop_id = item.finished and item.finish_reason == "stop"
+                delta = choice.text.add(item.new_token_ids[:-1] if ends_on_stop_id else item.new_token_ids)
                 for k, token in enumerate(item.new_token_ids):
                     lp = item.new_logprobs[k] if k < len(item.new_logprobs) else None
                     top = item.new_top_logprobs[k] if k < len(item.new_top_logprobs) else {}
