@@ -299,6 +299,15 @@ def test_n_seed_and_logprobs(client, tokenizer, reference):
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert len({c.text for c in first.choices}) > 1
+    # sampled, each token's top_logprobs hold the sampled token too (OpenAI's completions: up to logprobs + 1 of
+    # them, as vLLM's), whole and streamed
+    sample.update(n=1, logprobs=2, max_tokens=REF_TOKENS)
+    lp = client.completions.create(**sample).choices[0].logprobs
+    chunks = list(client.completions.create(**sample, stream=True))
+    streamed = [top for c in chunks if c.choices[0].logprobs for top in c.choices[0].logprobs.top_logprobs]
+    assert streamed == lp.top_logprobs and any(len(top) == 3 for top in lp.top_logprobs)
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and top[token] == pytest.approx(chosen, abs=1e-5)
     # chat logprobs: each token's exact bytes add up to the text
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}],
                                           max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, n=2)

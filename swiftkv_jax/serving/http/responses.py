@@ -77,7 +77,8 @@ def prompt_rows(prompt_ids, logprobs, tops) -> list:
 def completion_logprobs(strings: TokenStrings, rows, prompt: Optional[list] = None, echo_len: int = 0) -> dict:
     """OpenAI's completion logprobs object of generated rows, after the prompt's (`prompt`: prompt_rows) with echo:
     text offsets count from the start of the echoed prompt (`echo_len` characters, which the special tokens the
-    echoed text leaves out, a BOS, take no part of), each token's at the end of the tokens' texts before it."""
+    echoed text leaves out, a BOS, take no part of), each token's at the end of the tokens' texts before it. Each
+    token's top logprobs hold it too (OpenAI's: up to logprobs + 1 of them, as vLLM's)."""
     tokens, values, tops, offsets = [], [], [], []
     offset, special = 0, set(strings.tokenizer.all_special_ids) if prompt else ()
     for token, lp, top in prompt or ():
@@ -89,7 +90,7 @@ def completion_logprobs(strings: TokenStrings, rows, prompt: Optional[list] = No
     for token, lp, top, at in rows:
         tokens.append(strings.text(token))
         values.append(lp)
-        tops.append({strings.text(t): v for t, v in top.items()} if top else {tokens[-1]: lp})
+        tops.append({**{strings.text(t): v for t, v in (top or {}).items()}, tokens[-1]: lp})  # + the sampled
         offsets.append(at + echo_len)
     return dict(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
