@@ -153,6 +153,41 @@ def test_text_streams_whole_characters_and_cuts_at_stop_strings(tokenizer):
     assert "".join(pieces) == "Café ☃ naïve " == choice.text and choice.stopped
 
 
+def _llama2_style_tokenizer():
+    """A SentencePiece-style tokenizer as transformers converts Llama 2's: "▁" for spaces (the decoded text's first one
+    stripped), a byte token <0xNN> for each byte of a character the vocabulary lacks (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import LlamaTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in "▁abcdefghijklmnopqrstuvwxyzH,!é":
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "H"), ("▁H", "e"), ("l", "l"), ("▁He", "ll"), ("▁Hell", "o"), ("▁", "w"), ("o", "r"), ("▁w", "or")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return LlamaTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_sentencepiece_text_streams_as_decoded_in_context():
+    """A Llama 2 style tokenizer: byte-fallback tokens join into whole characters, and the output's first token keeps
+    its space after a prompt (the text is the prompt's continuation, as vLLM's), not the space-stripped decode of the
+    output alone."""
+    tokenizer = _llama2_style_tokenizer()
+    ids = tokenizer("Hello world 日本 😀 é, wor!", add_special_tokens=False)["input_ids"]
+    assert {"<0xF0>", "▁Hello", "▁wor"} <= set(tokenizer.convert_ids_to_tokens(ids))
+    for prompt in ([tokenizer.bos_token_id], tokenizer("Hello")["input_ids"]):
+        before = tokenizer.decode(prompt, skip_special_tokens=True)
+        want = tokenizer.decode(prompt + ids, skip_special_tokens=True)[len(before):]
+        choice = ChoiceText(tokenizer, prompt, ["😀 é."])
+        pieces = [choice.add([t]) for t in ids] + [choice.finish()]
+        assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == want == choice.text
+    assert want.startswith(" Hello world 日本")
+
+
 class _Chars:
     """A tokenizer of one character a token (the stop-string logic alone)."""
 
