@@ -32,6 +32,7 @@ from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 from swiftkv_jax.data.chat import load_tokenizer
 from swiftkv_jax.evaluation.harness import render_context
 from swiftkv_jax.infer_cli import main
+from swiftkv_jax.serving.http.responses import TokenStrings
 from swiftkv_jax.serving.http.text import ChoiceText
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
@@ -172,10 +173,10 @@ def _llama2_style_tokenizer():
     return LlamaTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def test_sentencepiece_text_streams_as_decoded_in_context():
+def test_sentencepiece_text_streams_as_decoded_in_context_and_bytes_are_exact():
     """A Llama 2 style tokenizer: byte-fallback tokens join into whole characters, and the output's first token keeps
     its space after a prompt (the text is the prompt's continuation, as vLLM's), not the space-stripped decode of the
-    output alone."""
+    output alone; chat logprobs give each token's exact bytes."""
     tokenizer = _llama2_style_tokenizer()
     ids = tokenizer("Hello world 日本 😀 é, wor!", add_special_tokens=False)["input_ids"]
     assert {"<0xF0>", "▁Hello", "▁wor"} <= set(tokenizer.convert_ids_to_tokens(ids))
@@ -186,6 +187,9 @@ def test_sentencepiece_text_streams_as_decoded_in_context():
         pieces = [choice.add([t]) for t in ids] + [choice.finish()]
         assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == want == choice.text
     assert want.startswith(" Hello world 日本")
+    strings = TokenStrings(tokenizer)  # chat logprobs' bytes: each token's exact bytes, which add up to that text
+    assert bytes(b for t in ids for b in strings(t)[1]).decode("utf-8") == want
+    assert strings(tokenizer.convert_tokens_to_ids("<0xF0>"))[1] == [0xF0]
 
 
 class _Chars:

@@ -6,6 +6,7 @@ top_logprobs}]}` with each token's exact bytes."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 from swiftkv_jax.serving.http.protocol import Job
@@ -24,22 +25,40 @@ def _gpt2_byte_decoder() -> dict:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+def _decoder_steps(decoder) -> list:
+    """The steps of a `tokenizers` decoder, as its JSON ({"type": ...} each; [] without one)."""
+    if decoder is None:
+        return []
+    state = json.loads(decoder.__getstate__())
+    return state.get("decoders", [state]) if state.get("type") == "Sequence" else [state]
+
+
 class TokenStrings:
-    """A token id's text and exact bytes (a byte-level token may hold part of a character)."""
+    """A token id's text and exact bytes (a byte-level token may hold part of a character; a SentencePiece piece
+    "▁word" is " word", and its byte-fallback token <0xNN> the byte NN)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.cache = tokenizer, {}
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        steps = _decoder_steps(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+        types = {step.get("type") for step in steps}
+        self.byte_level = "ByteLevel" in types
+        self.metaspace = "Metaspace" in types or any(
+            step.get("type") == "Replace" and step.get("pattern") == {"String": "▁"} and step.get("content") == " "
+            for step in steps)
+        self.byte_fallback = "ByteFallback" in types
         self.byte_decoder = _gpt2_byte_decoder()
 
     def __call__(self, token_id: int) -> tuple[str, list]:
         if token_id not in self.cache:
             text = self.tokenizer.decode([token_id])
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if self.byte_level and piece and all(c in self.byte_decoder for c in piece) and \
-                    token_id not in self.tokenizer.all_special_ids:
+            special = token_id in self.tokenizer.all_special_ids
+            if self.byte_level and piece and all(c in self.byte_decoder for c in piece) and not special:
                 data = bytes(self.byte_decoder[c] for c in piece)
+            elif self.byte_fallback and piece and re.fullmatch("<0x[0-9A-F]{2}>", piece) and not special:
+                data = bytes([int(piece[3:5], 16)])
+            elif self.metaspace and piece and not special:
+                data = piece.replace("▁", " ").encode("utf-8")
             else:
                 data = text.encode("utf-8")
             self.cache[token_id] = (text, list(data))
