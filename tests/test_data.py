@@ -341,6 +341,22 @@ def test_document_shuffle_is_seeded(tokenizer, chat_file, tmp_path):
     assert sum(doc[0] == tokenizer.bos_token_id for doc in documents(a)) == len(EXAMPLES)
 
 
+def test_long_documents_drop_leaves_out_what_split_cuts_in_pieces(tokenizer, chat_file, tmp_path):
+    """long_documents: drop keeps exactly the conversations of at most seq_len tokens, each whole (the published
+    recipe's filter, ArcticTraining arctic_training/data/sft_factory.py `filter_dataset_length`); split (the
+    default) packs the longer ones too, in seq_len pieces."""
+    whole = [tuple(encode(tokenizer, e["messages"], None, assistant_mask=True)[0]) for e in EXAMPLES]
+    short = collections.Counter(d for d in whole if len(d) <= 64)
+    assert 0 < sum(short.values()) < len(whole)  # the toy data has both kinds at seq_len 64
+    dropped = documents(build(tokenizer, chat_file, tmp_path / "drop", long_documents="drop"))
+    assert collections.Counter(dropped) == short
+    split = documents(build(tokenizer, chat_file, tmp_path / "split"))
+    assert short < collections.Counter(split) and len(split) > len(whole)
+    with pytest.raises(DataError, match="every document is longer than seq_len=2 tokens, so long_documents: drop"):
+        build_dataset(DataConfig(sources=(DataSource(chat_file),), seq_len=2, long_documents="drop",
+                                 cache_dir=str(tmp_path / "none")), tokenizer)
+
+
 @pytest.fixture(scope="module")
 def packed(tokenizer, chat_file, tmp_path_factory):
     return build(tokenizer, chat_file, tmp_path_factory.mktemp("packed"))
@@ -385,6 +401,8 @@ def test_bad_settings(packed, tokenizer, tmp_path):
     src = DataSource(write_jsonl(tmp_path / "c.jsonl", EXAMPLES[:3]))
     with pytest.raises(DataError, match="unknown loss_mask 'assistants'; use one of all, assistant"):
         build_dataset(DataConfig(sources=(src,), loss_mask="assistants"), tokenizer)
+    with pytest.raises(DataError, match="unknown long_documents 'truncate'; use one of split, drop"):
+        build_dataset(DataConfig(sources=(src,), long_documents="truncate"), tokenizer)
     with pytest.raises(DataError, match="seq_len must be an integer >= 2, got 0"):
         build_dataset(DataConfig(sources=(src,), seq_len=0, cache_dir=str(tmp_path / "cache")), tokenizer)
 

@@ -623,5 +623,9 @@ def test_published_recipes_have_the_papers_settings(name):
     assert {"HuggingFaceH4/ultrachat_200k", "teknium/OpenHermes-2.5", "meta-math/MetaMathQA",
             "ise-uiuc/Magicoder-OSS-Instruct-75K"} <= paths
     assert [s.split for s in config.data.sources if s.path == "HuggingFaceH4/ultrachat_200k"] == ["train_sft"]
+    # Published data pipeline (snowflakedb/ArcticTraining@5153273, arctic_training/data/sft_factory.py:221-232 and
+    # 251-254, `filter_dataset_length` then `pack_dataset`): a conversation over max_length (8192) is dropped whole
+    # (`len(x["input_ids"]) <= self.config.max_length`), never cut into pieces that start mid-conversation.
+    assert config.data.long_documents == "drop"
     if "8b" in name or "7b" in name:
         assert config.train.global_batch_size == 8  # ~8 packed sequences of 8K (~64K tokens) per step

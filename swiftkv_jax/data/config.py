@@ -7,6 +7,7 @@ from typing import Optional
 
 FORMATS = ("auto", "chat", "prompt_response", "text")
 LOSS_MASKS = ("all", "assistant")
+LONG_DOCUMENTS = ("split", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DataSource:
 class DataConfig:
     sources: tuple[DataSource, ...] = ()
     seq_len: int = 8192                # packed sequence length
+    long_documents: str = "split"      # a document over seq_len tokens: split (seq_len pieces) or drop (published)
     loss_mask: str = "all"             # all: every position (paper era); assistant: assistant tokens only
     seed: int = 0                      # shuffling of documents and of packed sequences
     num_proc: Optional[int] = None     # tokenisation workers (datasets.map); another value tokenises again

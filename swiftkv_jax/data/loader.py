@@ -17,18 +17,21 @@ from transformers import PreTrainedTokenizerBase
 from swiftkv_jax.data.chat import tokenize
 from swiftkv_jax.data.config import DataConfig
 from swiftkv_jax.data.errors import DataError
-from swiftkv_jax.data.packing import check_settings, pack
+from swiftkv_jax.data.packing import check_settings, drop_long, pack
 from swiftkv_jax.data.sources import load_mixture
 
 COLUMNS = ("tokens", "positions", "segment_ids", "loss_mask")
 
 
 def build_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    """Sources -> weighted mixture -> documents shuffled by cfg.seed -> tokens -> packed rows (numpy format)."""
-    check_settings(cfg.seq_len, cfg.loss_mask)  # before any loading
+    """Sources -> weighted mixture -> documents shuffled by cfg.seed -> tokens -> (documents over seq_len cut in
+    pieces, or dropped) -> packed rows (numpy format)."""
+    check_settings(cfg.seq_len, cfg.loss_mask, cfg.long_documents)  # before any loading
     mixture = load_mixture(cfg.sources, cfg.seed, cfg.cache_dir, cfg.num_proc)
     docs = tokenize(mixture.shuffle(seed=cfg.seed), tokenizer, assistant_mask=cfg.loss_mask == "assistant",
                     num_proc=cfg.num_proc)
+    if cfg.long_documents == "drop":
+        docs = drop_long(docs, cfg.seq_len, cfg.num_proc)
     packed = pack(docs, cfg.seq_len, cfg.loss_mask, pad_id(tokenizer), cfg.num_proc)
     check_trained_tokens(packed, cfg)
     return packed.with_format("numpy")

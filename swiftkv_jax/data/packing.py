@@ -1,6 +1,7 @@
 """Pack tokenized documents into rows of exactly `seq_len` tokens (greedy, in document order).
 
-A document longer than `seq_len` is cut into `seq_len` pieces, each its own document. Pieces fill rows in
+A document longer than `seq_len` is cut into `seq_len` pieces, each its own document (or, with
+`data.long_documents: drop`, left out before packing: `drop_long`). Pieces fill rows in
 order; a row is closed and padded (segment 0) when the next piece does not fit. Positions restart at 0 per
 piece and segment ids number the pieces of a row 1, 2, ..., so attention stays within a document.
 
@@ -18,7 +19,7 @@ import datasets
 import numpy as np
 from datasets.fingerprint import Hasher
 
-from swiftkv_jax.data.config import LOSS_MASKS
+from swiftkv_jax.data.config import LONG_DOCUMENTS, LOSS_MASKS
 from swiftkv_jax.data.errors import DataError
 
 ROWS_PER_CHUNK = 256  # rows built per map call: bounds worker memory at 256 * seq_len tokens
@@ -52,11 +53,24 @@ def pack(ds: datasets.Dataset, seq_len: int, loss_mask: str = "all", pad_id: int
                       fn_kwargs={"docs": ds, "seq_len": seq_len, "loss_mask": loss_mask, "pad_id": int(pad_id)})
 
 
-def check_settings(seq_len: int, loss_mask: str) -> None:
+def check_settings(seq_len: int, loss_mask: str, long_documents: str = "split") -> None:
     if loss_mask not in LOSS_MASKS:
         raise DataError(f"unknown loss_mask {loss_mask!r}; use one of {', '.join(LOSS_MASKS)}")
+    if long_documents not in LONG_DOCUMENTS:
+        raise DataError(f"unknown long_documents {long_documents!r}; use one of {', '.join(LONG_DOCUMENTS)}")
     if not (isinstance(seq_len, int) and seq_len >= 2):
         raise DataError(f"seq_len must be an integer >= 2, got {seq_len!r}")
+
+
+def drop_long(ds: datasets.Dataset, seq_len: int, num_proc: Optional[int] = None) -> datasets.Dataset:
+    """Documents {input_ids, assistant, length} of at most seq_len tokens; longer ones are dropped whole, as the
+    published recipe's SFT data does (ArcticTraining `filter_dataset_length`), rather than packed in pieces."""
+    kept = ds.filter(lambda lengths: [n <= seq_len for n in lengths], input_columns="length", batched=True,
+                     num_proc=num_proc, desc=f"dropping documents over {seq_len} tokens")
+    if len(kept) == 0:
+        raise DataError(f"every document is longer than seq_len={seq_len} tokens, so long_documents: drop keeps "
+                        f"none: raise seq_len or use long_documents: split")
+    return kept
 
 
 def pieces(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
