@@ -77,6 +77,16 @@ def test_sharegpt_conversations_read_as_chat(tmp_path):
                                {"role": "assistant", "content": "4"}]]
 
 
+def test_lmsys_chat_conversations_read_as_chat(tmp_path):
+    """lmsys/lmsys-chat-1m's layout (the source the published ArcticTraining recipes use, documented in configs/):
+    `conversation` of {content, role}, beside metadata columns."""
+    rows = [{"conversation_id": "a", "model": "vicuna-13b", "turn": 1, "language": "English", "redacted": False,
+             "conversation": [{"content": "2+2?", "role": "user"}, {"content": "4", "role": "assistant"}]}]
+    src = DataSource(write_jsonl(tmp_path / "lmsys.jsonl", rows), format="chat", messages_field="conversation")
+    assert mixture(tmp_path, src)["messages"] == [[{"role": "user", "content": "2+2?"},
+                                                   {"role": "assistant", "content": "4"}]]
+
+
 def test_messages_whose_keys_differ_read_as_chat(tmp_path):
     """datasets stores messages whose dicts differ in keys (a ShareGPT `weight`, an OpenAI `name` on some turns)
     as Json rather than a struct: read message by message."""

@@ -600,6 +600,28 @@ def test_every_recipe_loads(path):
     assert config.model.teacher == "/some/teacher" and config.data.sources
 
 
+ARCTIC_SOURCES = ["HuggingFaceH4/ultrachat_200k", "lmsys/lmsys-chat-1m", "meta-math/MetaMathQA",
+                  "ise-uiuc/Magicoder-OSS-Instruct-75K"]
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b-instruct.yaml", "llama-3.1-8b-instruct-acrosskv4.yaml",
+                                  "llama-3.1-70b-instruct.yaml", "qwen2.5-7b-instruct.yaml"])
+def test_the_arctictraining_mixture_the_recipes_document_loads(name, tmp_path):
+    """The recipes keep SWIFTKV.md §4's mixture (OpenHermes-2.5) and document Snowflake's published one, whose
+    sources are, in snowflakedb/ArcticTraining@5153273 projects/swiftkv/configs/llama-3.1-swiftkv-8b-instruct.yaml
+    lines 16-19 (the same in llama-3.1-swiftkv-70b-instruct.yaml and qwen2.5-swiftkv-7b-instruct.yaml):
+    ultrachat_200k, lmsys/lmsys-chat-1m, MetaMathQA, Magicoder-OSS-Instruct-75K. The commented line, put in
+    place of OpenHermes-2.5's as the comment says, gives that list through our own loader."""
+    text = open(os.path.join(CONFIGS, name)).read()
+    (documented,) = [line for line in text.splitlines() if "lmsys/lmsys-chat-1m, format" in line]
+    (hermes,) = [line for line in text.splitlines() if "teknium/OpenHermes-2.5" in line]
+    (tmp_path / name).write_text(text.replace(hermes, "    " + documented.lstrip(" #")))
+    config = configuration.load(TrainConfig, str(tmp_path / name))
+    assert [s.path for s in config.data.sources] == ARCTIC_SOURCES
+    (lmsys,) = [s for s in config.data.sources if s.path == "lmsys/lmsys-chat-1m"]
+    assert (lmsys.format, lmsys.messages_field, lmsys.split) == ("chat", "conversation", "train")
+
+
 # SWIFTKV.md §1/§4: published l, g and learning rates.
 PUBLISHED = {
     "llama-3.1-8b-instruct.yaml": (16, 1, 2e-4),
