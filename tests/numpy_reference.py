@@ -125,14 +125,13 @@ def attention_float64(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
 
 def sampling_distribution(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The next-token distribution [V] of one logits row as vLLM and Hugging Face define it, in float64: softmax at
-    the temperature, the top_k most likely kept (0: all), then the smallest prefix of those, most likely first,
-    whose mass reaches top_p (the first always), renormalised."""
+    the temperature, the top_k most likely kept (0: all; any tied with the k-th too), then the smallest prefix of
+    those, most likely first, whose mass reaches top_p (the first always), renormalised."""
     scaled = np.asarray(logits, np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
-    keep = np.zeros(len(probs), bool)
-    keep[order[:top_k or len(probs)]] = True
+    keep = probs >= probs[order[min(top_k or len(probs), len(probs)) - 1]]  # ties with the k-th kept, as theirs
     kept = np.where(keep, probs, 0.0) / probs[keep].sum()
     mass_before = np.cumsum(kept[order]) - kept[order]
     keep[order[mass_before >= top_p]] = False

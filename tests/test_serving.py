@@ -147,6 +147,53 @@ def test_sampling_draws_from_the_distribution_its_settings_define(params):
     assert 0.5 * np.abs(np.bincount(tokens, minlength=len(row)) / 4000 - want).sum() < 0.03
 
 
+def _transformers_distribution(row, temperature, top_k, top_p):
+    """transformers' warpers in `generate`'s order (temperature, top-k, top-p) on one logits row: probabilities [V]."""
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.tensor(np.asarray(row, np.float32)[None])
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores.double(), -1)[0].numpy()
+
+
+def _engine_draws(row, temperature, top_k, top_p, n):
+    from swiftkv_jax.serving.ragged_step import Sampled, sample_rows
+
+    full = lambda x, dtype: np.full(n, x, dtype)  # noqa: E731
+    s = Sampled(full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32), full(5, np.int32),
+                np.arange(n, dtype=np.int32))
+    return np.asarray(jax.jit(sample_rows)(jnp.asarray(np.tile(row, (n, 1)), jnp.float32), s))
+
+
+# rows with ties at the top-k boundary (bf16 logits tie often): transformers and vLLM keep each token tied with the k-th
+TIES = {
+    "top_k=2, three tied second": (np.log([0.4, 0.2, 0.2, 0.2]), 1.0, 2, 1.0),
+    "top_k=1, two tied first": (np.array([1.0, 1.0, 0.0, 0.0]), 0.7, 1, 1.0),
+}
+
+
+@pytest.mark.parametrize("sampler", ["generate", "engine"])
+@pytest.mark.parametrize("case", list(TIES))
+def test_sampling_breaks_boundary_ties_as_transformers(sampler, case):
+    """Both engines' samplers draw from transformers' distribution where the top-k or top-p cut falls in a tie: the
+    same tokens (every kept one is likely enough to show in 2,000 draws), at its frequencies."""
+    row, temperature, top_k, top_p = TIES[case]
+    n = 2000
+    if sampler == "generate":
+        tokens = np.asarray(sample(jnp.asarray(np.tile(row, (n, 1)), jnp.float32), jax.random.key(1),
+                                   SamplingParams(temperature, top_k, top_p)))
+    else:
+        tokens = _engine_draws(row, temperature, top_k, top_p, n)
+    want = _transformers_distribution(row, temperature, top_k, top_p)
+    assert set(np.unique(tokens).tolist()) == set(np.nonzero(want)[0].tolist())
+    assert 0.5 * np.abs(np.bincount(tokens, minlength=len(row)) / n - want).sum() < 0.04
+
+
 def test_bad_requests_raise_clear_errors():
     model, _ = MODELS["plain"]
     with pytest.raises(ValueError, match="max_len is 16: raise max_len or shorten the prompt"):

@@ -50,8 +50,9 @@ def sample_rows(logits, s: Sampled):
         scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
         order = jnp.argsort(-scaled, axis=-1)
         ranked = jnp.take_along_axis(scaled, order, axis=-1)
-        rank = jnp.arange(logits.shape[-1])[None, :]
-        keep = (s.top_k[:, None] == 0) | (rank < s.top_k[:, None])
+        # every token tied with the k-th too, as transformers' TopKLogitsWarper, vLLM and `sampling.sample` keep them
+        kth = jnp.take_along_axis(ranked, jnp.clip(s.top_k - 1, 0, logits.shape[-1] - 1)[:, None], axis=-1)
+        keep = (s.top_k[:, None] == 0) | (ranked >= kth)
         probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
         keep &= jnp.cumsum(probs, axis=-1) - probs < s.top_p[:, None]  # the smallest prefix reaching top_p
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, s.count)
