@@ -130,7 +130,7 @@ def sampling_distribution(logits, temperature: float, top_k: int = 0, top_p: flo
     scaled = np.asarray(logits, np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
+    order = np.argsort(probs, kind="stable")[::-1]  # a tie's higher ids first: their ascending sort, reversed
     keep = probs >= probs[order[min(top_k or len(probs), len(probs)) - 1]]  # ties with the k-th kept, as theirs
     kept = np.where(keep, probs, 0.0) / probs[keep].sum()
     mass_before = np.cumsum(kept[order]) - kept[order]

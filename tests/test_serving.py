@@ -170,10 +170,14 @@ def _engine_draws(row, temperature, top_k, top_p, n):
     return np.asarray(jax.jit(sample_rows)(jnp.asarray(np.tile(row, (n, 1)), jnp.float32), s))
 
 
-# rows with ties at the top-k boundary (bf16 logits tie often): transformers and vLLM keep each token tied with the k-th
+# rows with ties at the top-k / top-p boundary (bf16 logits tie often): transformers and vLLM keep each token tied
+# with the k-th, and their ascending sort drops the lower ids of a tie at the top-p cut first
 TIES = {
     "top_k=2, three tied second": (np.log([0.4, 0.2, 0.2, 0.2]), 1.0, 2, 1.0),
     "top_k=1, two tied first": (np.array([1.0, 1.0, 0.0, 0.0]), 0.7, 1, 1.0),
+    "top_p=0.6, a tie at the cut": (np.log([0.4, 0.3, 0.3]), 1.0, 0, 0.6),
+    "top_p=0.5, all tied": (np.zeros(4), 1.0, 0, 0.5),
+    "top_k ties, then top_p": (np.log([0.3, 0.2, 0.2, 0.2, 0.1]), 1.0, 2, 0.6),
 }
 
 

@@ -48,7 +48,7 @@ def sample_rows(logits, s: Sampled):
 
     def draw():
         scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        order = jnp.argsort(-scaled, axis=-1)
+        order = jnp.flip(jnp.argsort(scaled, axis=-1), axis=-1)  # ties: higher ids first, as `sampling.sample`
         ranked = jnp.take_along_axis(scaled, order, axis=-1)
         # every token tied with the k-th too, as transformers' TopKLogitsWarper, vLLM and `sampling.sample` keep them
         kth = jnp.take_along_axis(ranked, jnp.clip(s.top_k - 1, 0, logits.shape[-1] - 1)[:, None], axis=-1)

@@ -38,7 +38,9 @@ def sample(logits, rng, params: SamplingParams):
         kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if params.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
+        # most likely first, a tie's higher ids first: transformers' and vLLM's ascending stable sort drop the lower
+        # ids of a tie at the cut first
+        order = jnp.flip(jnp.argsort(logits, axis=-1), axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always)
