@@ -198,6 +198,25 @@ def test_sampling_breaks_boundary_ties_as_transformers(sampler, case):
     assert 0.5 * np.abs(np.bincount(tokens, minlength=len(row)) / n - want).sum() < 0.04
 
 
+@pytest.mark.parametrize("sampler", ["generate", "engine"])
+@pytest.mark.parametrize("temperature", [1e-30, 2e-38])
+def test_a_tiny_temperature_samples_the_argmax(sampler, temperature):
+    """As the temperature goes to 0 the distribution is the argmax's (logits / T overflowed to inf: softmax gave NaN
+    and sk.generate drew token 0 for every row)."""
+    rows = [[-30.0, -10.0, -20.0, -50.0], [30.0, 10.0, 20.0, 50.0], [5.0, 20.0, -10.0, 10.0]]  # / 2e-38: past fp32
+    logits = np.array(rows * 100, np.float32)
+    if sampler == "generate":
+        tokens = np.asarray(sample(jnp.asarray(logits), jax.random.key(0), SamplingParams(temperature)))
+    else:
+        from swiftkv_jax.serving.ragged_step import Sampled, sample_rows
+
+        n = len(logits)
+        s = Sampled(np.full(n, temperature, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                    np.zeros(n, np.int32), np.arange(n, dtype=np.int32))
+        tokens = np.asarray(jax.jit(sample_rows)(jnp.asarray(logits), s))
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
 def test_bad_requests_raise_clear_errors():
     model, _ = MODELS["plain"]
     with pytest.raises(ValueError, match="max_len is 16: raise max_len or shorten the prompt"):

@@ -26,6 +26,7 @@ from swiftkv_jax.model.cached import cached_lower, cached_upper, head, swiftkv_c
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.model.paged import NULL_PAGE, PagedBatch
 from swiftkv_jax.serving.paged_cache import PagePool
+from swiftkv_jax.serving.sampling import TINY
 from swiftkv_jax.serving.scheduler import MAX_TOP_LOGPROBS
 from swiftkv_jax.serving.tensor_parallel import activation_sharding
 
@@ -47,7 +48,9 @@ def sample_rows(logits, s: Sampled):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
-        scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+        # less each row's max first: a tiny temperature overflowed the quotient to inf (`sampling.sample`)
+        temperature = jnp.where(s.temperature > 0, jnp.maximum(s.temperature, TINY), 1.0)
+        scaled = (logits - logits.max(axis=-1, keepdims=True)) / temperature[:, None]
         order = jnp.flip(jnp.argsort(scaled, axis=-1), axis=-1)  # ties: higher ids first, as `sampling.sample`
         ranked = jnp.take_along_axis(scaled, order, axis=-1)
         # every token tied with the k-th too, as transformers' TopKLogitsWarper, vLLM and `sampling.sample` keep them

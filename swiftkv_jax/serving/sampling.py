@@ -11,6 +11,9 @@ from swiftkv_jax.checks import integer, real
 from swiftkv_jax.serving.errors import InvalidRequest
 
 
+TINY = float(jnp.finfo(jnp.float32).tiny)  # the smallest normal fp32 temperature
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -33,7 +36,10 @@ def sample(logits, rng, params: SamplingParams):
     """tokens [B] from fp32 logits [B, V]."""
     if params.temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / params.temperature
+    logits = logits.astype(jnp.float32)
+    # less the row's max first (softmax is unchanged): at a tiny temperature the quotient overflowed to inf, softmax
+    # gave NaN and every row drew token 0; a subnormal one (flushed to 0 on the device) is the smallest normal
+    logits = (logits - logits.max(axis=-1, keepdims=True)) / max(params.temperature, TINY)
     if 0 < params.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
