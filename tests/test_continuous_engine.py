@@ -154,6 +154,25 @@ def test_seeded_sampling_is_per_request():
     assert other.token_ids != lone.token_ids
 
 
+def test_mixed_sampling_settings_stay_with_their_requests_as_slots_are_reused():
+    """Greedy and sampled requests (each its own temperature, top_k, top_p, seed) share steps and, 8 requests over 4
+    slots, take over each other's slots: each draws what it draws alone."""
+    hot = [dict(temperature=1.5, top_k=0, top_p=1.0, seed=1), dict(temperature=0.8, top_k=7, top_p=0.9, seed=2),
+           dict(temperature=3.0, top_k=0, top_p=0.95, seed=3), dict(temperature=1.0, top_k=3, top_p=1.0, seed=4)]
+    settings_ = [hot[i // 2] if i % 2 else {} for i in range(8)]  # greedy, hot, greedy, hot, ...
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    eng = engine("swiftkv-g1")
+    ids = [eng.add_request(p, max_tokens=MAX_TOKENS, stop_token_ids=[], **kw) for p, kw in zip(prompts, settings_)]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    for rid, prompt, kw in zip(ids, prompts, settings_):
+        lone = engine("swiftkv-g1").generate([prompt], max_tokens=MAX_TOKENS, stop_token_ids=[], **kw)[0].token_ids
+        assert done[rid].token_ids == lone, kw
+        if not kw:
+            assert lone == alone("swiftkv-g1", tuple(prompt))[0]
+
+
 def test_sample_rows_follows_each_rows_settings():
     logits = jax.random.normal(jax.random.key(0), (5, 50)) * 3
     greedy = np.asarray(logits.argmax(-1))
