@@ -348,6 +348,27 @@ def test_resuming_a_finished_run_exports_again(capsys, assets, finished_copy):
     assert sk.load(out / "student_orbax").config.num_key_value_layers == LAYER_L
 
 
+def test_resume_after_a_metrics_line_cut_short(assets, full_run, finished_copy):
+    """A full disk (or a kill) mid-append leaves metrics.jsonl's last line cut short; the run resumes from its
+    checkpoint (step 40) as if uninterrupted, that line dropped."""
+    out, _ = finished_copy
+    shutil.rmtree(out / "checkpoints" / "57")
+    for name in ("student_hf", "student_orbax", "loss.png"):
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:45]) + lines[45][:100])  # step 46 half written
+    proc = train_py(recipe(assets, out, "train.resume=true"))  # one device, as full_run
+    assert proc.returncode == 0 and "resumed from step 40" in proc.stdout, proc.stderr[-3000:]
+    assert compared(read_metrics(out / "metrics.jsonl")) == compared(read_metrics(full_run[0] / "metrics.jsonl"))
+
+
+def test_a_damaged_metrics_line_before_the_last_is_not_skipped(tmp_path):
+    """Only an unfinished last line is an interrupted append; damage elsewhere is not hidden."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ValueError):
+        read_metrics(tmp_path / "metrics.jsonl")
+
+
 def test_resuming_past_the_runs_last_step_is_refused(capsys, assets, finished_copy):
     """A checkpoint beyond the steps this run would train is not relabelled as its last: refused, nothing
     changed."""

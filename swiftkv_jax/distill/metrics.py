@@ -23,10 +23,18 @@ class MetricsLog:
 
 
 def read_metrics(path) -> list[dict]:
+    """The records; an unfinished last line (a full disk or a kill mid-append) is left out, damage elsewhere raises."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def plot_losses(records: list[dict], path, title: str = "") -> Path:
