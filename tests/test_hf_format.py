@@ -9,6 +9,9 @@ checked with tests/hf_models.py helpers written from the format description, not
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -715,6 +718,45 @@ def test_failed_orbax_save_leaves_the_existing_directory_untouched(llama, occupi
         sk.save(sk.load(llama[0]), occupied, format="orbax", overwrite=True)
     assert file_digests(occupied) == before
     assert sorted(p.name for p in occupied.parent.iterdir()) == ["target"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_a_save_killed_mid_write_keeps_the_old_checkpoint_and_the_next_save_removes_its_leftovers(llama, tmp_path,
+                                                                                                   fmt):
+    """SIGKILL (a scheduler after its grace, the OOM killer) mid-write: the old checkpoint stays whole and
+    loadable; the next save to the path removes the hidden partial copy (each kill left one, the model's size)."""
+    model = sk.load(llama[0])
+    target = sk.save(model, tmp_path / "target", format=fmt)
+    before = file_digests(target)
+    writer = "hf.save_file" if fmt == "hf" else "ocp.StandardCheckpointer.save"
+    script = (f"import os, signal\n"
+              f"import orbax.checkpoint as ocp\n"
+              f"import swiftkv_jax as sk\n"
+              f"from swiftkv_jax.checkpoints import hf\n"
+              f"real = {writer}\n"
+              f"def killed(*args, **kwargs):\n"
+              f"    real(*args, **kwargs)\n"
+              f"    os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"{writer} = killed\n"
+              f"sk.save(sk.load({str(llama[0])!r}), {str(target)!r}, format={fmt!r}, overwrite=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert file_digests(target) == before
+    assert_trees_equal(sk.load(target).params, model.params)
+    left = [p for p in tmp_path.iterdir() if p.name != "target"]
+    assert [p.name.startswith(".target.partial-") and any(p.iterdir()) for p in left] == [True]
+    sk.save(model, target, format=fmt, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+def test_a_replaced_directory_is_kept_while_the_target_is_missing(llama, tmp_path):
+    """A kill between a commit's two renames leaves the old checkpoint as .NAME.old-*: a save then keeps it."""
+    model = sk.load(llama[0])
+    sk.save(model, tmp_path / "target", format="hf")
+    (tmp_path / "target").rename(tmp_path / ".target.old-0123abcd")
+    sk.save(model, tmp_path / "target", format="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".target.old-0123abcd", "target"]
+    assert_trees_equal(sk.load(tmp_path / ".target.old-0123abcd").params, model.params)
 
 
 def test_saved_directory_has_ordinary_permissions(llama, tmp_path):

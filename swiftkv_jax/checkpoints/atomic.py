@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import uuid
@@ -35,6 +36,18 @@ def _shared_suffix() -> str:
     return f"{int(np.asarray(suffix)[0]):08x}"
 
 
+def _remove_leftovers(path: Path) -> None:
+    """What saves to `path` cut short by a kill left beside it (SIGKILL leaves no time to clean): their partial
+    directories, and a replaced directory whose removal was cut short. That one is kept while `path` is missing (a
+    kill between the two renames of a commit left the only complete copy there)."""
+    name = glob.escape(path.name)
+    leftovers = list(path.parent.glob(f".{name}.partial-*"))
+    if path.is_dir():
+        leftovers += path.parent.glob(f".{name}.old-*")
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mapping[str, bytes]] = None
                      ) -> Iterator[Path]:
@@ -42,7 +55,8 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
 
     A non-empty `path` is only replaced with overwrite=True, and then only after the new one is complete.
     `extra_files` (name -> bytes, e.g. tokenizer files read before `path` is replaced) are written into
-    the new directory before it is committed. With several JAX processes every one gets the same directory
+    the new directory before it is committed. What an earlier save to `path` left when killed is removed first
+    (`_remove_leftovers`). With several JAX processes every one gets the same directory
     (for collective writers such as Orbax); process 0 alone writes the extra files and commits.
     """
     overwrite = flag("overwrite", overwrite)  # bool("false") is True: it replaced the checkpoint it was to keep
@@ -62,6 +76,7 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
     tmp = path.with_name(f".{path.name}.partial-{_shared_suffix()}")
     if lead:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(path)
         tmp.mkdir(mode=0o777 & ~_umask())
     _sync(f"atomic_directory:create:{tmp.name}")
     try:
