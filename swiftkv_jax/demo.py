@@ -239,7 +239,7 @@ def _seconds(path: Path) -> float:
 
 
 def _train(recipe: str, overrides: list[str], export: Path) -> None:
-    """Run a recipe unless its export exists; continue it from its checkpoints if it was interrupted. Its seconds,
+    """Run a recipe unless it finished; continue it from its checkpoints if it was interrupted. Its seconds,
     those of the calls a signal stopped included (they end in a checkpoint, so no work is lost), go beside it."""
     from swiftkv_jax import configuration
     from swiftkv_jax.distill import trainer
@@ -255,8 +255,11 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
         if changed:
             raise ValueError(f"{export} was trained with other settings ({'; '.join(changed)}): delete {run_dir} "
                              f"to train it again, or choose another folder")
-        _say(f"{export} exists: skipped")
-        return
+        # finished once its seconds are written, after its last export and plot; an export without them beside its
+        # checkpoints is a run cut short between its exports (HF, then Orbax): resumed, it only exports again
+        if (run_dir / TRAIN_SECONDS).is_file() or not (run_dir / trainer.CHECKPOINT_DIR).is_dir():
+            _say(f"{export} exists: skipped")
+            return
     start = time.perf_counter()
     status = trainer.train(config)
     seconds = time.perf_counter() - start

@@ -373,6 +373,25 @@ def test_a_kept_training_stage_of_other_settings_is_refused_not_reported(tmp_pat
             demo._train("stdlib-swiftkv.yaml", overrides(tmp_path / "b", steps, rate), run_dir / "student_hf")
 
 
+def test_a_stage_cut_short_between_its_exports_is_resumed_not_kept(tmp_path, monkeypatch):
+    """SIGTERM (outside the training loop) or SIGKILL after the teacher's model_hf, before its model_orbax, loss.png
+    and seconds: the next call resumed nothing (model_hf exists: skipped), so those were never written. Now the stage
+    is finished when its seconds are written; until then it resumes from its checkpoints (only exporting again)."""
+    from swiftkv_jax.distill import trainer
+
+    settings = demo.SETTINGS["smoke"]
+    run_dir = tmp_path / "teacher"
+    overrides = [f"model.teacher={tmp_path / 'init'}"] + demo.common_overrides(tmp_path, settings, 2, run_dir)
+    (run_dir / "model_hf").mkdir(parents=True)
+    (run_dir / trainer.CHECKPOINT_DIR / "2").mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(trainer, "train", lambda config: calls.append(config.train.resume) or 0)
+    demo._train("stdlib-teacher.yaml", overrides, run_dir / "model_hf")
+    assert calls == [True] and (run_dir / demo.TRAIN_SECONDS).is_file()
+    demo._train("stdlib-teacher.yaml", overrides, run_dir / "model_hf")  # finished: kept
+    assert calls == [True]
+
+
 def test_shape_checks_against_hand_computed_gaps():
     """The share of the 50% gap closed is (undistilled - distilled) / (undistilled - teacher) in validation loss (the
     recipe sweep's formula); the second difference of the gaps over 25/50/75%; the gpu target is judged on it."""
