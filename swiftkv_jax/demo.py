@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from swiftkv_jax.checkpoints.atomic import write_text_atomic
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FRACTIONS = (0.25, 0.5, 0.75)  # of the layers whose KV comes from layer l's input (L - l) / L
 
@@ -189,7 +191,7 @@ def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
     if path.is_file() and json.loads(path.read_text()) != record:
         raise ValueError(f"{out} holds a demo run with other settings (see {path}): choose another --out, or delete it")
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def build_data(out: Path, settings: DemoSettings):
@@ -265,11 +267,11 @@ def _train(recipe: str, overrides: list[str], export: Path) -> None:
     seconds = time.perf_counter() - start
     before = _seconds(run_dir / STOPPED_SECONDS)  # earlier calls' part of this stage
     if status:  # a signal stopped it, its checkpoint saved: the later stages need its export
-        (run_dir / STOPPED_SECONDS).write_text(json.dumps({"seconds": round(before + seconds, 1)}) + "\n")
+        write_text_atomic(run_dir / STOPPED_SECONDS, json.dumps({"seconds": round(before + seconds, 1)}) + "\n")
         raise Stopped(status, f"{recipe} stopped in {run_dir} (status {status}), its checkpoint saved: run the same "
                               f"command again to continue from it")
-    (run_dir / TRAIN_SECONDS).write_text(json.dumps({"seconds": round(before + seconds, 1),
-                                                     "this_call_seconds": round(seconds, 1)}) + "\n")
+    write_text_atomic(run_dir / TRAIN_SECONDS, json.dumps({"seconds": round(before + seconds, 1),
+                                                           "this_call_seconds": round(seconds, 1)}) + "\n")
     _say(f"{recipe} -> {export} in {seconds:.0f} s" + (f" ({before + seconds:.0f} s with earlier calls)"
                                                         if before else ""))
 
@@ -318,10 +320,8 @@ class _Calls:
 
     def saved(self) -> None:
         with self.lock:
-            partial = self.path.with_suffix(".tmp")
-            partial.write_text(json.dumps({"calls": self.earlier + [round(time.perf_counter() - self.start, 1)]})
-                               + "\n")
-            partial.replace(self.path)
+            write_text_atomic(self.path, json.dumps(
+                {"calls": self.earlier + [round(time.perf_counter() - self.start, 1)]}) + "\n")
 
 
 def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
@@ -502,9 +502,7 @@ class Evaluation:
             self.results[name] = row
             if self.done is not None and not written:
                 self.earlier[name] = {"checkpoints": [_fingerprint(c) for c in self.models[name][2]], "row": row}
-                partial = self.done.with_suffix(".tmp")
-                partial.write_text(json.dumps(self.earlier, indent=1) + "\n")
-                partial.replace(self.done)
+                write_text_atomic(self.done, json.dumps(self.earlier, indent=1) + "\n")
                 self.saved()
             _say_evaluated(name, row)
 

@@ -34,7 +34,7 @@ from hf_models import file_digests, read_hf_tensors, torch_logits
 from swiftkv_jax import configuration
 from swiftkv_jax.distill import cli, trainer
 from swiftkv_jax.distill.config import TrainConfig
-from swiftkv_jax.distill.metrics import read_metrics
+from swiftkv_jax.distill.metrics import MetricsLog, read_metrics
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -367,6 +367,26 @@ def test_a_damaged_metrics_line_before_the_last_is_not_skipped(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError):
         read_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_resume_trimming_metrics_on_a_full_disk_keeps_the_history(tmp_path, monkeypatch):
+    """On resume metrics.jsonl is rewritten without the steps past the checkpoint: written in place, a full disk (or
+    a kill) mid-write left it truncated, the run's history lost. Now whole or not at all, and no temporary file."""
+    records = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))
+    (tmp_path / "metrics.jsonl").write_text(records)
+    write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        write_text(self, text[:10], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        MetricsLog(tmp_path, resume_step=3)
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text() == records and os.listdir(tmp_path) == ["metrics.jsonl"]
+    MetricsLog(tmp_path, resume_step=3)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_resuming_past_the_runs_last_step_is_refused(capsys, assets, finished_copy):

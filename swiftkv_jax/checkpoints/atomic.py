@@ -1,4 +1,5 @@
-"""Write a checkpoint directory all at once: a failed or interrupted save leaves the target untouched."""
+"""Write a checkpoint directory, or a small file, all at once: a failed or interrupted save leaves the target
+untouched."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import glob
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
@@ -34,6 +36,18 @@ def _shared_suffix() -> str:
     if jax.process_count() > 1:
         suffix = multihost_utils.broadcast_one_to_all(suffix)
     return f"{int(np.asarray(suffix)[0]):08x}"
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write a file whole or not at all: a kill or a full disk mid-write leaves the earlier file (if any) intact, and
+    no temporary file. Not a lock: callers writing one path from several threads hold their own."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _remove_leftovers(path: Path) -> None:

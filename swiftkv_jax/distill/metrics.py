@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from swiftkv_jax.checkpoints.atomic import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -15,7 +17,7 @@ class MetricsLog:
     def __init__(self, output_dir, resume_step: int = 0):
         self.path = Path(output_dir) / METRICS_FILE
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill keeps the history
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:

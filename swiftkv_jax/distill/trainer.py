@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from swiftkv_jax import checkpoints, distributed, sharding
+from swiftkv_jax.checkpoints.atomic import write_text_atomic
 from swiftkv_jax.checkpoints.hf import read_config
 from swiftkv_jax.checkpoints.hf_config import config_from_hf
 from swiftkv_jax.checkpoints.orbax import unreadable_orbax
@@ -494,8 +495,8 @@ def train(config: TrainConfig, print_fn=print) -> int:
         say(f"resumed from step {start} (data position {restored.meta['data_position']})")
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        (out / TEACHER_CONFIG_FILE).write_text(json.dumps(teacher_config, indent=2) + "\n")
+        write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))  # what resume reads
+        write_text_atomic(out / TEACHER_CONFIG_FILE, json.dumps(teacher_config, indent=2) + "\n")
         log = MetricsLog(out, resume_step=start)
 
     step_fn = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from swiftkv_jax.checkpoints.atomic import write_text_atomic
+
 TABLE_METRICS = {"multiple_choice": ("acc", "acc_norm"),
                  "generation": ("exact_match", "exact_match_flexible"),  # lm-eval's strict-match, flexible-extract
                  "perplexity": ("perplexity", "bits_per_byte", "nats_per_token")}
@@ -19,14 +21,8 @@ def model_label(path) -> str:
 
 def write_json(path, data, *, indent: int = 2) -> None:
     """Write whole or not at all: a crash mid-write leaves any earlier file intact, and no temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=indent, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(data, indent=indent, default=str) + "\n")
 
 
 def check_output_file(path, flag: str) -> None:
