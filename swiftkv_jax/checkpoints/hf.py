@@ -21,6 +21,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.serialization._base import SIZE_UNITS, parse_size_to_int
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -229,8 +230,8 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
 
     Plain models load in transformers' LlamaForCausalLM / Qwen2ForCausalLM; SwiftKV models are written
     as `llama_swiftkv` / `qwen2_swiftkv` with the published field and tensor names. The directory appears
-    only when complete, with `extra_files` (name -> bytes) in it. Arrays must be fully addressable from
-    this process (one host).
+    only when complete, with `extra_files` (name -> bytes) in it. Arrays spread over several processes (hosts)
+    are gathered tensor by tensor, every process calling this; process 0 writes the files.
     """
     cfg = model.config
     check_params(cfg, model.params)
@@ -243,18 +244,29 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
         max_shard_size=parse_size(max_shard_size),
     )
     params = flatten_dict(model.params)
+    lead = jax.process_index() == 0
     with atomic_directory(path, overwrite, extra_files) as tmp:
         for filename, names in split.filename_to_tensors.items():
             tensors = {}
             for name in names:
                 entry = entries[name]
                 leaf = params[entry.path]
-                ours = np.asarray(jax.device_get(leaf[entry.index] if entry.index else leaf))
+                ours = _on_host(leaf[entry.index] if entry.index else leaf)
                 tensors[name] = np.ascontiguousarray(entry.to_hf(ours.astype(np_dtype)))
-            save_file(tensors, tmp / filename, metadata={"format": "pt"})
+            if lead:
+                save_file(tensors, tmp / filename, metadata={"format": "pt"})
             del tensors
-        if split.is_sharded:
+        if lead and split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name(np_dtype)), indent=2) + "\n")
+        if lead:
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name(np_dtype)), indent=2) + "\n")
     return Path(path)
+
+
+def _on_host(x) -> np.ndarray:
+    """The whole of `x` in this process's memory: gathered from the other processes where it is spread over them
+    (a collective: every process calls it for the same tensors in the same order)."""
+    if not getattr(x, "is_fully_addressable", True):
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))

@@ -367,7 +367,7 @@ def _describe(config: ModelConfig, stage: str) -> str:
             f"{config.num_hidden_layers} layers")
 
 
-def export_student(model_config: ModelConfig, trainable, frozen, config: TrainConfig, print_fn=print) -> list[Path]:
+def export_student(model_config: ModelConfig, trainable, frozen, config: TrainConfig) -> list[Path]:
     """The trained model (the student; for stage pretrain the model) as HF and/or Orbax checkpoints with the
     tokenizer files beside them."""
     out = Path(config.train.output_dir)
@@ -377,10 +377,6 @@ def export_student(model_config: ModelConfig, trainable, frozen, config: TrainCo
     written = []
     for fmt, enabled in (("hf", config.export.hf), ("orbax", config.export.orbax)):
         if not enabled:
-            continue
-        if fmt == "hf" and jax.process_count() > 1:
-            print_fn("HF export runs on one host: convert the Orbax export with "
-                     f"`python -m swiftkv_jax.convert {out / export_dirs['orbax']} DST --to hf`")
             continue
         # Only a resumed run replaces an export (its own, from before): train() refused any other on start.
         written.append(checkpoints.save(model, out / export_dirs[fmt], fmt, dtype=config.export.dtype,
@@ -551,7 +547,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
     manager.wait_until_finished()
     manager.close()
 
-    for path in export_student(model_config, state.trainable, frozen, config, say):
+    for path in export_student(model_config, state.trainable, frozen, config):
         say(f"exported the {'model' if config.stage == 'pretrain' else 'student'} to {path}")
     if lead:
         records = read_metrics(out / "metrics.jsonl")
