@@ -585,3 +585,42 @@ def test_two_processes_equal_one_process(assets, tmp_path):
             np.testing.assert_allclose(a, b, atol=1e-5, err_msg=export)
     assert (sorted(p.name for p in (tmp_path / "two" / "student_hf").iterdir())
             == sorted(p.name for p in (tmp_path / "one" / "student_hf").iterdir()))
+
+
+def cut_at(run: Path, copy: Path, step: int) -> None:
+    """`copy`: `run` as it was when it had saved `step` (the later checkpoints removed; the metrics past it are
+    dropped by the resume)."""
+    shutil.copytree(run, copy)
+    for path in (copy / "checkpoints").iterdir():
+        if path.name.isdigit() and int(path.name) > step:
+            shutil.rmtree(path)
+
+
+@pytest.mark.slow  # five runs, three of them two processes: about 2.5 minutes on 2 CPU cores
+def test_checkpoints_resume_across_process_counts(assets, tmp_path):
+    """A two-process checkpoint resumes in two processes exactly as the run went on, and in one process (the same
+    4 devices) within the rounding of another reduction order (see test_two_processes_equal_one_process); a
+    one-process checkpoint resumes in two processes likewise."""
+    steps = ["train.max_steps=4", "checkpoint.every=2", "export.hf=false", "export.orbax=false"]
+    for rc, err in two_processes(recipe(assets, tmp_path / "two", *steps), tmp_path, timeout=240):
+        assert rc == 0, err[-3000:]
+    one = train_py(recipe(assets, tmp_path / "one", *steps), devices=4)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for run, copy in (("two", "two_in_two"), ("two", "two_in_one"), ("one", "one_in_two")):
+        cut_at(tmp_path / run, tmp_path / copy, 2)
+    resume = [*steps, "train.resume=true"]
+    for copy in ("two_in_two", "one_in_two"):
+        for rc, err in two_processes(recipe(assets, tmp_path / copy, *resume), tmp_path, timeout=240):
+            assert rc == 0, err[-3000:]
+        assert "resumed from step 2 (data position 2)" in (tmp_path / "stdout.0").read_text()
+    resumed = train_py(recipe(assets, tmp_path / "two_in_one", *resume), devices=4)
+    assert resumed.returncode == 0 and "resumed from step 2 (data position 2)" in resumed.stdout, resumed.stderr
+    records = {d: read_metrics(tmp_path / d / "metrics.jsonl") for d in ("two", "one", "two_in_two", "two_in_one",
+                                                                        "one_in_two")}
+    assert compared(records["two_in_two"]) == compared(records["two"])  # bit-identical
+    for copy, run in (("two_in_one", "two"), ("one_in_two", "one")):
+        assert [r["step"] for r in records[copy]] == [1, 2, 3, 4]
+        for a, b in zip(records[copy], records[run]):
+            assert a["tokens"] == b["tokens"]  # the same rows
+            for key in ("loss", "kl", "hidden_mse", "lr", "grad_norm"):
+                np.testing.assert_allclose(a[key], b[key], rtol=1e-5, err_msg=f"{copy} {key} step {a['step']}")
