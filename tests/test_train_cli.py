@@ -528,16 +528,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(args, logs: Path, timeout: float) -> list[tuple[int, str]]:
-    """The same train.py run as 2 processes of 2 CPU devices each, joined over localhost (gloo):
-    [(exit code or None when killed at the timeout, stderr)] per process."""
+def two_processes(args, logs: Path, timeout: float, last_only=()) -> list[tuple[int, str]]:
+    """The same train.py run as 2 processes of 2 CPU devices each, joined over localhost (gloo), `last_only` added
+    to process 1's arguments: [(exit code or None when killed at the timeout, stderr)] per process."""
     port = free_port()
     procs = []
     for i in range(2):
         with open(logs / f"stdout.{i}", "w") as stdout, open(logs / f"stderr.{i}", "w") as stderr:
             procs.append(subprocess.Popen(
                 [sys.executable, "train.py", *args, f"distributed.coordinator_address=localhost:{port}",
-                 "distributed.num_processes=2", f"distributed.process_id={i}"],
+                 "distributed.num_processes=2", f"distributed.process_id={i}", *(last_only if i else ())],
                 cwd=REPO, env=env_with_devices(2), stdout=stdout, stderr=stderr))
     deadline = time.time() + timeout
     try:
@@ -585,6 +585,19 @@ def test_two_processes_equal_one_process(assets, tmp_path):
             np.testing.assert_allclose(a, b, atol=1e-5, err_msg=export)
     assert (sorted(p.name for p in (tmp_path / "two" / "student_hf").iterdir())
             == sorted(p.name for p in (tmp_path / "one" / "student_hf").iterdir()))
+
+
+def test_bad_input_in_one_process_stops_both(assets, tmp_path):
+    """Process 1's data path is missing on its host: it says so, and process 0 stops after its own setup with that
+    error instead of waiting for process 1 at its first collective (it got a Gloo timeout naming nothing)."""
+    start = time.time()
+    (rc0, err0), (rc1, err1) = two_processes(recipe(assets, tmp_path / "run", "train.max_steps=2"), tmp_path,
+                                             timeout=180, last_only=["data.sources=[{path: missing.jsonl}]"])
+    assert rc1 == 2 and "error: source 'missing.jsonl': no such file or directory" in err1
+    assert rc0 == 2 and ("error: process 1 of 2 stopped (DataError: source 'missing.jsonl': no such file or "
+                         "directory") in err0, err0[-3000:]
+    assert time.time() - start < 120
+    assert not (tmp_path / "run").exists()
 
 
 def cut_at(run: Path, copy: Path, step: int) -> None:

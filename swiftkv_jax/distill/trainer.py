@@ -444,38 +444,40 @@ def train(config: TrainConfig, print_fn=print) -> int:
     lead = jax.process_index() == 0
     say = print_fn if lead else (lambda *_: None)
     out = Path(config.train.output_dir)
-    latest = _checkpoint_manager(config, create=False).latest_step() if (out / CHECKPOINT_DIR).is_dir() else None
-    _check_output_dir(config, out, latest)
-    if latest is not None:
-        _check_resumable(config, out / CONFIG_FILE)
+    # Every process reads its own input; one's error (its own data path missing, say) stops all of them here
+    with distributed.stop_together("setup"):
+        latest = _checkpoint_manager(config, create=False).latest_step() if (out / CHECKPOINT_DIR).is_dir() else None
+        _check_output_dir(config, out, latest)
+        if latest is not None:
+            _check_resumable(config, out / CONFIG_FILE)
 
-    # The model's settings first: a wrong teacher must fail before minutes of tokenising.
-    vocab_size = (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config
-                  )(config.model).vocab_size
-    teacher_config = read_config(config.model.teacher)  # valid: the line above read it
-    if latest is not None:
-        _check_same_teacher(config, teacher_config, out)
-    mesh = make_mesh(config)  # also before tokenising (jax.process_index above has started the devices already)
-    tokenizer = _load_tokenizer(config.model)
-    check_vocab(tokenizer, vocab_size, config.model)
-    dataset = build_dataset(config.data, tokenizer)
-    model_config, trainable, frozen = load_model(config, mesh, dataset, say)
-    shape = (config.train.global_batch_size, config.data.seq_len)
-    rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
-    batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
-    total_steps = config.train.max_steps or max(1, math.ceil(config.train.epochs * batches.steps_per_epoch))
-    if latest is not None and latest > total_steps:  # its state is past the schedule this run would end
-        raise ConfigError(f"cannot resume: {out / CHECKPOINT_DIR} holds step {latest}, past the {total_steps} steps "
-                          f"this run trains (train.max_steps={config.train.max_steps}, train.epochs="
-                          f"{config.train.epochs}): train for at least {latest} steps, or start a new "
-                          f"train.output_dir")
-    compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
-                          total_steps)
-    n_train, n_frozen = count(trainable), count(frozen)
-    say(f"{config.stage}: {_describe(model_config, config.stage)}; trainable {n_train:,} of "
-        f"{n_train + n_frozen:,} parameters ({n_train / (n_train + n_frozen):.2%})")
-    say(f"data: {len(dataset):,} packed sequences of {config.data.seq_len}; {batches.steps_per_epoch} steps per "
-        f"epoch; {total_steps} steps; mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
+        # The model's settings first: a wrong teacher must fail before minutes of tokenising.
+        vocab_size = (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config
+                      )(config.model).vocab_size
+        teacher_config = read_config(config.model.teacher)  # valid: the line above read it
+        if latest is not None:
+            _check_same_teacher(config, teacher_config, out)
+        mesh = make_mesh(config)  # also before tokenising (jax.process_index above has started the devices already)
+        tokenizer = _load_tokenizer(config.model)
+        check_vocab(tokenizer, vocab_size, config.model)
+        dataset = build_dataset(config.data, tokenizer)
+        model_config, trainable, frozen = load_model(config, mesh, dataset, say)
+        shape = (config.train.global_batch_size, config.data.seq_len)
+        rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
+        batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
+        total_steps = config.train.max_steps or max(1, math.ceil(config.train.epochs * batches.steps_per_epoch))
+        if latest is not None and latest > total_steps:  # its state is past the schedule this run would end
+            raise ConfigError(f"cannot resume: {out / CHECKPOINT_DIR} holds step {latest}, past the {total_steps} "
+                              f"steps this run trains (train.max_steps={config.train.max_steps}, train.epochs="
+                              f"{config.train.epochs}): train for at least {latest} steps, or start a new "
+                              f"train.output_dir")
+        compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen),
+                              total_steps)
+        n_train, n_frozen = count(trainable), count(frozen)
+        say(f"{config.stage}: {_describe(model_config, config.stage)}; trainable {n_train:,} of "
+            f"{n_train + n_frozen:,} parameters ({n_train / (n_train + n_frozen):.2%})")
+        say(f"data: {len(dataset):,} packed sequences of {config.data.seq_len}; {batches.steps_per_epoch} steps per "
+            f"epoch; {total_steps} steps; mesh {dict(mesh.shape)} over {jax.process_count()} process(es)")
 
     state = compiled.init_state(trainable)
     del trainable
