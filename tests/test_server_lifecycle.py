@@ -3,7 +3,8 @@ client over 127.0.0.1: requests still running when `--shutdown-grace` runs out a
 error event, a 503), not cut off, and the process exits 0 within the grace.
 
 The engine is slowed to one step per STEP_S (the server runs in `python -c`, `Engine.step` wrapped), so a request
-outlasts the grace on any machine; every wait here is bounded.
+outlasts the grace on any machine; every wait here is bounded. A step that raises (injected the same way) fails the
+open requests with an error and stops the server with status 1, as vLLM's server exits when its engine dies.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from server_process import free_port, wait_until_healthy
 REPO = Path(__file__).resolve().parents[1]
 GRACE, STEP_S = 2.0, 0.01   # a 400-token request takes >= 4 s, twice the grace
 
-# `infer.py serve` with Engine.step slowed by SLOW_STEP_S seconds
+# `infer.py serve` with Engine.step slowed by SLOW_STEP_S seconds, raising at step FAIL_AT_STEP when that is set
 SERVE = """
-import os, sys, time
+import itertools, os, sys, time
 import swiftkv_jax.serving.continuous as continuous
-step, delay = continuous.Engine.step, float(os.environ["SLOW_STEP_S"])
+step, delay, steps = continuous.Engine.step, float(os.environ["SLOW_STEP_S"]), itertools.count()
 def slow_step(self):
     time.sleep(delay)
+    if next(steps) == int(os.environ.get("FAIL_AT_STEP", -1)):
+        raise RuntimeError("injected step failure")
     return step(self)
 continuous.Engine.step = slow_step
 from swiftkv_jax.infer_cli import main
@@ -46,11 +49,11 @@ def assets(tmp_path_factory):
     return make_tiny_assets(tmp_path_factory.mktemp("lifecycle"), num_examples=60)
 
 
-def _start(assets: Path, log_path: Path):
+def _start(assets: Path, log_path: Path, **env):
     """The slowed server, once it answers: (process, url)."""
     port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               SLOW_STEP_S=str(STEP_S), PYTHONPATH=str(REPO))
+               SLOW_STEP_S=str(STEP_S), PYTHONPATH=str(REPO), **env)
     argv = [sys.executable, "-c", SERVE, "serve", "--model", str(assets / "teacher"), "--port", str(port),
             "--served-model-name", "m", "--cache-dtype", "float32", "--page-size", "16", "--num-pages", "64",
             "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--single-buckets", "2", "--prompt-buckets", "16",
@@ -119,3 +122,23 @@ def test_requests_past_the_grace_are_aborted_with_an_answer_and_exit_0(assets, t
     assert isinstance(error, openai.InternalServerError) and error.status_code == 503, (error, log[-3000:])
     assert "server is shutting down" in error.message and error.response.headers["retry-after"] == "1"
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_failed_engine_step_fails_the_requests_and_stops_the_server(assets, tmp_path):
+    """Not a process that stays up answering 503 to everything: the open requests get the error, then it exits 1."""
+    log_path = tmp_path / "server.log"
+    proc, url = _start(assets, log_path, FAIL_AT_STEP="20")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    body = dict(model="m", prompt="Count from 3 to 9.", max_tokens=400, extra_body=dict(ignore_eos=True))
+    try:
+        with pytest.raises(openai.APIError, match="the engine failed: RuntimeError: injected step failure"):
+            for _ in client.completions.create(stream=True, **body):
+                pass
+        code = proc.wait(timeout=GRACE + 20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_path.read_text()
+    assert code == 1, (code, log[-3000:])
+    assert "the engine failed: RuntimeError: injected step failure: the server stops" in log, log[-3000:]

@@ -8,7 +8,9 @@ address not of this machine fails at once, not after minutes of loading and comp
 socket once the engine is warm (until then a client is refused, not left waiting).
 
 On SIGTERM/SIGINT no new connection is accepted, requests in flight get a grace period, then whatever is left is
-aborted (a stream ends with an error event and `data: [DONE]`) and the process exits 0.
+aborted (a stream ends with an error event and `data: [DONE]`) and the process exits 0. A failed engine step fails
+every open request, then stops the server the same way and `serve` returns 1 (vLLM's server exits when its engine
+dies), rather than staying up to answer 503 to everything.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def _uvicorn_server(config, engine_loop: EngineLoop, grace: float):
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if engine_loop.error is not None and not self.should_exit:
+                log.error("%s: the server stops", engine_loop.error)
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     return Server(config)
 
@@ -108,7 +116,8 @@ def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: i
           stop_token_ids=None, sock: Optional[socket.socket] = None) -> int:
     """Bind (host, port) unless `sock` is given already bound (`listening_socket`), build the engine, compile every
     step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new connections are refused at once, requests in
-    flight get `shutdown_grace` seconds to finish, the rest are aborted. Port 0: a free port, logged. Returns 0."""
+    flight get `shutdown_grace` seconds to finish, the rest are aborted. Port 0: a free port, logged. Returns 0, or 1
+    when an engine step failed (which stops the server)."""
     import uvicorn
 
     if shutdown_grace < 0:
@@ -131,6 +140,7 @@ def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: i
                              f"it or choose another --port") from None
         log.info("serving %s on %s (ready %.1f s after the engine build began)", model_name, url,
                  time.perf_counter() - began)
-        _uvicorn_server(config, app.state.server.loop, shutdown_grace).run(sockets=[sock])
+        engine_loop = app.state.server.loop
+        _uvicorn_server(config, engine_loop, shutdown_grace).run(sockets=[sock])
     log.info("stopped")
-    return 0
+    return 0 if engine_loop.error is None else 1
