@@ -142,3 +142,50 @@ def test_a_failed_engine_step_fails_the_requests_and_stops_the_server(assets, tm
     log = log_path.read_text()
     assert code == 1, (code, log[-3000:])
     assert "the engine failed: RuntimeError: injected step failure: the server stops" in log, log[-3000:]
+
+
+class _IdleEngine:
+    """What EngineLoop needs of an engine, holding the requests it is given."""
+
+    def __init__(self):
+        self.requests = []
+
+    def stats(self):
+        return {}
+
+    def has_unfinished(self):
+        return False
+
+    def add_request(self, prompt, request_id, **options):
+        self.requests.append(request_id)
+
+    def abort(self, request_id, reason="abort"):
+        pass
+
+
+def test_a_request_added_as_the_engine_fails_is_refused_not_left_unanswered(monkeypatch):
+    """A handler that passed the `alive` check just before the loop thread failed every open request registered its
+    route after they were answered: it never got an answer (since the server stops on a failed engine, it was cut
+    off at the end of the grace). The failure lands in that window here, deterministically."""
+    import asyncio
+    import uuid
+
+    from swiftkv_jax.serving import engine_loop as engine_loop_lib
+
+    engine = _IdleEngine()
+    loop = engine_loop_lib.EngineLoop(engine)
+    loop.start()
+    try:
+        def fail_meanwhile():  # what the loop thread does when a step raises, between the check and the lock
+            loop.error = "the engine failed: RuntimeError: boom"
+            loop._fail_all()
+            return uuid.UUID(int=1)
+
+        monkeypatch.setattr(engine_loop_lib.uuid, "uuid4", fail_meanwhile)
+        event_loop = asyncio.new_event_loop()
+        with pytest.raises(RuntimeError, match="the engine failed: RuntimeError: boom"):
+            loop.add([1, 2], asyncio.Queue(), event_loop)
+        event_loop.close()
+        assert loop.in_flight == 0 and engine.requests == []
+    finally:
+        loop.stop(timeout=1.0)

@@ -56,6 +56,8 @@ class EngineLoop:
             raise RuntimeError(self.error or "the engine loop is not running")
         request_id = uuid.uuid4().hex
         with self._lock:
+            if self.error is not None:  # failed since the check above: _fail_all may have answered the routes already
+                raise RuntimeError(self.error)
             self._routes[request_id] = (loop, queue)
         try:
             self.engine.add_request(prompt, request_id=request_id, **options)
