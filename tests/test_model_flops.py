@@ -25,6 +25,23 @@ def test_a_count_by_hand():
     assert tuple(flops) == (2496, 2656, 2656, 3232) and flops.total == 11040
 
 
+def test_a_count_by_hand_where_l_s_and_g_differ():
+    """l = 1 of L = 5, g = 2: l (1), S = L - l (4), G = S / g (2) and S - 1 (3) all differ, so a formula that uses one
+    for another (l = S = G at half depth with g = 1, the other hand count and the 8B check) is caught; the demo's
+    25% / 75% and AcrossKV students are such configs."""
+    # per-layer numbers as in test_a_count_by_hand: q = o = 64, k = v = 32, MLP 384, attention 96, head 2 * 80 = 160
+    layer = 2 * (64 + 32 + 32 + 64 + 384) + 96                                  # 1248
+    lower = 1 * layer                                                           # l = 1 layer
+    teacher = 4 * layer + 160                                                   # S = 4 layers + head
+    student_forward = 4 * (2 * (64 + 64 + 384) + 96) + 2 * (2 * 32 + 2 * 32) + 160  # G = 2 owners' k and v
+    student_backward = (160 + 4 * 2 * (64 + 384) + 4 * 2 * 96   # head, o and MLP inputs, attention (x2) of S layers
+                        + 4 * 2 * 64 + 3 * 2 * 64               # q_proj_swiftkv weights (S), inputs (S - 1)
+                        + 2 * 2 * (2 * 32 + 2 * 32))            # G owners' k/v: weights and inputs
+    flops = distill_step_flops(small(num_hidden_layers=5, num_key_value_layers=1, key_value_group_size=2), 6)
+    assert tuple(flops) == (lower, teacher, student_forward, student_backward) == (1248, 5152, 4896, 5920)
+    assert flops.total == 17216
+
+
 def test_acrosskv_shares_the_owners_and_a_plain_model_is_refused():
     one, two = distill_step_flops(small(), 6), distill_step_flops(small(key_value_group_size=2), 6)
     assert one.student_forward - two.student_forward == 2 * 2 * 32  # one owner's k and v fewer
