@@ -1,6 +1,7 @@
 """Student-vs-teacher scores against numpy on the models' own logits."""
 
 import numpy as np
+import pytest
 from scipy.special import log_softmax
 
 import swiftkv_jax as sk
@@ -49,3 +50,37 @@ def test_a_model_agrees_with_itself_and_its_kl_is_zero():
         picks = np.argmax(np.asarray(sk.logits(other, np.asarray([p + cont[:-1]])))[0, len(p) - 1:], -1)
         expected.append(np.mean(picks == np.asarray(cont)))
     assert got["greedy_agreement"] == np.mean(expected)
+
+
+def test_greedy_agreement_and_common_prefix_match_transformers_generate(tmp_path):
+    """Both numbers against transformers' own greedy `generate` and forward on two tiny random Llamas (the student a
+    slightly perturbed teacher, so the continuations agree for a while and then part): prompts of different lengths,
+    3 of them in batches of 2 (a short last batch). common_prefix counts tokens before the first difference (a
+    count of agreeing positions, or the first difference's index + 1, once passed the other tests)."""
+    import torch
+    from hf_models import make_hf_model
+
+    teacher_hf = make_hf_model(tmp_path / "teacher", seed=0)
+    student_hf = make_hf_model(tmp_path / "student", seed=0)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for p in student_hf.parameters():
+            p.add_(0.003 * torch.randn(p.shape, generator=generator))
+    student_hf.save_pretrained(tmp_path / "student")
+    teacher, student = sk.load(str(tmp_path / "teacher"), "float32"), sk.load(str(tmp_path / "student"), "float32")
+    prompts = [np.random.default_rng(s).integers(0, 320, n).tolist() for s, n in ((1, 3), (2, 11), (3, 6))]
+    new = 10
+    agree, prefix = [], []
+    for p in prompts:
+        x = torch.tensor([p])
+        with torch.no_grad():
+            t, s = (m.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):]
+                    for m in (teacher_hf, student_hf))
+            picks = student_hf(torch.cat([x[0], t[:-1]])[None]).logits[0, len(p) - 1:].argmax(-1)
+        agree.append((picks == t).double().mean().item())
+        same = (t == s).numpy()
+        prefix.append(len(same) if same.all() else int(np.argmin(same)))
+    got = greedy_agreement(teacher, student, prompts, new, batch_size=2)
+    assert 0 < got["greedy_agreement"] < 1 and 0 < got["common_prefix"] < new  # neither trivial
+    assert got["greedy_agreement"] == pytest.approx(np.mean(agree), abs=1e-12)
+    assert got["common_prefix"] == pytest.approx(np.mean(prefix), abs=1e-12)
