@@ -81,6 +81,23 @@ def test_step_bytes_count_each_wirings_weights(rows, tiny):
     assert slow["step_param_bytes"] == slow["param_bytes"] - embedding - swiftkv_only
 
 
+def test_roofline_and_end_to_end_rate_by_hand(rows, tiny):
+    """The TPOT roofline's bytes and the end-to-end rate from the definitions: decode step i (0..gen_len - 1) appends
+    the token at position prompt_len + i and attends over prompt_len + i + 1 entries, in each of the L layers (an
+    AcrossKV layer reads its owner's), K and V of every KV head in fp32; end-to-end = (gen_len + 1) tokens a sequence
+    over TTFT + the decode loop."""
+    cfg = tiny.config
+    keys_read = sum(PROMPT_LEN + i + 1 for i in range(GEN_LEN))  # per sequence, layer and head, over the loop
+    kv_bytes_per_step = cfg.num_hidden_layers * 2 * BATCH * cfg.num_key_value_heads * cfg.head_dim * 4 * keys_read
+    for r in rows:
+        step_bytes = r["step_param_bytes"] + kv_bytes_per_step / GEN_LEN
+        assert r["step_bytes"] == int(step_bytes)
+        assert r["tpot_roofline_s"] == pytest.approx(step_bytes / 100e9)
+        assert r["roofline_fraction"] == pytest.approx(step_bytes / 100e9 / r["tpot_s"])
+        assert r["e2e_tokens_per_s"] == pytest.approx(BATCH * (GEN_LEN + 1) / (r["ttft_s"] + r["decode_loop_s"]))
+        assert r["prefill_tokens_per_s"] == pytest.approx(BATCH * PROMPT_LEN / r["ttft_s"])
+
+
 def test_the_bench_loop_produces_generates_tokens(rows, tiny):
     """The benchmark measures the real engine: its greedy tokens (prefill's + gen_len decode steps) are those
     of `sk.generate` for the same prompts, in both wirings."""
