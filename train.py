@@ -1,6 +1,6 @@
 """Distil a Hugging Face Llama/Qwen2 into a SwiftKV model.
 
-    python train.py --config configs/NAME.yaml [section.key=value ...] [--dry-run]
+    python train.py --config configs/NAME.yaml [section.key=value ...] [--dry-run [--devices N]]
 
 Every key, its type and default: python train.py --help. The logic lives in swiftkv_jax.distill.
 """

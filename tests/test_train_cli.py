@@ -232,6 +232,33 @@ def test_dry_run_of_llama_3_1_8b_from_its_config_alone(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_dry_run_sizes_the_70b_recipe_for_its_32_devices(tmp_path):
+    """The 70B recipe is for 32 GPUs; its "size it first" dry run on one machine (1 CPU device, or one node's 8 GPUs)
+    sized it for that machine's devices instead: fsdp 1 and 32 rows a device, 914 GiB a device (8 GPUs: 119 GiB).
+    --devices 32 sizes the recipe's own mesh (fsdp 32, one 8K row a device) on fake CPU devices."""
+    teacher = write_hf_config(tmp_path / "Llama-3.1-70B-Instruct", hidden_size=8192, intermediate_size=28672,
+                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)
+    proc = train_py(["--config", REPO / "configs" / "llama-3.1-70b-instruct.yaml", "--dry-run", "--devices", 32,
+                     f"model.teacher={teacher}", f"train.output_dir={tmp_path / 'out'}"], devices=1, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp': 32" in proc.stdout and "global batch 32 x 8192 tokens over 32 devices" in proc.stdout
+    trainable = 40 * (8192 * 8192 + 2 * 8192 * 1024) + 8192  # q, k, v_proj_swiftkv of layers 40-79, norm_swiftkv
+    gib = gib_lines(proc.stdout)
+    assert gib["trainable_weights"] == round(((trainable - 8192) / 32 + 8192) * 4 / 2**30, 2)  # fp32, 32 ways
+    assert gib["frozen_weights"] < 4.2 and gib["total"] < 74.5  # 131 GiB of bf16 over 32; under an H100's 80 GB
+    assert not (tmp_path / "out").exists()
+
+
+def test_devices_is_for_a_dry_run_before_jax_starts(capsys, assets, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--devices", "8", *recipe(assets, tmp_path / "never")])
+    assert exit_.value.code == 2 and "--devices sizes a --dry-run" in capsys.readouterr().err
+    # in this process JAX already runs on the suite's 8 devices: another count is refused, not silently ignored
+    rc, _, err = main(capsys, ["--dry-run", "--devices", 3, *recipe(assets, tmp_path / "never")])
+    assert rc == 2 and "--devices 3: JAX already runs on 8 cpu device(s)" in err
+    assert not (tmp_path / "never").exists()
+
+
 # --- resume, signals, refusals ------------------------------------------------------------------------------
 
 
