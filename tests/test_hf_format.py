@@ -627,7 +627,7 @@ def test_extra_files_of_text_are_refused_before_the_weights_are_written(llama, t
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name", ["../escaped.txt", "sub/tokenizer.json", "..", ""])
+@pytest.mark.parametrize("name", ["../escaped.txt", "sub/tokenizer.json", "sub\\tokenizer.json", "..", ""])
 def test_extra_files_with_a_directory_part_are_refused_before_the_weights_are_written(llama, tmp_path, monkeypatch,
                                                                                        name):
     """"../x" was written beside the checkpoint, outside it; "sub/x" failed after every shard was written."""
@@ -746,6 +746,15 @@ def test_a_save_killed_mid_write_keeps_the_old_checkpoint_and_the_next_save_remo
     left = [p for p in tmp_path.iterdir() if p.name != "target"]
     assert [p.name.startswith(".target.partial-") and any(p.iterdir()) for p in left] == [True]
     sk.save(model, target, format=fmt, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+def test_a_replaced_directory_is_removed_once_the_target_is_whole(llama, tmp_path):
+    """A replaced copy whose removal a kill cut short (the target committed beside it) goes with the next save."""
+    model = sk.load(llama[0])
+    sk.save(model, tmp_path / "target", format="hf")
+    shutil.copytree(tmp_path / "target", tmp_path / ".target.old-0123abcd")
+    sk.save(model, tmp_path / "target", format="hf", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
 
 

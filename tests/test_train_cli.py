@@ -396,6 +396,13 @@ def test_a_damaged_metrics_line_before_the_last_is_not_skipped(tmp_path):
         read_metrics(tmp_path / "metrics.jsonl")
 
 
+def test_a_damaged_last_metrics_line_that_ends_its_line_is_not_skipped(tmp_path):
+    """A line with its newline was appended whole: damage there is not an interrupted append, and raises."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n')
+    with pytest.raises(ValueError):
+        read_metrics(tmp_path / "metrics.jsonl")
+
+
 def test_resume_trimming_metrics_on_a_full_disk_keeps_the_history(tmp_path, monkeypatch):
     """On resume metrics.jsonl is rewritten without the steps past the checkpoint: written in place, a full disk (or
     a kill) mid-write left it truncated, the run's history lost. Now whole or not at all, and no temporary file."""
