@@ -192,6 +192,30 @@ def test_sentencepiece_text_streams_as_decoded_in_context_and_bytes_are_exact():
     assert strings(tokenizer.convert_tokens_to_ids("<0xF0>"))[1] == [0xF0]
 
 
+def test_token_bytes_are_exact_for_a_metaspace_decoder_and_a_byte_level_one():
+    """A SentencePiece tokenizer whose decoder is Metaspace (tokenizers' SpmConverter's), and a byte-level one (GPT-2,
+    Llama 3, Qwen2) whose tokens hold parts of a character: each token's bytes add up to the decoded text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    metaspace = _llama2_style_tokenizer()
+    metaspace.backend_tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    ids = metaspace("Hello world, wor!", add_special_tokens=False)["input_ids"]
+    assert "▁wor" in metaspace.convert_ids_to_tokens(ids) and metaspace.decode(ids) == "Hello world, wor!"
+    strings = TokenStrings(metaspace)
+    assert bytes(b for t in ids for b in strings(t)[1]).decode("utf-8") == " Hello world, wor!"
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(byte_chars))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    byte_level = PreTrainedTokenizerFast(tokenizer_object=backend)
+    ids = byte_level("é 日本", add_special_tokens=False)["input_ids"]
+    assert len(ids) == len("é 日本".encode()) and "\ufffd" in byte_level.decode(ids[:1])
+    strings = TokenStrings(byte_level)
+    assert bytes(b for t in ids for b in strings(t)[1]).decode("utf-8") == "é 日本"
+
+
 class _Chars:
     """A tokenizer of one character a token (the stop-string logic alone)."""
 

@@ -199,7 +199,7 @@ def test_sampling_breaks_boundary_ties_as_transformers(sampler, case):
 
 
 @pytest.mark.parametrize("sampler", ["generate", "engine"])
-@pytest.mark.parametrize("temperature", [1e-30, 2e-38])
+@pytest.mark.parametrize("temperature", [1e-30, 2e-38, 1e-40])  # 1e-40: subnormal
 def test_a_tiny_temperature_samples_the_argmax(sampler, temperature):
     """As the temperature goes to 0 the distribution is the argmax's (logits / T overflowed to inf: softmax gave NaN
     and sk.generate drew token 0 for every row)."""
