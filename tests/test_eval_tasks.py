@@ -393,3 +393,21 @@ def test_default_shots_are_lm_evals(name, yaml_file):
     text = (Path(lm_eval.__file__).parent / "tasks" / yaml_file).read_text()
     found = re.search(r"^num_fewshot:\s*(\d+)", text, re.MULTILINE)
     assert tasks._SPECS[name].num_fewshot == (int(found.group(1)) if found else 0)
+
+
+def test_the_report_gives_each_tasks_shots():
+    """The table's n-shot column and the JSON's num_fewshot are each task's own (5-shot GSM8K beside 0-shot ARC)."""
+    import argparse
+
+    from swiftkv_jax.evaluation.report import comparison_table, results_json
+    from swiftkv_jax.evaluation.tasks import Task
+
+    tasks = [Task("gsm8k", "generation", "g.jsonl", (), num_fewshot=5), Task("arc_easy", "multiple_choice", "a", ())]
+    metrics = {"n": 3, "exact_match": 0.5, "exact_match_flexible": 0.5, "acc": 0.25, "acc_norm": 0.25}
+    results = {"m": {"gsm8k": metrics, "arc_easy": metrics}}
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in comparison_table(tasks, results).splitlines()]
+    header = next(cells for cells in lines if "n-shot" in cells)
+    shots = {cells[0]: cells[header.index("n-shot")] for cells in lines if cells[0] in ("gsm8k", "arc_easy")}
+    assert shots == {"gsm8k": "5", "arc_easy": "0"}
+    report = results_json(argparse.Namespace(command="eval"), tasks, results)
+    assert {k: v["num_fewshot"] for k, v in report["tasks"].items()} == {"gsm8k": 5, "arc_easy": 0}

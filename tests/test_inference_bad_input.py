@@ -138,6 +138,15 @@ def test_every_compared_checkpoint_is_checked_before_any_evaluation(weightless, 
     assert code == 2 and str(bad / "config.json") in err and "tokenizer" not in err
 
 
+def test_eval_without_num_fewshot_is_five_shot_gsm8k(weightless, capsys, tmp_path):
+    """No --num-fewshot: lm-eval's 5 shots for GSM8K (gsm8k.yaml), so a pool of two questions is too small, named
+    before the model is read; --num-fewshot 0 asks for none."""
+    tasks = tmp_path / "gsm.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"{i} + 2?", "answer": f"#### {i + 2}"}) + "\n" for i in range(2)))
+    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}")
+    assert code == 2 and "5 few-shot examples asked" in err and "--num-fewshot" in err
+
+
 def test_a_malformed_config_is_named_as_such_not_as_the_tokenizer(weightless, capsys, tmp_path):
     """Item 15: the config is read before the tokenizer; bench --dry-run names the file."""
     bad = _copy(weightless, tmp_path / "badjson")
