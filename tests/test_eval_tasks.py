@@ -265,6 +265,30 @@ def test_hellaswag_and_winogrande_draw_one_example_more_as_lm_eval(tmp_path, loa
         assert contexts == [c for it in task.items for c in it.contexts]
 
 
+def test_gsm8k_default_prompts_are_lm_evals_five_shot(tmp_path, load):
+    """With no num_fewshot asked, each GSM8K prompt is the one lm-eval's own gsm8k.yaml builds (its 5 shots, drawn
+    from train with seed 1234, and its delimiters), where lm-eval is installed."""
+    import os
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} plus {i}.\n#### {2 * i}"} for i in range(30)]
+    folder = tmp_path / "gsm8k"
+    (folder / "data").mkdir(parents=True)
+    files = {"train": write_jsonl(folder / "data" / "train-00000-of-00001.jsonl", rows[:24]),
+             "test": write_jsonl(folder / "data" / "test-00000-of-00001.jsonl", rows[24:])}
+    task = load(f"gsm8k={folder}:default")
+    lm_eval = pytest.importorskip("lm_eval")
+    lm_task = pytest.importorskip("lm_eval.api.task")
+    yaml = pytest.importorskip("lm_eval.tasks._yaml_loader")
+    config = yaml.load_yaml(os.path.join(os.path.dirname(lm_eval.__file__), "tasks", "gsm8k", "gsm8k.yaml"))
+    config.pop("tag", None)
+    config.update(dataset_path="json", dataset_name=None,
+                  dataset_kwargs={"data_files": files, "cache_dir": str(tmp_path / "hf")})
+    reference = lm_task.ConfigurableTask(config=config)  # its num_fewshot, as `lm_eval --tasks gsm8k`
+    reference.set_fewshot_seed(1234)
+    reference.build_all_requests(rank=0, world_size=1)
+    assert task.num_fewshot == 5 and [i.arguments[0] for i in reference.instances] == [it.prompt for it in task.items]
+
+
 def test_perplexity_documents(tmp_path, load):
     (tmp_path / "docs" / "sub").mkdir(parents=True)
     (tmp_path / "docs" / "a.txt").write_text("First document.\n\nIts second paragraph.\n")
