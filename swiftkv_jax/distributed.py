@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import jax
@@ -34,6 +35,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, cp
 # How long a process that is through a `stop_together` block waits for the others to be (their input may take longer
 # to read: a cold tokenising cache); a process that died meanwhile is reported by JAX's heartbeats well before.
 WAIT_FOR_OTHERS_S = 24 * 3600
+_BLOCKS = itertools.count()  # each block its own keys: the store refuses a key set twice (train() called again)
 
 
 @contextlib.contextmanager
@@ -47,14 +49,15 @@ def stop_together(name: str, timeout_s: float = WAIT_FOR_OTHERS_S):
         yield
         return
     client = jax._src.distributed.global_state.client  # as Orbax's multihost helpers reach it
+    prefix = f"swiftkv/{name}/{next(_BLOCKS)}"  # every process runs the same blocks in the same order
     try:
         yield
     except Exception as e:
-        client.key_value_set(f"swiftkv/{name}/{jax.process_index()}", f"{type(e).__name__}: {e}")
+        client.key_value_set(f"{prefix}/{jax.process_index()}", f"{type(e).__name__}: {e}")
         raise
-    client.key_value_set(f"swiftkv/{name}/{jax.process_index()}", "ok")
+    client.key_value_set(f"{prefix}/{jax.process_index()}", "ok")
     for process in range(jax.process_count()):
-        status = client.blocking_key_value_get(f"swiftkv/{name}/{process}", int(timeout_s * 1000))
+        status = client.blocking_key_value_get(f"{prefix}/{process}", int(timeout_s * 1000))
         if status != "ok":
             raise ConfigError(f"process {process} of {jax.process_count()} stopped ({status}), so this one stops "
                               f"too")

@@ -621,6 +621,30 @@ def test_two_processes_equal_one_process(assets, tmp_path):
             == sorted(p.name for p in (tmp_path / "one" / "student_hf").iterdir()))
 
 
+def test_stop_together_blocks_run_again_in_one_job(tmp_path):
+    """train() called twice in one two-process job (two stages in a script): the second setup block set the first
+    one's keys again, which the coordination service refuses (ALREADY_EXISTS); each block has its own now, and an
+    error in one process still stops the other."""
+    script = ("import sys, jax\n"
+              "jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))\n"
+              "from swiftkv_jax.distributed import stop_together\n"
+              "for call in range(3):\n"
+              "    try:\n"
+              "        with stop_together('setup', timeout_s=60):\n"
+              "            if call == 2 and jax.process_index() == 1:\n"
+              "                raise ValueError('bad input')\n"
+              "        print(call, 'ok', flush=True)\n"
+              "    except Exception as e:\n"
+              "        print(call, type(e).__name__, str(e).splitlines()[0], flush=True)\n")
+    address = f"localhost:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", script, address, str(i)], cwd=REPO, env=env_with_devices(1),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [proc.communicate(timeout=120)[0].splitlines() for proc in procs]
+    assert outs[0] == ["0 ok", "1 ok", "2 ConfigError process 1 of 2 stopped (ValueError: bad input), so this one "
+                                       "stops too"], outs
+    assert outs[1] == ["0 ok", "1 ok", "2 ValueError bad input"], outs
+
+
 def test_bad_input_in_one_process_stops_both(assets, tmp_path):
     """Process 1's data path is missing on its host: it says so, and process 0 stops after its own setup with that
     error instead of waiting for process 1 at its first collective (it got a Gloo timeout naming nothing)."""
