@@ -312,9 +312,9 @@ def test_named_attention_impls_are_served_on_a_gpu(checkpoints, capsys, monkeypa
     ran cuDNN or Mosaic there, without a word. Shown on a described GPU (sm_90), the kernels each engine resolves."""
     kernel_choice = importlib.import_module("swiftkv_jax.serving.kernel_choice")
     hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
-    default_impls = kernel_choice.default_impls
-    monkeypatch.setattr(kernel_choice, "default_impls", lambda config, cache_dtype="bfloat16", *, paged, device=None:
-                        default_impls(config, cache_dtype, paged=paged, device=hopper))
+    choose = kernel_choice.choose
+    monkeypatch.setattr(kernel_choice, "choose", lambda config, cache_dtype="bfloat16", *, paged, device=None:
+                        choose(config, cache_dtype, paged=paged, device=hopper))
     monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
     resolved = []
 

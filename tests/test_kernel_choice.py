@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -30,13 +32,62 @@ BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128,
     (A100, BF16, "bfloat16", False, ("cudnn", "xla")),  # no wgmma before sm_90
     (A100, BF16, "bfloat16", True, ("cudnn", "pallas")),
     (H100, BF16.replace(head_dim=96), "bfloat16", True, ("cudnn", "xla")),  # the Triton kernel: powers of two
-    (A100, BF16.replace(head_dim=100), "bfloat16", True, ("cudnn", "xla")),  # (OpenLLaMA 3B's head dim)
+    # cuDNN takes multiples of 8 up to 256 (128 before sm_90): OpenLLaMA 3B's 100 prefills by our Triton kernel
+    (A100, BF16.replace(head_dim=100), "bfloat16", True, ("pallas", "xla")),
+    (H100, BF16.replace(head_dim=100), "bfloat16", False, ("pallas", "xla")),
+    (A100, BF16.replace(head_dim=256), "bfloat16", True, ("pallas", "pallas")),
+    (H100, BF16.replace(head_dim=256), "bfloat16", True, ("cudnn", "pallas")),
     (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32
     (CPU, BF16, "bfloat16", True, ("xla_flash", "xla")),
 ])
 def test_default_impls_follow_the_measured_rule(device, config, cache, paged, want):
     got = default_impls(config, cache, paged=paged, device=device)
     assert (got["attention_impl"], got["decode_attention_impl"]) == want
+
+
+@pytest.mark.parametrize("device", [H100, A100], ids=["sm_90", "sm_80"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 100, 128, 256])
+def test_default_prefill_runs_the_head_dim_and_says_why_it_passed_cudnn_over(device, head_dim, monkeypatch, caplog):
+    """cuDNN's fused attention refuses head dims that are not multiples of 8, or above 256 (128 before sm_90): jax's
+    own check (in the lowering, so at the first prompt longer than FEW_QUERIES tokens on a GPU, not when the engine
+    is made). Lowered for CUDA here with a GPU's answers, as test_cudnn_attention does: the default prefill never
+    picks cuDNN where that check refuses, and the engine's log says which kernel it took instead."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from swiftkv_jax.model import attention
+    from swiftkv_jax.serving import kernel_choice
+
+    major = int(device.compute_capability.split(".")[0])
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91100)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: major >= float(capability))
+    monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda capability: False)
+    monkeypatch.setattr(attention, "check_cudnn", lambda dtype: None)
+    S = jax.ShapeDtypeStruct
+    q, kv, ids = S((1, 64, 8, head_dim), jnp.bfloat16), S((1, 64, 2, head_dim), jnp.bfloat16), S((1, 64), jnp.int32)
+    jax.clear_caches()  # jax checks the head dim while tracing: another device's cached trace would skip it
+    try:
+        jax.jit(attention.cudnn_attention).trace(q, kv, kv, ids, ids, ids, ids).lower(lowering_platforms=("cuda",))
+        cudnn_runs = True
+    except ValueError as e:
+        assert "head dim must be" in str(e)
+        cudnn_runs = False
+    config = BF16.replace(head_dim=head_dim)
+    chosen = default_impls(config, "bfloat16", paged=True, device=device)["attention_impl"]
+    assert chosen in ("mosaic", "cudnn", "pallas") and (chosen != "cudnn" or cudnn_runs)
+    monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [device])
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        assert serving_config(config, paged=True).attention_impl == chosen
+    assert ("prefill by our Triton flash kernel" in caplog.text) == (chosen == "pallas")
+
+
+def test_named_cudnn_refuses_a_head_dim_it_cannot_run_when_the_engine_is_made(monkeypatch):
+    from swiftkv_jax.serving import kernel_choice
+
+    monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
+    monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [A100])
+    with pytest.raises(ValueError, match="cannot run head_dim 100 on this GPU"):
+        serving_config(BF16.replace(head_dim=100), paged=False, attention_impl="cudnn")
+    assert serving_config(BF16.replace(head_dim=96), paged=False, attention_impl="cudnn").attention_impl == "cudnn"
 
 
 def test_named_impls_win_and_hopper_is_sm_90():

@@ -23,10 +23,16 @@ Profiled on 2026-11-26 (benchmarks/results/gpu-2026-11-26): at 32 x 4K both defa
 rate in device time (Mosaic static 0.129 ms, Triton paged 0.134 ms, for 537 MB: 101-107% of the read probe); what
 a lone call adds is the GPU idle between ops. As 16 layers in one program, Mosaic 0.178 / 0.303 ms a layer at 32 x
 4K / 8K against XLA's 0.194 / 0.348. The rules stand; the tuned block sizes (tuned_blocks.json) are the kernels'.
+
+Head dims those kernels cannot take, or were not measured at, get a kernel that runs them, and the engines log why
+(`serving_config`): cuDNN takes multiples of 8 up to 256 on sm_90+ and 128 before (jax's check, at the first long
+prompt), so another head dim (OpenLLaMA 3B's 100; 256 before Hopper) prefills with our Triton flash kernel
+(`"pallas"`, any head dim, padded to a power of two).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import jax
@@ -38,6 +44,7 @@ from swiftkv_jax.model.kv_quant import cache_dtype_name
 
 SIXTEEN_BIT = ("bfloat16", "float16")
 MOSAIC_HEAD_DIMS = (64, 128)  # the Mosaic kernels' measured head dims (Llama's); 256 would overrun their SMEM budget
+log = logging.getLogger(__name__)
 
 
 def is_hopper(device=None) -> bool:
@@ -47,30 +54,59 @@ def is_hopper(device=None) -> bool:
     return device.platform == "gpu" and capability is not None and str(capability).split(".")[0] == "9"
 
 
-def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> dict:
-    """{attention_impl, decode_attention_impl} an engine serves `config` with by default (see the module
-    docstring); `paged`: sk.Engine's pools rather than the static cache."""
+def cudnn_takes_head_dim(head_dim: int, device) -> bool:
+    """Whether jax's cuDNN attention runs `head_dim` on `device` (its check: a multiple of 8, at most 256 on sm_90
+    and later, 128 before)."""
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
+    return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
+
+
+def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> tuple[dict, dict]:
+    """(`default_impls`, {field: why a kernel the rule prefers was passed over for this config's head dim}); the
+    reasons are what `serving_config` logs."""
     device = device or jax.devices()[0]
     impls = dict(attention_impl=config.attention_impl, decode_attention_impl=config.decode_attention_impl)
+    reasons = {}
     if device.platform != "gpu":
-        return impls
+        return impls, reasons
     mosaic = is_hopper(device) and config.head_dim in MOSAIC_HEAD_DIMS
     if config.dtype in SIXTEEN_BIT:
-        impls["attention_impl"] = "mosaic" if mosaic else "cudnn"
+        if mosaic:
+            impls["attention_impl"] = "mosaic"
+        elif cudnn_takes_head_dim(config.head_dim, device):
+            impls["attention_impl"] = "cudnn"
+        else:
+            impls["attention_impl"] = "pallas"
+            reasons["attention_impl"] = (f"cuDNN attention takes head dims that are multiples of 8 up to "
+                                         f"{256 if is_hopper(device) else 128} here, not {config.head_dim}: prefill "
+                                         f"by our Triton flash kernel ('pallas')")
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
         taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
         impls["decode_attention_impl"] = "pallas" if taken else "xla"
     elif mosaic and cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT:  # name or format
         impls["decode_attention_impl"] = "mosaic"
-    return impls
+    return impls, reasons
+
+
+def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> dict:
+    """{attention_impl, decode_attention_impl} an engine serves `config` with by default (see the module
+    docstring); `paged`: sk.Engine's pools rather than the static cache."""
+    return choose(config, cache_dtype, paged=paged, device=device)[0]
 
 
 def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
                    attention_impl: Optional[str] = None, decode_attention_impl: Optional[str] = None) -> ModelConfig:
-    """`config` with the impls the caller named, and the device's defaults (`default_impls`) for the others."""
-    chosen = default_impls(config, cache_dtype, paged=paged)
+    """`config` with the impls the caller named, and the device's defaults (`default_impls`) for the others; logs
+    why a default passed over the rule's kernel for this head dim."""
+    chosen, reasons = choose(config, cache_dtype, paged=paged)
     named = dict(attention_impl=attention_impl, decode_attention_impl=decode_attention_impl)
+    for field, why in reasons.items():
+        if not named[field]:
+            log.warning("head_dim %d: %s", config.head_dim, why)
     config = config.replace(**{k: named[k] or chosen[k] for k in chosen})
     if config.attention_impl == "cudnn":  # now, not at the first prompt of more than FEW_QUERIES tokens
         attention_lib.check_cudnn(config.dtype)
+        if not cudnn_takes_head_dim(config.head_dim, jax.devices()[0]):
+            raise ValueError(f"attention_impl='cudnn' cannot run head_dim {config.head_dim} on this GPU (cuDNN takes "
+                             f"multiples of 8 up to 256 on sm_90+, 128 before): use attention_impl='pallas'")
     return config
