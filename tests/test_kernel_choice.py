@@ -80,6 +80,34 @@ def test_default_prefill_runs_the_head_dim_and_says_why_it_passed_cudnn_over(dev
     assert ("prefill by our Triton flash kernel" in caplog.text) == (chosen == "pallas")
 
 
+@pytest.mark.parametrize("device, head_dim, paged, cache, logged", [
+    (H100, 96, False, "bfloat16", ("prefill by cuDNN", "decode by XLA")),  # Phi-3's head dim
+    (H100, 80, True, "bfloat16", ("prefill by cuDNN", "pages by XLA")),    # Phi-2's
+    (A100, 80, True, "bfloat16", ("pages by XLA",)),
+    (H100, 96, False, "int8", ("prefill by cuDNN",)),  # XLA over an int8 cache is the rule at every head dim
+    (H100, 128, True, "bfloat16", ()), (H100, 64, False, "bfloat16", ()), (A100, 128, True, "bfloat16", ()),
+])
+def test_a_head_dim_the_measured_kernels_do_not_serve_is_logged(device, head_dim, paged, cache, logged, monkeypatch,
+                                                                  caplog):
+    """Qwen's and Llama's head dims (64, 128) get the measured kernels silently; another head dim gets a kernel
+    that runs it, slower than the rule's, and the engine's log says which and why (a silent slow default is what
+    the rule must not be). A kernel the caller names is not explained."""
+    from swiftkv_jax.serving import kernel_choice
+
+    monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [device])
+    monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
+    config = BF16.replace(head_dim=head_dim)
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        serving_config(config, cache, paged=paged)
+    for words in ("prefill by cuDNN", "decode by XLA", "pages by XLA", "our Triton flash kernel"):
+        assert (words in caplog.text) == (words in logged), (words, caplog.text)
+    assert (f"head_dim {head_dim}" in caplog.text) == bool(logged)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        serving_config(config, cache, paged=paged, attention_impl="xla", decode_attention_impl="xla")
+    assert not caplog.text
+
+
 def test_named_cudnn_refuses_a_head_dim_it_cannot_run_when_the_engine_is_made(monkeypatch):
     from swiftkv_jax.serving import kernel_choice
 

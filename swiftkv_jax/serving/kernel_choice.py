@@ -27,7 +27,9 @@ a lone call adds is the GPU idle between ops. As 16 layers in one program, Mosai
 Head dims those kernels cannot take, or were not measured at, get a kernel that runs them, and the engines log why
 (`serving_config`): cuDNN takes multiples of 8 up to 256 on sm_90+ and 128 before (jax's check, at the first long
 prompt), so another head dim (OpenLLaMA 3B's 100; 256 before Hopper) prefills with our Triton flash kernel
-(`"pallas"`, any head dim, padded to a power of two).
+(`"pallas"`, any head dim, padded to a power of two); on sm_90 a head dim other than 64 and 128 (Phi-2's 80,
+Phi-3's 96) prefills by cuDNN and decodes a static cache by XLA; the Triton paged kernel takes powers of two, so
+sk.Engine's pools at another head dim are read by XLA.
 """
 
 from __future__ import annotations
@@ -75,16 +77,27 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
             impls["attention_impl"] = "mosaic"
         elif cudnn_takes_head_dim(config.head_dim, device):
             impls["attention_impl"] = "cudnn"
+            if is_hopper(device):
+                reasons["attention_impl"] = (f"our Mosaic flash kernel is the sm_90 default at head dims "
+                                             f"{MOSAIC_HEAD_DIMS} only (as measured): prefill by cuDNN, with our mask "
+                                             f"as a bias (2.6-3.7x slower than Mosaic at 8K on an H200)")
         else:
             impls["attention_impl"] = "pallas"
             reasons["attention_impl"] = (f"cuDNN attention takes head dims that are multiples of 8 up to "
                                          f"{256 if is_hopper(device) else 128} here, not {config.head_dim}: prefill "
                                          f"by our Triton flash kernel ('pallas')")
+    sixteen_bit_cache = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT  # name or format
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
         taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
         impls["decode_attention_impl"] = "pallas" if taken else "xla"
-    elif mosaic and cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT:  # name or format
+        if not taken:
+            reasons["decode_attention_impl"] = ("the Triton paged kernel takes head dims that are powers of two: "
+                                                "attention over the pages by XLA")
+    elif mosaic and sixteen_bit_cache:
         impls["decode_attention_impl"] = "mosaic"
+    elif is_hopper(device) and sixteen_bit_cache:
+        reasons["decode_attention_impl"] = (f"our Mosaic decode kernel is the sm_90 default at head dims "
+                                            f"{MOSAIC_HEAD_DIMS} only (as measured): decode by XLA")
     return impls, reasons
 
 
