@@ -231,6 +231,23 @@ class FlashAttentionKernelTests:
                                     case.block_k, FP32_TOL)
 
 
+# (N, K, H) of the models users serve: every other case's group is a power of two, these are 7, 6 and 3 too
+MODEL_HEADS = {"qwen2.5-7b": (28, 4, 128), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-0.5b": (14, 2, 64),
+               "llama3.2-1b": (32, 8, 64), "llama3.2-3b": (24, 8, 128), "llama3.1-70b": (64, 8, 128),
+               "phi3-mini": (32, 32, 96)}
+
+
+@pytest.mark.parametrize("model", MODEL_HEADS)
+def test_models_head_shapes_match_float64_numpy(model):
+    """Packed documents (37 tokens, not a multiple of the 16-query blocks) at each model's heads, interpreted: query
+    head h reads KV head h // G for any G, not only powers of two (a shift by log2(G) passed every case above)."""
+    n, kv_heads, h = MODEL_HEADS[model]
+    case = Case(model, b=1, t=37, s=37, n=n, kv_heads=kv_heads, h=h, segments=(23, 14))
+    inputs = make_inputs(case, jnp.float32, seed=8)
+    out = flash_attention(**inputs, block_sizes=FlashBlockSizes(16, 16, 4, 2), interpret=True)
+    assert_close(out, numpy_float64_attention(**inputs), FP32_TOL)
+
+
 class TestFlashAttentionInterpret(FlashAttentionKernelTests):
     interpret = True
 
