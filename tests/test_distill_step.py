@@ -547,6 +547,25 @@ def test_auto_attention_is_cudnn_on_hopper_in_16_bits(tmp_path, monkeypatch, bac
     assert student_config(dataclasses.replace(section, attention_impl="xla")).attention_impl == "xla"
 
 
+@pytest.mark.parametrize("head_dim,want", [(128, "cudnn"), (256, "cudnn"), (100, "xla_chunked"), (264, "xla_chunked")])
+def test_auto_attention_takes_cudnn_only_at_head_dims_it_runs(tmp_path, monkeypatch, head_dim, want):
+    """jax's cuDNN attention takes head dims that are multiples of 8 up to 256 on sm_90 (forward and backward):
+    `auto` chose it for OpenLLaMA 3B's 100 too, which failed at the first step on the GPU; a named cudnn there is
+    refused before any data is read."""
+    teacher = write_hf_config(tmp_path, num_hidden_layers=4, head_dim=head_dim)
+    hopper = type("Device", (), {"platform": "gpu", "compute_capability": "9.0"})()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [hopper])
+    section = ModelSection(teacher=str(teacher), num_key_value_layers=2, attention_impl="auto")
+    assert student_config(section).attention_impl == want
+    cudnn = dataclasses.replace(section, attention_impl="cudnn")
+    if want == "cudnn":
+        assert student_config(cudnn).attention_impl == "cudnn"
+    else:
+        with pytest.raises(ConfigError, match=f"cannot run the teacher's head_dim {head_dim}.*use xla_chunked"):
+            student_config(cudnn)
+
+
 @pytest.mark.parametrize("capability,packed", [(None, False), ("8.9", False), ("9.0", True), ("10.0", True)])
 def test_cudnn_packed_layout_needs_sm_90(monkeypatch, capability, packed):
     device = type("Device", (), {} if capability is None else {"compute_capability": capability})()

@@ -16,7 +16,7 @@ from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import trainable as trainable_lib
 from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.dtypes import as_dtype
-from swiftkv_jax.model.attention import ATTENTION_IMPLS, DIFFERENTIABLE_IMPLS
+from swiftkv_jax.model.attention import ATTENTION_IMPLS, DIFFERENTIABLE_IMPLS, cudnn_takes_head_dim
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.checkpoints.orbax import is_orbax_checkpoint
 from swiftkv_jax.model.model import abstract_params, init, param_shardings
@@ -36,19 +36,16 @@ def _computes_in_16_bits(section: ModelSection) -> bool:
     return as_dtype(section.compute_dtype) in (as_dtype("bfloat16"), as_dtype("float16"))
 
 
-def training_attention(section: ModelSection) -> str:
+def training_attention(section: ModelSection, head_dim: int) -> str:
     """model.attention_impl, with `auto` resolved: cuDNN's fused attention on an NVIDIA sm_90+ GPU computing in
-    16 bits (the 8B distillation step on an H200: 0.56 s against 1.31 s with xla_chunked, 2026-11-25), else
-    xla_chunked (before Hopper cuDNN would attend packed rows through a [T, S] bias)."""
+    16 bits at a head dim it takes (the 8B distillation step on an H200: 0.56 s against 1.31 s with xla_chunked,
+    2026-11-25), else xla_chunked (before Hopper cuDNN would attend packed rows through a [T, S] bias; a head dim
+    that is not a multiple of 8, OpenLLaMA 3B's 100, it refuses at the first step)."""
     if section.attention_impl != AUTO:
         return section.attention_impl
     gpu = jax.default_backend() == "gpu"
-    return "cudnn" if gpu and _computes_in_16_bits(section) and cudnn_packed_layout() else "xla_chunked"
-
-
-def _runtime(section: ModelSection) -> dict:
-    return dict(param_dtype=section.frozen_dtype, dtype=section.compute_dtype,
-                attention_impl=training_attention(section))
+    cudnn = gpu and _computes_in_16_bits(section) and cudnn_packed_layout() and cudnn_takes_head_dim(head_dim)
+    return "cudnn" if cudnn else "xla_chunked"
 
 
 def check_attention(section: ModelSection) -> None:
@@ -96,9 +93,15 @@ def _teacher_config(section: ModelSection) -> ModelConfig:
     except (FileNotFoundError, CheckpointError) as e:
         raise ConfigError(f"model.teacher: {e}") from None
     try:
-        return config_from_hf(hf_config, **_runtime(section))
+        config = config_from_hf(hf_config, param_dtype=section.frozen_dtype, dtype=section.compute_dtype)
     except (ValueError, TypeError) as e:  # an unsupported model_type, a missing or malformed field
         raise ConfigError(f"model.teacher: {Path(section.teacher) / 'config.json'}: {e}") from None
+    impl = training_attention(section, config.head_dim)
+    if impl == "cudnn" and not cudnn_takes_head_dim(config.head_dim):  # now, not at the first step
+        raise ConfigError(f"model.attention_impl='cudnn' cannot run the teacher's head_dim {config.head_dim} on this "
+                          f"GPU (cuDNN takes multiples of 8, up to 256 on sm_90+ and 128 before): use xla_chunked "
+                          f"(or auto)")
+    return config.replace(attention_impl=impl)
 
 
 def student_config(section: ModelSection) -> ModelConfig:

@@ -189,6 +189,14 @@ def _mosaic_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, k
                           heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
 
 
+def cudnn_takes_head_dim(head_dim: int, device=None) -> bool:
+    """Whether jax's cuDNN attention runs `head_dim` on `device` (its check, forward and backward: a multiple of 8, at
+    most 256 on sm_90 and later, 128 before)."""
+    device = device or jax.devices()[0]
+    major = int(str(getattr(device, "compute_capability", None) or "0").split(".")[0])
+    return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
+
+
 def check_cudnn(dtype) -> None:
     """Raises unless cuDNN attention can run here on activations of `dtype` (an NVIDIA GPU, 16 bits). The engines
     call it when they are made: a prompt short enough for the few-query path never reaches cuDNN."""

@@ -56,13 +56,6 @@ def is_hopper(device=None) -> bool:
     return device.platform == "gpu" and capability is not None and str(capability).split(".")[0] == "9"
 
 
-def cudnn_takes_head_dim(head_dim: int, device) -> bool:
-    """Whether jax's cuDNN attention runs `head_dim` on `device` (its check: a multiple of 8, at most 256 on sm_90
-    and later, 128 before)."""
-    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
-    return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
-
-
 def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> tuple[dict, dict]:
     """(`default_impls`, {field: why a kernel the rule prefers was passed over for this config's head dim}); the
     reasons are what `serving_config` logs."""
@@ -75,7 +68,7 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
     if config.dtype in SIXTEEN_BIT:
         if mosaic:
             impls["attention_impl"] = "mosaic"
-        elif cudnn_takes_head_dim(config.head_dim, device):
+        elif attention_lib.cudnn_takes_head_dim(config.head_dim, device):
             impls["attention_impl"] = "cudnn"
             if is_hopper(device):
                 reasons["attention_impl"] = (f"our Mosaic flash kernel is the sm_90 default at head dims "
@@ -119,7 +112,7 @@ def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
     config = config.replace(**{k: named[k] or chosen[k] for k in chosen})
     if config.attention_impl == "cudnn":  # now, not at the first prompt of more than FEW_QUERIES tokens
         attention_lib.check_cudnn(config.dtype)
-        if not cudnn_takes_head_dim(config.head_dim, jax.devices()[0]):
+        if not attention_lib.cudnn_takes_head_dim(config.head_dim):
             raise ValueError(f"attention_impl='cudnn' cannot run head_dim {config.head_dim} on this GPU (cuDNN takes "
                              f"multiples of 8 up to 256 on sm_90+, 128 before): use attention_impl='pallas'")
     return config
