@@ -454,3 +454,45 @@ def test_generate_and_logits_refuse_the_weights_of_another_config():
     assert sk.generate(served, [[6, 7]], 2).tokens == sk.generate(model, [[6, 7]], 2).tokens
     with pytest.raises(ValueError, match=r"unexpected parameter\(s\) \['layers'\]\[4\]"):
         sk.generate(sk.Model(CFG, unstack_layers(deeper.params, deeper.config)), [[6, 7]], 2)
+
+
+def test_qwen2_swiftkv_student_with_biases_serves_its_forward(tmp_path):
+    """A Qwen2 student (q/k/v bias, also on q/k/v_proj_swiftkv; SWIFTKV.md §1) as distillation leaves it: its SwiftKV
+    projections and biases moved off the teacher's copies. The SwiftKV full forward equals the float64 reference of
+    the published format, and the dense engine (prefill + decode) and the paged `sk.Engine` reproduce it. The models
+    above have no bias (sk.init's are zero anyway): a serving path that dropped the K/V bias of the SwiftKV cache
+    writes passed every serving test."""
+    import numpy_reference
+    from hf_models import make_hf_model
+
+    make_hf_model(tmp_path / "qwen2", "qwen2", seed=5, initializer_range=0.1, rope_theta=1000000.0)
+    student = sk.to_swiftkv(sk.load(tmp_path / "qwen2"), 1, 3)  # one AcrossKV group of 3 over layers 1..3
+    rng = np.random.default_rng(0)
+
+    def moved(path, a):
+        keys = {getattr(k, "key", None) for k in path}
+        if keys & {"q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv", "norm_swiftkv"}:
+            return a + jnp.asarray(0.1 * rng.standard_normal(a.shape), a.dtype)
+        return a
+
+    model = sk.Model(student.config, jax.tree_util.tree_map_with_path(moved, student.params))
+    out = sk.save(model, tmp_path / "student", format="hf")
+    vocab = model.config.vocab_size
+    seq = np.random.default_rng(1).integers(0, vocab, (2, 40))
+    forward = np.asarray(sk.logits(model, seq, swiftkv=True))
+    config, tensors = numpy_reference.load_tensors(out)
+    assert "model.layers.1.self_attn.k_proj_swiftkv.bias" in tensors
+    for row in range(2):
+        np.testing.assert_allclose(forward[row], numpy_reference.forward(config, tensors, seq[row], swiftkv=True),
+                                   rtol=0, atol=1e-4)
+
+    prompt = 29
+    got, _ = engine_logits(model, True, seq, [prompt, prompt], padded=32, max_len=48)
+    np.testing.assert_allclose(got, forward[:, prompt - 1:], rtol=0, atol=1e-4)
+
+    prompts = [seq[0, :prompt].tolist(), seq[1, :11].tolist()]
+    engine = sk.Engine(model, page_size=4, num_pages=40, max_num_seqs=2, max_num_batched_tokens=64,
+                       cache_dtype="float32", max_model_len=64)
+    for prompt_ids, result in zip(prompts, engine.generate(prompts, max_tokens=8, stop_token_ids=[])):
+        logits = np.asarray(sk.logits(model, np.array([prompt_ids + result.token_ids])))[0, len(prompt_ids) - 1:-1]
+        assert result.token_ids == logits.argmax(-1).tolist()
