@@ -18,7 +18,8 @@ MODEL_TYPES = {
     "qwen2_swiftkv": ("qwen2", True, "Qwen2SwiftKVForCausalLM"),
 }
 
-# Keys read into ModelConfig, or deliberately dropped (rewritten on export).
+# Keys read into ModelConfig, or deliberately dropped: rewritten on export (use_sliding_window: false), or unused
+# (sliding_window, max_window_layers, layer_types say nothing once no layer slides, and are not written back).
 _CONSUMED = {
     "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
