@@ -351,9 +351,9 @@ def _generate(args) -> int:
                    stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
                    max_len=args.max_len, tokenizer=tokenizer, mesh=mesh, **_named_impls(args))
     if len(ids) == 1:
-        stream = _Stream(tokenizer)
-        out = generate(model, ids, args.max_new_tokens, on_token=stream, **options)
-        stream.finish(out.texts[0])
+        stream = _Stream(tokenizer, ids[0])
+        generate(model, ids, args.max_new_tokens, on_token=stream, **options)
+        stream.finish()
         return 0
     for start in range(0, len(ids), args.batch_size):
         out = generate(model, ids[start: start + args.batch_size], args.max_new_tokens, **options)
@@ -363,24 +363,25 @@ def _generate(args) -> int:
 
 
 class _Stream:
-    """Prints each new token's text as it arrives: decodes everything so far and prints what is new, so
-    multi-byte characters split over tokens print once complete."""
+    """Prints each new token's text as it arrives, through the server's incremental detokenizer: a token costs the
+    same however long the output (decoding everything so far at each token was quadratic in its length), and a
+    character split over tokens prints once complete."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+    def __init__(self, tokenizer, prompt_ids):
+        from swiftkv_jax.serving.http.text import Detokenizer
+
+        self.text = Detokenizer(tokenizer, prompt_ids)
 
     def __call__(self, tokens, live):
-        if not live[0]:
-            return
-        self.ids.append(int(tokens[0]))
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            sys.stdout.write(text[len(self.printed):])
-            sys.stdout.flush()
-            self.printed = text
+        if live[0]:
+            self._write(self.text.push([int(tokens[0])]))
 
-    def finish(self, text: str) -> None:
-        sys.stdout.write(text[len(self.printed):] + "\n")
+    def finish(self) -> None:
+        self._write(self.text.flush() + "\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        sys.stdout.write(text)
         sys.stdout.flush()
 
 

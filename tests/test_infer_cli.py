@@ -56,6 +56,26 @@ def test_generate_streams_what_the_engine_generates(checkpoints, capsys):
     assert out == want + "\n"
 
 
+def test_generate_streams_at_a_cost_per_token_that_does_not_grow(checkpoints, capsys, monkeypatch):
+    """`generate --prompt` decoded every token so far at each new token: 400 tokens decoded 80,200 ids (quadratic in
+    the output's length). The stream now decodes a short window per token and still prints the whole text, each
+    character whole."""
+    from swiftkv_jax.infer_cli import _Stream
+
+    tokenizer = load_tokenizer(str(checkpoints / "student"))
+    prompt = tokenizer("Count: ")["input_ids"]
+    ids = tokenizer(" é 1 2 3 😀" * 40)["input_ids"][1:401]  # multi-byte characters split over byte-level tokens
+    decoded, decode = [], tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda t, **kw: decoded.append(len(t)) or decode(t, **kw))
+    stream = _Stream(tokenizer, prompt)
+    for token in ids:
+        stream(np.array([token]), np.array([True]))
+    stream.finish()
+    out = capsys.readouterr().out
+    assert out == decode(ids, skip_special_tokens=True) + "\n" and "\ufffd" not in out
+    assert sum(decoded) < 20 * len(ids), sum(decoded)
+
+
 def test_generate_from_a_prompts_file_with_the_chat_template(checkpoints, capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Sort these words: fig apple\nRepeat 'owl' 2 times.\n")
