@@ -118,6 +118,68 @@ def test_named_cudnn_refuses_a_head_dim_it_cannot_run_when_the_engine_is_made(mo
     assert serving_config(BF16.replace(head_dim=96), paged=False, attention_impl="cudnn").attention_impl == "cudnn"
 
 
+@pytest.mark.parametrize("capability", [None, "7.5", "8.0", "8.9", "9.0", "10.0", "12.0"])
+def test_cudnn_head_dims_are_the_ones_jaxs_own_check_takes(capability, monkeypatch):
+    """`cudnn_takes_head_dim` against jax's check (`check_is_flash_attention`, training, 16 bits) at every head dim up
+    to 272, on each compute capability: Blackwell (10.0, 12.0) runs 256 as Hopper does (the examples above are sm_90
+    and sm_80 only, and say only that cuDNN is not chosen where jax refuses). A device without a compute capability
+    is taken as one before sm_90."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from swiftkv_jax.model.attention import cudnn_takes_head_dim
+
+    fields = {} if capability is None else {"compute_capability": capability}
+    device = types.SimpleNamespace(platform="gpu", **fields)
+    current = tuple(int(x) for x in (capability or "0.0").split("."))
+    monkeypatch.setattr(fused, "check_compute_capability", lambda c: current >= tuple(int(x) for x in c.split(".")))
+    monkeypatch.setattr(fused, "is_cuda_compute_capability_equal", lambda c: False)
+    for head_dim in range(1, 273):
+        x = jax.ShapeDtypeStruct((1, 64, 8, head_dim), jnp.bfloat16)
+        try:
+            fused.check_is_flash_attention(x, x, x, fused.AttentionLayout.BTNH.value, 91100, has_bias=False,
+                                           is_training=True)
+            runs = True
+        except NotImplementedError:
+            runs = False
+        assert cudnn_takes_head_dim(head_dim, device) == runs, (capability, head_dim)
+
+
+@pytest.mark.parametrize("capability, head_dim, limit", [("8.0", 256, 128), ("9.0", 264, 256), ("10.0", 264, 256)])
+def test_the_logged_reason_names_the_devices_cudnn_limit(capability, head_dim, limit, monkeypatch, caplog):
+    """The reason the prefill passed cuDNN over names the widest head dim cuDNN takes on this device (on sm_100 it
+    said 128: only sm_90 counted as Hopper there)."""
+    from swiftkv_jax.serving import kernel_choice
+
+    monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [types.SimpleNamespace(platform="gpu",
+                                                                                      compute_capability=capability)])
+    with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+        assert serving_config(BF16.replace(head_dim=head_dim), paged=False).attention_impl == "pallas"
+    assert f"multiples of 8 up to {limit} here, not {head_dim}" in caplog.text, caplog.text
+
+
+def test_a_named_impl_is_not_explained_and_the_other_default_still_is(monkeypatch, caplog):
+    """Naming one impl silences only its own reason: the default chosen for the other is still explained."""
+    from swiftkv_jax.serving import kernel_choice
+
+    monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [H100])
+    monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
+    config = BF16.replace(head_dim=80)  # Phi-2's: both defaults on sm_90 pass the rule's kernels over
+    for named, logged, silent in [(dict(attention_impl="xla"), "pages by XLA", "prefill by cuDNN"),
+                                  (dict(decode_attention_impl="xla"), "prefill by cuDNN", "pages by XLA")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=kernel_choice.__name__):
+            serving_config(config, paged=True, **named)
+        assert logged in caplog.text and silent not in caplog.text, (named, caplog.text)
+
+
+def test_a_gpu_whose_compute_capability_is_not_a_number_gets_a_choice(monkeypatch):
+    """A device that reports its architecture by name (ROCm's are "gfx90a"-style) was parsed as an int and failed
+    the engine as it was made; it is taken as a GPU before sm_90, as one with no compute capability."""
+    rocm = types.SimpleNamespace(platform="gpu", compute_capability="gfx90a")
+    assert default_impls(BF16, "bfloat16", paged=False, device=rocm) == \
+        default_impls(BF16, "bfloat16", paged=False, device=types.SimpleNamespace(platform="gpu"))
+
+
 def test_named_impls_win_and_hopper_is_sm_90():
     config = serving_config(BF16, paged=False, attention_impl="pallas", decode_attention_impl="pallas")
     assert (config.attention_impl, config.decode_attention_impl) == ("pallas", "pallas")

@@ -189,12 +189,18 @@ def _mosaic_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, k
                           heads=(2, 2, 2) + _NO_HEADS, out_heads=2)
 
 
+def cudnn_max_head_dim(device=None) -> int:
+    """The widest head dim jax's cuDNN attention runs on `device`: 256 on sm_90 and later (Blackwell too), 128 before,
+    and on a device whose compute capability is absent or not a number (ROCm names its architecture, "gfx90a")."""
+    device = device or jax.devices()[0]
+    major = str(getattr(device, "compute_capability", None) or "0").split(".")[0]
+    return 256 if major.isdigit() and int(major) >= 9 else 128
+
+
 def cudnn_takes_head_dim(head_dim: int, device=None) -> bool:
     """Whether jax's cuDNN attention runs `head_dim` on `device` (its check, forward and backward: a multiple of 8, at
-    most 256 on sm_90 and later, 128 before)."""
-    device = device or jax.devices()[0]
-    major = int(str(getattr(device, "compute_capability", None) or "0").split(".")[0])
-    return head_dim % 8 == 0 and head_dim <= (256 if major >= 9 else 128)
+    most `cudnn_max_head_dim`)."""
+    return head_dim % 8 == 0 and head_dim <= cudnn_max_head_dim(device)
 
 
 def check_cudnn(dtype) -> None:

@@ -77,8 +77,8 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
         else:
             impls["attention_impl"] = "pallas"
             reasons["attention_impl"] = (f"cuDNN attention takes head dims that are multiples of 8 up to "
-                                         f"{256 if is_hopper(device) else 128} here, not {config.head_dim}: prefill "
-                                         f"by our Triton flash kernel ('pallas')")
+                                         f"{attention_lib.cudnn_max_head_dim(device)} here, not {config.head_dim}: "
+                                         f"prefill by our Triton flash kernel ('pallas')")
     sixteen_bit_cache = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT  # name or format
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
         taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
