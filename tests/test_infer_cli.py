@@ -46,11 +46,16 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_generate_streams_what_the_engine_generates(checkpoints, capsys):
+def test_generate_streams_what_the_engine_generates(checkpoints, capsys, monkeypatch):
+    infer_cli, contexts = importlib.import_module("swiftkv_jax.infer_cli"), []
+    stream = infer_cli._Stream
+    monkeypatch.setattr(infer_cli, "_Stream", lambda tokenizer, ids: contexts.append(list(ids)) or
+                        stream(tokenizer, ids))
     student = checkpoints / "student"
     code, out, _ = run(capsys, "generate", "--model", student, "--prompt", "What is 4 + 5?", "--max-new-tokens", 12)
     assert code == 0
     tokenizer = load_tokenizer(str(student))
+    assert contexts == [tokenizer("What is 4 + 5?")["input_ids"]]  # the stream decodes in the prompt's context
     want = sk.generate(sk.load(student), "What is 4 + 5?", 12, tokenizer=tokenizer,
                        stop_token_ids=[tokenizer.eos_token_id]).texts[0]
     assert out == want + "\n"
@@ -74,6 +79,33 @@ def test_generate_streams_at_a_cost_per_token_that_does_not_grow(checkpoints, ca
     out = capsys.readouterr().out
     assert out == decode(ids, skip_special_tokens=True) + "\n" and "\ufffd" not in out
     assert sum(decoded) < 20 * len(ids), sum(decoded)
+
+
+def test_generate_streams_the_prompts_continuation_as_transformers_decodes_it(capsys):
+    """A Llama 2 style (SentencePiece) tokenizer drops the first space of a decoded sequence: the stream is the prompt's
+    continuation, tokenizer.decode(prompt + output) less decode(prompt), so the output's first token keeps its space
+    after a prompt (the server's text, test_server); after BOS alone, or a prompt ending inside a character (its bytes
+    would fuse with the output's), it is the output decoded alone. A step where the row is not live prints nothing.
+    (The tiny byte-level tokenizer above decodes alike with or without the prompt.)"""
+    from test_server import _llama2_style_tokenizer
+
+    from swiftkv_jax.infer_cli import _Stream
+
+    tokenizer = _llama2_style_tokenizer()
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    out = tokenizer("Hello world 日本 é, wor!", add_special_tokens=False)["input_ids"]
+    hello = tokenizer("Hello")["input_ids"]
+    mid_character = tokenizer("Hello 日", add_special_tokens=False)["input_ids"][:-1]  # the last byte token cut off
+    assert decode(mid_character).endswith("\ufffd")
+    for prompt, want in [(hello, decode(hello + out)[len(decode(hello)):]), ([tokenizer.bos_token_id], decode(out)),
+                         (mid_character, decode(out))]:
+        stream = _Stream(tokenizer, prompt)
+        for token in out:
+            stream(np.array([token]), np.array([True]))
+        stream(np.array([out[0]]), np.array([False]))
+        stream.finish()
+        assert capsys.readouterr().out == want + "\n", prompt
+    assert want.startswith("Hello world") and decode(hello + out)[len(decode(hello)):].startswith(" Hello world")
 
 
 def test_generate_from_a_prompts_file_with_the_chat_template(checkpoints, capsys, tmp_path):
