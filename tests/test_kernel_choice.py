@@ -35,7 +35,8 @@ BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128,
     # cuDNN takes multiples of 8 up to 256 (128 before sm_90): OpenLLaMA 3B's 100 prefills by our Triton kernel
     (A100, BF16.replace(head_dim=100), "bfloat16", True, ("pallas", "xla")),
     (H100, BF16.replace(head_dim=100), "bfloat16", False, ("pallas", "xla")),
-    (A100, BF16.replace(head_dim=256), "bfloat16", True, ("pallas", "pallas")),
+    # past 128 our Triton tiles would overrun an A100's shared memory: blockwise XLA
+    (A100, BF16.replace(head_dim=256), "bfloat16", True, ("xla_flash", "pallas")),
     (H100, BF16.replace(head_dim=256), "bfloat16", True, ("cudnn", "pallas")),
     (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32
     (CPU, BF16, "bfloat16", True, ("xla_flash", "xla")),
@@ -73,7 +74,7 @@ def test_default_prefill_runs_the_head_dim_and_says_why_it_passed_cudnn_over(dev
         cudnn_runs = False
     config = BF16.replace(head_dim=head_dim)
     chosen = default_impls(config, "bfloat16", paged=True, device=device)["attention_impl"]
-    assert chosen in ("mosaic", "cudnn", "pallas") and (chosen != "cudnn" or cudnn_runs)
+    assert chosen in ("mosaic", "cudnn", "pallas", "xla_flash") and (chosen != "cudnn" or cudnn_runs)
     monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [device])
     with caplog.at_level("WARNING", logger=kernel_choice.__name__):
         assert serving_config(config, paged=True).attention_impl == chosen
@@ -153,8 +154,10 @@ def test_the_logged_reason_names_the_devices_cudnn_limit(capability, head_dim, l
     monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [types.SimpleNamespace(platform="gpu",
                                                                                       compute_capability=capability)])
     with caplog.at_level("WARNING", logger=kernel_choice.__name__):
-        assert serving_config(BF16.replace(head_dim=head_dim), paged=False).attention_impl == "pallas"
+        want = "pallas" if head_dim <= 128 else "xla_flash"
+        assert serving_config(BF16.replace(head_dim=head_dim), paged=False).attention_impl == want
     assert f"multiples of 8 up to {limit} here, not {head_dim}" in caplog.text, caplog.text
+    assert ("prefill by blockwise XLA ('xla_flash'" in caplog.text) == (head_dim > 128)
 
 
 def test_a_named_impl_is_not_explained_and_the_other_default_still_is(monkeypatch, caplog):

@@ -46,6 +46,7 @@ from swiftkv_jax.model.kv_quant import cache_dtype_name
 
 SIXTEEN_BIT = ("bfloat16", "float16")
 MOSAIC_HEAD_DIMS = (64, 128)  # the Mosaic kernels' measured head dims (Llama's); 256 would overrun their SMEM budget
+FLASH_MAX_HEAD_DIM = 128  # the Triton flash tiles (2 stages, 128 x 64) fit any GPU up to here: 96.5 KiB at 128
 log = logging.getLogger(__name__)
 
 
@@ -74,11 +75,14 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
                 reasons["attention_impl"] = (f"our Mosaic flash kernel is the sm_90 default at head dims "
                                              f"{MOSAIC_HEAD_DIMS} only (as measured): prefill by cuDNN, with our mask "
                                              f"as a bias (2.6-3.7x slower than Mosaic at 8K on an H200)")
-        else:
-            impls["attention_impl"] = "pallas"
+        else:  # our Triton kernel's tiles at a padded head dim of 256 would pass an A100's shared memory (~192 KiB)
+            triton = config.head_dim <= FLASH_MAX_HEAD_DIM
+            impls["attention_impl"] = "pallas" if triton else "xla_flash"
             reasons["attention_impl"] = (f"cuDNN attention takes head dims that are multiples of 8 up to "
                                          f"{attention_lib.cudnn_max_head_dim(device)} here, not {config.head_dim}: "
-                                         f"prefill by our Triton flash kernel ('pallas')")
+                                         + ("prefill by our Triton flash kernel ('pallas')" if triton else
+                                            f"prefill by blockwise XLA ('xla_flash'; our Triton flash kernel's "
+                                            f"tiles are sized for head dims up to {FLASH_MAX_HEAD_DIM})"))
     sixteen_bit_cache = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT  # name or format
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
         taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
