@@ -68,6 +68,22 @@ CASES = [
     # a head dim that is a multiple of 64 but not a power of two (the Triton kernels' rule refused it here)
     Case("head_dim_192", (130, 7), 136, 1, 4, 2, 192, MosaicDecodeBlockSizes(64, 2)),
 ]
+# Groups that are no power of two (every case above has G 2, 4 or 8: rows of KV head k taking query heads
+# (k << log2(G)) + g, or row r taking token r >> log2(G)'s limit, passed them): the heads of Qwen2.5-0.5B (14 / 2,
+# G 7), Qwen2.5-7B (28 / 4 cut to 14 / 2, G 7), Qwen2.5-1.5B (12 / 2, G 6) and Llama-3.2-3B (24 / 8 cut to 6 / 2,
+# G 3), each model's head dim. T * G rows: 21 (written as 24), 7 (8), 72 (two row blocks, the second of 8 real
+# rows and -1 rows) and 15 (16)
+GROUP_CASES = [
+    Case("qwen2.5-0.5b_gqa7_random", (130, 37), 136, 3, 14, 2, 64, MosaicDecodeBlockSizes(64, 2), "random"),
+    Case("qwen2.5-7b_gqa7_decode", (200, 1), 200, 1, 14, 2, 128, MosaicDecodeBlockSizes(64, 2)),
+    Case("qwen2.5-1.5b_gqa6_chunk", (90, 20, 0), 96, 12, 12, 2, 128, MosaicDecodeBlockSizes(64, 2, 1), "chunk",
+         (12, 5, 0)),
+    Case("llama3.2-3b_gqa3_last", (150, 64), 152, 5, 6, 2, 128, MosaicDecodeBlockSizes(128, 2, 2)),
+]
+CASES += GROUP_CASES
+# (case, cache dtype, per-token scales): every quantised form on one case, one on each group above but Qwen2.5-7B's
+QUANTIZED_CASES = [*(("long_split_two_slots", *x) for x in QUANTIZED), ("qwen2.5-0.5b_gqa7_random", jnp.int8, True),
+                   ("qwen2.5-1.5b_gqa6_chunk", jnp.float8_e4m3fn, False), ("llama3.2-3b_gqa3_last", jnp.int8, False)]
 BY_NAME = {case.name: case for case in CASES}
 
 
@@ -85,6 +101,15 @@ PAGED_CASES = [
 # Per-token scales are copied a page at a time in 128-byte TMA copies: pages of 32 keys, two a 64-key block
 PAGED_SCALE_CASE = (paged_tests.Case((45, 100, 1), 32, 2, 8, 2, 128, jnp.bfloat16, 16, 1, "random"),
                     MosaicDecodeBlockSizes(64, 2))
+# GQA 7, 6 and 3 (as GROUP_CASES): three queries anywhere over pages of 16; a decode over pages of 32 (per-token
+# scales fit them); a prompt chunk of 12 tokens x G 3 over pages of 8
+PAGED_GROUP_CASES = [
+    (paged_tests.Case((45, 130), 16, 3, 14, 2, 64, jnp.bfloat16, 16, 1, "random"), MosaicDecodeBlockSizes(64, 2)),
+    (paged_tests.Case((100, 7), 32, 1, 12, 2, 128, jnp.bfloat16, 16, 1), MosaicDecodeBlockSizes(64, 2)),
+    (paged_tests.Case((60, 33), 8, 12, 6, 2, 128, jnp.bfloat16, 16, 1, "chunk", new_tokens=(12, 4)),
+     MosaicDecodeBlockSizes(64, 2, 1)),
+]
+PAGED_CASES += PAGED_GROUP_CASES
 
 
 def make_inputs(case: Case, seed: int = 0):
@@ -171,13 +196,14 @@ class MosaicDecodeChecks:
         np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-    @pytest.mark.parametrize("dtype, per_token", QUANTIZED, ids=[quantized_id(*x) for x in QUANTIZED])
-    def test_quantized_cache_matches_numpy(self, dtype, per_token):
+    @pytest.mark.parametrize("name, dtype, per_token", QUANTIZED_CASES,
+                             ids=[f"{name}-{quantized_id(*x)}" for name, *x in QUANTIZED_CASES])
+    def test_quantized_cache_matches_numpy(self, name, dtype, per_token):
         """An int8 / FP8 cache with per-layer or per-token-head [B, K, S] scales, read in place and converted in
         SMEM (the scales on the scores and on P), against the float64 loop over the numpy-dequantised cache. Keys
         past every length are NaN before quantising (NaN scales per token, NaN FP8 values): none reaches the
         result."""
-        case = BY_NAME["long_split_two_slots"]
+        case = BY_NAME[name]
         q, k, v, lengths, positions = make_inputs(case, seed=3)
         past = (jnp.arange(case.seq_len)[None, :] >= lengths[:, None])[:, None, :, None]
         poisoned = lambda x: jnp.where(past, jnp.nan, x.astype(jnp.float32))  # noqa: E731
@@ -193,7 +219,9 @@ class MosaicDecodeChecks:
 
     @pytest.mark.parametrize("case, blocks, dtype, per_token", [
         (*PAGED_CASES[0], jnp.int8, False), (*PAGED_CASES[2], jnp.float8_e4m3fn, True),
-        (*PAGED_CASES[3], jnp.float8_e4m3fn, False), (*PAGED_SCALE_CASE, jnp.int8, True)],
+        (*PAGED_CASES[3], jnp.float8_e4m3fn, False), (*PAGED_SCALE_CASE, jnp.int8, True),
+        (*PAGED_GROUP_CASES[0], jnp.float8_e4m3fn, False), (*PAGED_GROUP_CASES[1], jnp.int8, True),
+        (*PAGED_GROUP_CASES[2], jnp.int8, False)],
         ids=lambda x: jnp.dtype(x).name if isinstance(x, type) else None)
     def test_quantized_pool_matches_numpy(self, case, blocks, dtype, per_token):
         """An int8 / FP8 pool with per-layer or per-token-head [K, P, page_size] scales (copied a page at a time

@@ -35,10 +35,20 @@ CASES = [
     Case("kv_lengths", b=2, t=64, s=192, n=1, kv_heads=1, h=64, kv_lengths=(100, 192)),
     Case("odd_lengths_head_dim_80", b=1, t=100, s=100, n=2, kv_heads=2, h=80),  # T, S and H padded
 ]
+# Groups that are no power of two (every case above has G 1 or 2: a query head read KV head head >> log2(G) and
+# passed them): the heads of Qwen2.5-0.5B (14 / 2, G 7), Qwen2.5-7B (28 / 4 cut to 14 / 2, G 7), Qwen2.5-1.5B
+# (12 / 2, G 6) and Llama-3.2-3B (24 / 8 cut to 6 / 2, G 3), each model's head dim, causal or packed, one tile
+GROUP_CASES = [
+    Case("qwen2.5-0.5b_gqa7_packed", b=1, t=128, s=128, n=14, kv_heads=2, h=64, segments=(70, 58)),
+    Case("qwen2.5-7b_gqa7_causal", b=1, t=128, s=128, n=14, kv_heads=2, h=128),
+    Case("qwen2.5-1.5b_gqa6_packed", b=1, t=128, s=128, n=12, kv_heads=2, h=128, segments=(30, 98)),
+    Case("llama3.2-3b_gqa3_chunk_over_context", b=1, t=64, s=192, n=6, kv_heads=2, h=128),
+]
+CASES += GROUP_CASES
 BY_NAME = {case.name: case for case in CASES}
-# the cases the default suite interprets: the engines' layout, and two CTAs along the queries (the grid's q_tile
-# order is reversed, longest tiles first)
-DEFAULT = ("chunk_over_context_gqa2", "packed_segments")
+# the cases the default suite interprets: the engines' layout, two CTAs along the queries (the grid's q_tile
+# order is reversed, longest tiles first), and the groups that are no power of two
+DEFAULT = ("chunk_over_context_gqa2", "packed_segments", *(case.name for case in GROUP_CASES))
 SLOW_IN_INTERPRET = [pytest.param(c.name, marks=[] if c.name in DEFAULT else pytest.mark.slow) for c in CASES]
 BLOCKS = MosaicFlashBlockSizes(block_q=64, block_kv=64, max_concurrent_steps=2)
 
