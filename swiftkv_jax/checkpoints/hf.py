@@ -251,8 +251,9 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
             for name in names:
                 entry = entries[name]
                 leaf = params[entry.path]
-                ours = _on_host(leaf[entry.index] if entry.index else leaf)
-                tensors[name] = np.ascontiguousarray(entry.to_hf(ours.astype(np_dtype)))
+                ours = _on_host(leaf[entry.index] if entry.index else leaf)  # a collective: every process
+                if lead:  # the others have nothing to write
+                    tensors[name] = np.ascontiguousarray(entry.to_hf(ours.astype(np_dtype)))
             if lead:
                 save_file(tensors, tmp / filename, metadata={"format": "pt"})
             del tensors

@@ -16,7 +16,8 @@ from swiftkv_jax.configuration import ConfigError
 from swiftkv_jax.distill import trainable as trainable_lib
 from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.dtypes import as_dtype
-from swiftkv_jax.model.attention import ATTENTION_IMPLS, DIFFERENTIABLE_IMPLS, cudnn_takes_head_dim
+from swiftkv_jax.model.attention import (ATTENTION_IMPLS, DIFFERENTIABLE_IMPLS, cudnn_max_head_dim,
+                                         cudnn_takes_head_dim)
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.checkpoints.orbax import is_orbax_checkpoint
 from swiftkv_jax.model.model import abstract_params, init, param_shardings
@@ -99,7 +100,7 @@ def _teacher_config(section: ModelSection) -> ModelConfig:
     impl = training_attention(section, config.head_dim)
     if impl == "cudnn" and not cudnn_takes_head_dim(config.head_dim):  # now, not at the first step
         raise ConfigError(f"model.attention_impl='cudnn' cannot run the teacher's head_dim {config.head_dim} on this "
-                          f"GPU (cuDNN takes multiples of 8, up to 256 on sm_90+ and 128 before): use xla_chunked "
+                          f"GPU (cuDNN takes multiples of 8 up to {cudnn_max_head_dim()} here): use xla_chunked "
                           f"(or auto)")
     return config.replace(attention_impl=impl)
 

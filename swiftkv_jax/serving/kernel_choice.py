@@ -26,10 +26,10 @@ a lone call adds is the GPU idle between ops. As 16 layers in one program, Mosai
 
 Head dims those kernels cannot take, or were not measured at, get a kernel that runs them, and the engines log why
 (`serving_config`): cuDNN takes multiples of 8 up to 256 on sm_90+ and 128 before (jax's check, at the first long
-prompt), so another head dim (OpenLLaMA 3B's 100; 256 before Hopper) prefills with our Triton flash kernel
-(`"pallas"`, any head dim, padded to a power of two); on sm_90 a head dim other than 64 and 128 (Phi-2's 80,
-Phi-3's 96) prefills by cuDNN and decodes a static cache by XLA; the Triton paged kernel takes powers of two, so
-sk.Engine's pools at another head dim are read by XLA.
+prompt), so another head dim (OpenLLaMA 3B's 100) prefills with our Triton flash kernel (`"pallas"`, padded to a
+power of two), or past FLASH_MAX_HEAD_DIM (256 before Hopper) with blockwise XLA (`"xla_flash"`); on sm_90 a head
+dim other than 64 and 128 (Phi-2's 80, Phi-3's 96) prefills by cuDNN and decodes a static cache by XLA; the Triton
+paged kernel takes powers of two, so sk.Engine's pools at another head dim are read by XLA.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
     if config.attention_impl == "cudnn":  # now, not at the first prompt of more than FEW_QUERIES tokens
         attention_lib.check_cudnn(config.dtype)
         if not attention_lib.cudnn_takes_head_dim(config.head_dim):
+            instead = "pallas" if config.head_dim <= FLASH_MAX_HEAD_DIM else "xla_flash"
             raise ValueError(f"attention_impl='cudnn' cannot run head_dim {config.head_dim} on this GPU (cuDNN takes "
-                             f"multiples of 8 up to 256 on sm_90+, 128 before): use attention_impl='pallas'")
+                             f"multiples of 8 up to {attention_lib.cudnn_max_head_dim()} here): use "
+                             f"attention_impl='{instead}'")
     return config
