@@ -42,7 +42,7 @@ class DemoSettings:
     vocab_size: int
     architecture: dict         # of the teacher's config.json
     seq_len: int
-    batch_size: int
+    batch_size: int            # rows a pretraining step (and a distillation step unless distill_batch_size)
     pretrain_steps: int
     distill_steps: int
     val_rows: int              # packed held-out rows scored
@@ -54,6 +54,11 @@ class DemoSettings:
     distill_overrides: tuple = ()
     eval_workers: int = 1      # models whose quality is scored at once (`Evaluation`: compiling overlaps running)
     evaluate_while_distilling: bool = False  # score each model as soon as it exists, beside the next distillation
+    distill_batch_size: Optional[int] = None  # rows a distillation step (None: batch_size)
+
+    @property
+    def distill_rows(self) -> int:
+        return self.distill_batch_size or self.batch_size
 
 
 SETTINGS = {
@@ -67,29 +72,34 @@ SETTINGS = {
                                             num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
 }
 # One GPU (H100/H200), bf16 compute (fp32 masters): a 247M-parameter teacher (16 layers of 1024, GQA 16/4, MLP 4096,
-# tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 300 steps
-# each. ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s (gpu_seconds), plus compiling and evaluation. On an
-# H200 with cuDNN attention (2026-11-25): pretraining 136 s, each student 36-48 s, 92.6% of the 50% gap closed; the
-# evaluation of the 8 models was not finished by 513 s, so the whole is not yet timed. Its first 5 models took about
-# 170 s there, and about 60 s when a resumed call found their programs in JAX's compilation cache: compiling is most
-# of it, so models are now scored on 4 threads (eval_workers) as soon as they exist, while the later students distil
-# (evaluate_while_distilling): what is left after the last distillation is that student's scores, whose programs its
-# undistilled twin compiled (the AcrossKV student, which has none, distils first), and the analysis.
+# tied 4096-token vocabulary) on the whole stdlib, 800 steps of 32 x 1024 tokens (26M tokens); students 600 steps of
+# 16 x 1024 tokens each. ~5 minutes of matmuls at an assumed 30% of 989 TFLOP/s (gpu_seconds), plus compiling and
+# evaluation. Models are scored on 4 threads (eval_workers) as soon as they exist, while the later students distil
+# (evaluate_while_distilling): compiling is most of a GPU evaluation, and what is left after the last distillation is
+# that student's scores, whose programs its undistilled twin compiled (the AcrossKV student distils first).
+# On an H200, students of 300 steps of 32 rows (the same tokens): 2026-11-25, cuDNN attention, each 36-48 s, 92.6% of
+# the 50% gap closed; 2026-11-27, attention auto, the whole demo in 417 s (pretraining 130 s, distillation 227 s),
+# 87.5% closed (target 90%). Two runs straddle the target, so the students now take their tokens in twice the steps
+# of half the rows: on the CPU, at equal tokens, 4x the steps closed 96-97% of the gap where 4x the rows closed 88-89%
+# (width 256), and each doubling of the steps about 4 points more. Not yet measured on a GPU (the pack's `sweep`
+# part distils the 300 x 32 recipe beside it).
 # The students' rate, from CPU sweeps of the 50% student (benchmarks/results/demo/README.md): the best rate halved
 # when the width doubled (muP's 1/width: 8e-3 at width 128, 4e-3 at 256, 120 steps of 8K tokens), doubled with 4x the
 # steps (480: 91% of the gap closed at 1.6e-2, width 128; 96-97% at 4e-3-8e-3, width 256) and stayed with 4x the rows
 # a step (width 256: 89/88% at 4e-3/8e-3); too high costs far more than too low (width 256, 120 steps: 82/85/80/64%
-# at 2e-3/4e-3/8e-3/1.6e-2). Width 1024: 1e-3 at 120 steps, ~1.6e-3 at 300; 2e-3, as the top is flatter with more
-# steps. The GPU pack's `sweep` part checks half and twice it, and its tokens in twice the steps of half the rows.
+# at 2e-3/4e-3/8e-3/1.6e-2). Width 1024: 1e-3 at 120 steps, ~1.6e-3 at 300, ~2.3e-3 at 600; 2e-3, on the low side
+# that costs less. The GPU pack's `sweep` part checks half and twice it.
 _GPU_RUNTIME = ("model.frozen_dtype=bfloat16", "model.compute_dtype=bfloat16", "model.trainable_dtype=float32",
                 "model.remat=dots", "model.attention_impl=auto", "loss.chunk_size=256")
 SETTINGS["gpu"] = DemoSettings(max_files=None, vocab_size=4096, seq_len=1024, batch_size=32, pretrain_steps=800,
-                               distill_steps=300, val_rows=256, prompts=64, prompt_tokens=128, prefill_len=2048,
+                               distill_steps=600, distill_batch_size=16, val_rows=256, prompts=64, prompt_tokens=128,
+                               prefill_len=2048,
                                architecture=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
                                                  num_attention_heads=16, num_key_value_heads=4, head_dim=64),
                                pretrain_overrides=_GPU_RUNTIME + ("optim.learning_rate=1e-3",
                                                                   "checkpoint.every=400"),
-                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",),  # (above)
+                               distill_overrides=_GPU_RUNTIME + ("optim.learning_rate=2e-3",  # (above)
+                                                                 "checkpoint.every=200"),  # 3 saves, as before
                                eval_workers=4, evaluate_while_distilling=True)
 ASSUMED_MFU, PEAK_FLOPS = 0.30, 989e12  # gpu_seconds' assumptions (H100/H200 dense bf16), not measurements
 
@@ -108,7 +118,7 @@ def gpu_seconds(settings: DemoSettings, mfu: float = ASSUMED_MFU, peak: float = 
     matmul_params = layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + d * v
     tokens = settings.batch_size * t
     pretrain = settings.pretrain_steps * tokens * (6 * matmul_params + 6 * n * h * t * layers)
-    distill = sum(settings.distill_steps * tokens * distill_step_flops(
+    distill = sum(settings.distill_steps * settings.distill_rows * t * distill_step_flops(
         config.replace(num_key_value_layers=var.l, key_value_group_size=var.g), t).total
         for var in variants(layers) if var.distilled)
     rate = mfu * peak
@@ -324,11 +334,13 @@ class _Calls:
                 {"calls": self.earlier + [round(time.perf_counter() - self.start, 1)]}) + "\n")
 
 
-def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path) -> list[str]:
+def common_overrides(out: Path, settings: DemoSettings, steps: int, run_dir: Path,
+                     rows: Optional[int] = None) -> list[str]:
+    """The corpus, lengths and run folder of a training stage; `rows` a step (None: the pretraining's)."""
     corpus = json.dumps(str(out / "corpus" / "train.parquet"))  # quoted: a path may hold ',' or ' #'
     return [f"data.sources=[{{path: {corpus}, format: text}}]",
             f"data.seq_len={settings.seq_len}", f"data.cache_dir={out / 'cache'}",
-            f"train.global_batch_size={settings.batch_size}", f"train.max_steps={steps}",
+            f"train.global_batch_size={rows or settings.batch_size}", f"train.max_steps={steps}",
             f"train.output_dir={run_dir}"]
 
 
@@ -349,7 +361,8 @@ def distill(out: Path, settings: DemoSettings, teacher_dir: Path, variant: Varia
     export = student_export(out, variant)
     _train("stdlib-swiftkv.yaml", [f"model.teacher={teacher_dir}", f"model.num_key_value_layers={variant.l}",
                                    f"model.key_value_group_size={variant.g}"]
-           + common_overrides(out, settings, settings.distill_steps, export.parent) + list(settings.distill_overrides),
+           + common_overrides(out, settings, settings.distill_steps, export.parent, settings.distill_rows)
+           + list(settings.distill_overrides),
            export)
     return export
 

@@ -276,7 +276,11 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     teacher = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-teacher.yaml",
                                  ["model.teacher=x"] + common + list(settings.pretrain_overrides))
     student = configuration.load(TrainConfig, demo.CONFIGS / "stdlib-swiftkv.yaml",
-                                 ["model.teacher=x"] + common + list(settings.distill_overrides))
+                                 ["model.teacher=x"] + demo.common_overrides(out, settings, 1, tmp_path / "run",
+                                                                            settings.distill_rows)
+                                 + list(settings.distill_overrides))
+    # students take their tokens in more, smaller steps than the teacher's (demo.py)
+    assert (teacher.train.global_batch_size, student.train.global_batch_size) == (32, 16)
     for config in (teacher, student):
         assert (config.model.compute_dtype, config.model.trainable_dtype) == ("bfloat16", "float32")
         assert config.data.sources[0].path == str(out / "corpus" / "train.parquet")
@@ -285,6 +289,24 @@ def test_gpu_budget_is_a_valid_run_of_both_recipes_within_ten_minutes_of_matmuls
     with pytest.raises(ValueError, match="the gpu budget needs a GPU"):
         demo.run(tmp_path / "gpu", "gpu")
     assert not (tmp_path / "gpu").exists()
+
+
+def test_stages_train_with_their_own_rows_a_step(tmp_path, monkeypatch):
+    """The gpu budget pretrains on 32 rows a step and distils on 16 (twice the steps, the same tokens): each stage's
+    train() gets its own global_batch_size and steps."""
+    trained = {}
+    monkeypatch.setattr(demo, "_train", lambda recipe, overrides, export: trained.update({recipe: overrides}))
+    settings = demo.SETTINGS["gpu"]
+    demo.pretrain(tmp_path, settings, tmp_path / "init")
+    demo.distill(tmp_path, settings, tmp_path / "teacher", demo.Variant("swiftkv-50", l=8))
+    teacher, student = trained["stdlib-teacher.yaml"], trained["stdlib-swiftkv.yaml"]
+    assert {"train.global_batch_size=32", f"train.max_steps={settings.pretrain_steps}"} <= set(teacher)
+    assert {"train.global_batch_size=16", f"train.max_steps={settings.distill_steps}"} <= set(student)
+    assert settings.distill_steps * 16 == 300 * 32  # the tokens of the 2026-11-25/27 GPU runs' 300 x 32
+    estimate = demo.gpu_seconds(settings)  # the distillation's FLOPs count its own rows
+    halved = demo.gpu_seconds(dataclasses.replace(settings, distill_batch_size=8))
+    assert halved["distill_s"] == pytest.approx(estimate["distill_s"] / 2)
+    assert halved["pretrain_s"] == estimate["pretrain_s"]
 
 
 def test_recipe_sweep_rows_change_only_what_they_name(tmp_path, capsys):

@@ -420,9 +420,11 @@ def test_distill_step_runs_each_part_bounded_with_arguments_its_script_accepts(t
     assert [(steps, len(overrides), overrides[0].split("=")[0]) for _, steps, overrides in rows[:2]] == [
         (None, 1, "optim.learning_rate")] * 2  # the budget's steps; half and twice its rate
     assert [float(overrides[0].split("=")[1]) for _, _, overrides in rows[:2]] == pytest.approx([rate / 2, rate * 2])
-    settings = demo.SETTINGS["gpu"]  # then its tokens and rate, in twice the steps of half the rows
+    settings = demo.SETTINGS["gpu"]  # then its tokens and rate in half the steps of twice the rows (the earlier recipe)
     (_, steps, overrides), = rows[2:]
-    assert (steps, overrides) == (2 * settings.distill_steps, (f"train.global_batch_size={settings.batch_size // 2}",))
+    rows_a_step = settings.distill_rows * 2
+    assert (steps, overrides) == (settings.distill_steps // 2, (f"train.global_batch_size={rows_a_step}",))
+    assert steps * settings.distill_rows * 2 == settings.distill_steps * settings.distill_rows
     commands.clear()  # --demo-attention reaches demo.py and every row of the sweep
     pack_steps.distill_step(dataclasses.replace(ctx, distill_parts=("demo", "sweep"), demo_attention="cudnn"),
                             lambda c: commands.append(c) or {"status": "ok"})

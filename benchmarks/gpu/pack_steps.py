@@ -295,11 +295,11 @@ def _demo(ctx, run):
 
 
 # The gpu demo's rate (2e-3) is extrapolated from CPU sweeps, not tuned (demo.py): its 50% student at half and twice
-# it, the budget's 300 steps each (~30 s of matmuls a row by demo.gpu_seconds' arithmetic, plus compiling and scoring).
-# Then the budget's tokens as twice the steps of half the rows, at its rate: on the CPU, at equal tokens, more steps
-# closed far more of the gap than bigger ones (benchmarks/results/demo/README.md), the next lever if 2e-3 falls short.
+# it, the budget's steps each (~30 s of matmuls a row by demo.gpu_seconds' arithmetic, plus compiling and scoring).
+# Then the same tokens at that rate in half the steps of twice the rows: the recipe before 2026-11-27 (87.5% and 92.6%
+# of the gap closed on an H200), which the budget's more, smaller steps replaced on the CPU's evidence.
 DEMO_SWEEP_ROWS = ("lr1e-3||optim.learning_rate=1e-3", "lr4e-3||optim.learning_rate=4e-3",
-                   "600x16|600|train.global_batch_size=16")
+                   "300x32|300|train.global_batch_size=32")
 
 
 def _demo_sweep(ctx, run):
