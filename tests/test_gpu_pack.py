@@ -587,6 +587,7 @@ def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
     assert [a[a.index("--decode-points") + 1] for a in argvs[:2]] == ["32x4096,32x8192"] * 2
     assert argvs[2][argvs[2].index("--prefill-points") + 1] == "1x8192" and "--decode-points" not in argvs[2]
     assert sum(cmd.limit_s for cmd in seen) <= 300
+    paged_deadline_of_three = float(argvs[1][argvs[1].index("--deadline") + 1])
     for argv in argvs:  # every argv parses with the script's own parser
         assert args_only(argv).returncode == 0
     assert args_only([*argvs[0], "--no-such-option"]).returncode == 2  # which --help after it would not have said
@@ -603,6 +604,20 @@ def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
     parsed = pack.parser().parse_args(["run", "--out", str(tmp_path), "--decode-points", "32x4096",
                                        "--prefill-points", "1x8192,1x2048"])
     assert (parsed.decode_points, parsed.prefill_points) == ("32x4096", "1x8192,1x2048")
+    assert parsed.kernel_parts == ("decode", "paged", "prefill")
+
+    # --kernel-parts: only those tables, in the step's order, sharing the time left
+    parsed = pack.parser().parse_args(["run", "--out", str(tmp_path), "--kernel-parts", "prefill, paged"])
+    assert parsed.kernel_parts == ("paged", "prefill")
+    seen.clear()
+    pack_steps.kernels_step(dataclasses.replace(ctx, kernel_parts=parsed.kernel_parts), seen.append)
+    argvs = [[str(a) for a in cmd.argv] for cmd in seen]
+    assert [a[a.index("--parts") + 1] for a in argvs] == ["paged", "prefill"]
+    assert sum(cmd.limit_s for cmd in seen) <= 300
+    # the two share the time the three did: paged gets about 113 s of 300 where it got about 50
+    assert float(argvs[0][argvs[0].index("--deadline") + 1]) > 2 * paged_deadline_of_three
+    with pytest.raises(SystemExit):
+        pack.parser().parse_args(["run", "--out", str(tmp_path), "--kernel-parts", "mosaic"])
 
 
 def test_distill_summary_names_each_rows_attention_and_the_failed_steps():

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pack_runner
 from pack_steps import (BENCH, DISTILL_LIMITS, DISTILL_PARTS, PYTEST_LIMITS, PYTEST_PARTS, SERVING_PARTS, STEPS,
-                        parse_distill_parts, parse_kernel_points, parse_parts, parse_points, parse_pytest_parts,
-                        parse_tune_only, select, summarize)
+                        parse_distill_parts, parse_kernel_parts, parse_kernel_points, parse_parts, parse_points,
+                        parse_pytest_parts, parse_tune_only, select, summarize)
 
 REPO = pack_runner.REPO
 SMOKE_MEMORY = 4 * 2**30  # smoke: a device this size takes the tiny point and not the giant one
@@ -96,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tune-only", type=_said(parse_tune_only), default=None,
                    help="the tune step's points: benchmarks/tune_kernels.py --only (kernel[:cache_dtype],...; "
                         "default every point, the targets' first)")
+    r.add_argument("--kernel-parts", type=_said(parse_kernel_parts), default=("decode", "paged", "prefill"),
+                   help="the kernels step's tables, comma-separated (decode, paged, prefill; default all), each "
+                        "under its own kernels.py --deadline")
     for table, example in (("decode", "32x4096,32x8192"), ("prefill", "1x8192,1x2048")):
         r.add_argument(f"--{table}-points", type=_said(parse_kernel_points), default=None, metavar="BxS,...",
                        help=f"the kernels step's {table} points (kernels.py --{table}-points, e.g. {example}"
@@ -152,14 +155,15 @@ def _run(args) -> int:
         memory_bandwidth=args.memory_bandwidth or (1e11 if args.smoke else pack_runner.bandwidth_of(gpu.get("name"))),
         bench_points=args.bench_points, pytest_parts=args.pytest_parts, serving_parts=args.serving_parts,
         distill_parts=args.distill_parts or (DISTILL_PARTS if args.smoke else pack_runner.Context.distill_parts),
-        tune_only=args.tune_only, demo_attention=args.demo_attention,
+        tune_only=args.tune_only, demo_attention=args.demo_attention, kernel_parts=args.kernel_parts,
         kernel_points={k: v for k, v in (("decode", args.decode_points), ("prefill", args.prefill_points)) if v})
     echo = None if args.quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     options = {"steps": [s.name for s in steps], "deadline_s": args.deadline, "limits": limits,
                "mem_fraction": args.mem_fraction, "bench": BENCH[args.smoke][:4] if not args.bench_points else
                args.bench_points, "pytest_parts": list(args.pytest_parts), "serving_parts": list(args.serving_parts),
                "distill_parts": list(ctx.distill_parts), "tune_only": args.tune_only,
-               "demo_attention": args.demo_attention, "kernel_points": ctx.kernel_points,
+               "demo_attention": args.demo_attention, "kernel_parts": list(ctx.kernel_parts),
+               "kernel_points": ctx.kernel_points,
                "inject_failure": args.inject_failure}
     return pack_runner.run(steps, ctx, args.out, args.wheelhouse, args.site, args.deadline, summarize,
                            install_wheels=not (args.no_install or args.smoke), inject_failure=set(args.inject_failure),

@@ -84,6 +84,7 @@ class Context:
     tune_only: Optional[str] = None                  # tune_kernels.py --only (default: every point, in order)
     demo_attention: Optional[str] = None             # demo.py --attention (default: the gpu budget's own)
     kernel_points: dict = field(default_factory=dict)  # kernels.py --decode-points / --prefill-points ("BxS,...")
+    kernel_parts: tuple = ("decode", "paged", "prefill")  # the kernels step's commands (pack_steps.KERNEL_PARTS)
     ends_at: Optional[float] = None                  # time.monotonic() by which the running step must end
 
     def seconds_left(self) -> Optional[float]:

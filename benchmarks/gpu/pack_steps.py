@@ -165,6 +165,13 @@ def parse_kernel_points(text: str) -> str:
     return ",".join(items)
 
 
+def parse_kernel_parts(text: str) -> tuple:
+    """"paged,prefill" -> ("paged", "prefill"): the kernels step's tables, run in KERNEL_PARTS' order."""
+    names = tuple(name for name, _ in KERNEL_PARTS)
+    chosen = parse_parts(text, names, "kernel")
+    return tuple(name for name in names if name in chosen)
+
+
 def kernels_step(ctx, run):
     if ctx.smoke:
         out = ctx.tmp / "kernels.json"
@@ -178,8 +185,10 @@ def kernels_step(ctx, run):
     # most time: its targets' points took all of 160 s on 2026-11-25, and its decode-step and profiled rows come
     # right after the first two; the paged table's rivals now run at the targets' points only. --decode-points and
     # --prefill-points narrow the tables to the points still open; the deadlines shrink to the time left.
-    deadlines = fitted([deadline for _, deadline in KERNEL_PARTS], ctx.seconds_left(), KERNEL_OVERHEAD_S)
-    for (parts, _), deadline in zip(KERNEL_PARTS, deadlines):
+    # --kernel-parts runs some of them (their deadlines fitted to the time left among themselves).
+    chosen = [(parts, deadline) for parts, deadline in KERNEL_PARTS if parts in ctx.kernel_parts]
+    deadlines = fitted([deadline for _, deadline in chosen], ctx.seconds_left(), KERNEL_OVERHEAD_S)
+    for (parts, _), deadline in zip(chosen, deadlines):
         out = ctx.tmp / f"kernels_{parts}.json"
         table = "prefill" if parts == "prefill" else "decode"  # the paged table's points are the decode ones
         points = ctx.kernel_points.get(table)
