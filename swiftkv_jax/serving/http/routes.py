@@ -5,10 +5,11 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with `stream: true`),
 GET /v1/models, /health (200 while the engine loop runs, 503 otherwise) and /metrics (Prometheus text).
 
-The engine steps on one background thread (`serving.engine_loop.EngineLoop`); each HTTP request adds its choices
-to the engine and reads their outputs from its own asyncio.Queue. A client that goes away has its requests aborted
-at once mid-stream, within DISCONNECT_POLL_S while it waits for a whole response, so their pages go back to the
-pool. Admission is bounded: at most `max_num_seqs + max_waiting` engine requests are open at a time; beyond that a
+The engine steps on one background thread (`serving.engine_loop.EngineLoop`); each HTTP request's body is parsed
+and tokenized on another (`Server.parser`, so that a prompt of megabytes stalls no other client), then adds its
+choices to the engine and reads their outputs from its own asyncio.Queue. A client that goes away has its requests
+aborted at once mid-stream, within DISCONNECT_POLL_S while it waits for a whole response, so their pages go back to
+the pool. Admission is bounded: at most `max_num_seqs + max_waiting` engine requests are open at a time; beyond that a
 request gets 503 with Retry-After, so memory never grows with the offered load. Every refusal is an OpenAI error
 object (`protocol.RequestError`); a bad value the engine refuses (`InvalidRequest`) names the request's field.
 """
@@ -16,6 +17,7 @@ object (`protocol.RequestError`); a bad value the engine refuses (`InvalidReques
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
@@ -50,6 +52,8 @@ class Server:
         self.token_strings = TokenStrings(tokenizer)
         self.metrics = Metrics(self)
         self.loop = EngineLoop(engine, on_finish=self.metrics.on_finish)
+        # one thread parses request bodies (JSON, tokenizer, chat template) off the event loop, one at a time
+        self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
 
     # ---- admission --------------------------------------------------------------------------------------------
     def engine_options(self, job: Job, prompt_ids: list, choice: int) -> dict:
@@ -214,6 +218,7 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
     async def lifespan(app):
         yield
         await asyncio.to_thread(server.loop.stop)
+        server.parser.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="swiftkv-jax", lifespan=lifespan)
     app.state.server = server
@@ -227,8 +232,7 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
                                        "type": "invalid_request_error", "param": None, "code": code}},
                             status_code=exc.status_code)
 
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
+    def read_body(raw: bytes) -> dict:
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -252,8 +256,11 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     async def run(request: Request, parse, kind: str):
         try:
-            body = await read_body(request)
-            job = parse(body, tokenizer)
+            raw = await request.body()
+            # the JSON, the tokenizer and the chat template on the parser thread: a prompt of megabytes takes seconds
+            # there, while the event loop goes on serving every other client (vLLM tokenizes off its loop too)
+            job = await asyncio.get_running_loop().run_in_executor(server.parser,
+                                                                   lambda: parse(read_body(raw), tokenizer))
             queue = asyncio.Queue()
             choices = server.start(job, queue)
         except RequestError as e:

@@ -1,0 +1,104 @@
+"""The OpenAI server under hostile but valid requests: an app (`make_app`) on a tiny teacher (CPU, fp32), served by
+uvicorn on a thread over 127.0.0.1 and driven with httpx. A request that costs much (a prompt of megabytes, a batch
+with a prompt the pool cannot hold) gets its answer without stalling the other clients, and leaves nothing behind in
+the engine; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+import swiftkv_jax as sk
+from swiftkv_jax.data.chat import load_tokenizer
+from swiftkv_jax.serving.continuous import Engine
+from swiftkv_jax.serving.http.routes import make_app
+from swiftkv_jax.tiny_assets import make_tiny_assets
+
+from server_process import free_port
+
+PAGE, PAGES, MAX_MODEL_LEN = 16, 16, 512   # a pool of 256 tokens under a longer max_model_len (the engine allows it)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(url, engine) of a server on 127.0.0.1, stopped after the module."""
+    import uvicorn
+
+    root = make_tiny_assets(tmp_path_factory.mktemp("limits"), num_examples=60)
+    tokenizer = load_tokenizer(str(root / "teacher"))
+    engine = Engine(sk.load(root / "teacher"), cache_dtype="float32", page_size=PAGE, num_pages=PAGES,
+                    max_num_seqs=4, max_num_batched_tokens=32, single_buckets=(4,), prompt_buckets=(32,),
+                    max_model_len=MAX_MODEL_LEN)
+    app = make_app(engine, tokenizer, "m", max_waiting=16)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+    try:
+        yield url, engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _idle(engine, timeout: float = 10.0) -> dict:
+    """The engine's stats once nothing runs, waits or holds a page (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats["running"] == 0 and stats["waiting"] == 0 and not engine.has_unfinished()
+                and stats["pages_free"] == stats["pages_total"]) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_a_batch_with_a_prompt_the_pool_cannot_hold_leaves_nothing_behind(server):
+    """The first prompts are added to the engine before the last is refused (it fits max_model_len, not the pool):
+    they are aborted, their pages and ids go back, and the server serves on."""
+    url, engine = server
+    fits, too_big = [5] * 40, [5] * (PAGE * PAGES + 8)
+    response = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json=dict(prompt=[fits, fits, too_big], max_tokens=8, n=2, ignore_eos=True))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "max_tokens", error
+    assert "but the whole KV cache has" in error["message"], error
+    stats = _idle(engine)
+    assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0, stats
+    assert not engine._live_ids and not engine._sequences
+    assert httpx.post(f"{url}/v1/completions", json=dict(prompt=fits, max_tokens=2), timeout=60).status_code == 200
+
+
+def test_a_prompt_of_megabytes_does_not_stall_the_other_clients(server):
+    """Tokenizing a 3.6 MB prompt takes seconds: on the event loop it stalled every other client that long (a
+    /health took as long as the whole refusal); on the parser thread they are answered meanwhile."""
+    url, engine = server
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            big = asyncio.create_task(http.post(f"{url}/v1/completions",
+                                                json=dict(prompt="hello world " * 300_000, max_tokens=2)))
+            start, worst = time.monotonic(), 0.0
+            await asyncio.sleep(0.2)  # the big body is sent and being tokenized
+            while not big.done() and time.monotonic() - start < 60:
+                t = time.monotonic()
+                assert (await http.get(f"{url}/health")).status_code == 200
+                worst = max(worst, time.monotonic() - t)
+                await asyncio.sleep(0.02)
+            return await big, worst, time.monotonic() - start
+
+    response, worst, seconds = asyncio.run(asyncio.wait_for(run(), 90))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+    assert seconds > 1.0, f"the prompt took {seconds:.2f} s only: too short to tell"
+    assert worst < min(0.5, seconds / 3), f"a /health took {worst:.2f} s while the big prompt took {seconds:.2f} s"
+    assert _idle(engine)["running"] == 0
