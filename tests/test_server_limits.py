@@ -102,3 +102,35 @@ def test_a_prompt_of_megabytes_does_not_stall_the_other_clients(server):
     assert seconds > 1.0, f"the prompt took {seconds:.2f} s only: too short to tell"
     assert worst < min(0.5, seconds / 3), f"a /health took {worst:.2f} s while the big prompt took {seconds:.2f} s"
     assert _idle(engine)["running"] == 0
+
+
+BIG = "x" * 100_000
+HUGE_VALUES = [  # (path, body, param): each refused value is 100 KB or thousands of entries
+    ("/v1/completions", dict(prompt="hi", logit_bias={str(i): 1 for i in range(5000)}), "logit_bias"),
+    ("/v1/completions", dict(prompt="hi", suffix=BIG), "suffix"),
+    ("/v1/completions", dict(prompt="hi", stop_token_ids=list(range(5000))), "stop_token_ids"),
+    ("/v1/completions", dict(prompt="hi", stop_token_ids=[BIG]), "stop_token_ids"),
+    ("/v1/completions", dict(prompt="hi", stop=[BIG, 5]), "stop"),
+    ("/v1/completions", dict(prompt="hi", temperature=BIG), "temperature"),
+    ("/v1/completions", dict(prompt="hi", echo=BIG), "echo"),
+    ("/v1/completions", dict(prompt="hi", best_of=BIG), "best_of"),
+    ("/v1/completions", dict(prompt="hi", stream=True, stream_options={BIG: True}), "stream_options"),
+    ("/v1/completions", dict({f"field{i}": 1 for i in range(5000)}, prompt="hi"), "field0"),
+    ("/v1/completions", {"prompt": "hi", BIG: 1}, BIG[:80]),
+    ("/v1/completions", dict(prompt="hi", model=BIG), "model"),
+    ("/v1/chat/completions", dict(messages=[{"role": BIG, "content": "hi"}]), "messages[0].role"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": {"a": BIG}}]), "messages[0].content"),
+]
+
+
+def test_errors_quote_a_huge_value_in_part(server):
+    """A refusal quoted the whole refused value: 100 KB of suffix or 5000 logit_bias entries came back in the error
+    message (54 KB for the logit_bias, 26 KB of out-of-vocabulary stop ids). Now at most SHOWN characters of it."""
+    url, engine = server
+    with httpx.Client(timeout=60) as http:
+        for path, body, param in HUGE_VALUES:
+            response = http.post(f"{url}{path}", json=body)
+            error = response.json()["error"]
+            assert response.status_code in (400, 404) and error["param"] == param, (param, error["message"][:300])
+            assert len(error["message"]) < 400, (param, len(error["message"]), error["message"][:300])
+        assert http.post(f"{url}/v1/completions", json=dict(prompt="hi", max_tokens=2)).status_code == 200

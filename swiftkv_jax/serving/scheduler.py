@@ -101,7 +101,8 @@ class RequestParams:
                                  "stop_token_ids")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad}", "stop_token_ids")
+            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad[:5]}"
+                                 + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), "stop_token_ids")
         return dataclasses.replace(self, stop_token_ids=tuple(map(int, self.stop_token_ids)), **changes)
 
 

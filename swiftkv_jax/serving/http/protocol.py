@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 MAX_N = 64
 MAX_STOP = 16
+SHOWN = 80  # characters of a refused value an error message quotes (a value may be megabytes)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -36,6 +37,12 @@ class RequestError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def shown(value) -> str:
+    """`value`'s repr for an error message, cut to SHOWN characters (saying how long it was)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass
@@ -103,7 +110,7 @@ def _number(body: dict, name: str, default, integer: bool = False):
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or \
             (isinstance(value, float) and not math.isfinite(value)):
-        raise RequestError(f"{name} must be {kind}, got {value!r}", name)
+        raise RequestError(f"{name} must be {kind}, got {shown(value)}", name)
     if not integer:
         try:
             return float(value)
@@ -118,18 +125,20 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+        raise RequestError(f"{name} must be true or false, got {shown(value)}", name)
     return value
 
 
 def _check_fields(body: dict, allowed: set) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise RequestError(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0],
+        names = ", ".join(name if len(name) <= SHOWN else shown(name) for name in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise RequestError(f"Unrecognized request argument supplied: {names}{more}", unknown[0][:SHOWN],
                            code="unrecognized_argument")
     for name, ok in NO_OP.items():
         if name in body and name in allowed and not ok(body[name]):
-            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only its default)", name,
+            raise RequestError(f"{name}={shown(body[name])} is not supported by this server (only its default)", name,
                                code="unsupported_parameter")
 
 
@@ -139,7 +148,7 @@ def _sampling(body: dict) -> dict:
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or
                                  any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
-        raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {stop_ids!r}",
+        raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {shown(stop_ids)}",
                            "stop_token_ids")
     return dict(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
@@ -166,7 +175,7 @@ def _stop_strings(body: dict) -> list:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
-        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {shown(stop)}", "stop")
     if len(stop) > MAX_STOP:
         raise RequestError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop")
     return stop
@@ -185,7 +194,7 @@ def _common(body: dict) -> dict:
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} or \
                 any(not isinstance(v, bool) for v in options.values()):
             raise RequestError(f"stream_options takes {{'include_usage': bool, 'continuous_usage_stats': bool}}, got "
-                               f"{options!r}", "stream_options")
+                               f"{shown(options)}", "stream_options")
     options = options or {}
     sampling, stop = _sampling(body), _stop_strings(body)
     _min_tokens(body, sampling, stop)
@@ -240,7 +249,7 @@ def parse_completion(body: dict, tokenizer) -> Job:
     common = _common(body)
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
-        raise RequestError(f"best_of={best_of!r} is not supported (only best_of = n)", "best_of",
+        raise RequestError(f"best_of={shown(best_of)} is not supported (only best_of = n)", "best_of",
                            code="unsupported_parameter")
     logprobs = _number(body, "logprobs", None, integer=True)
     echo = _bool(body, "echo")
@@ -265,7 +274,7 @@ def _content(message: dict, i: int) -> str:
                                    f"supported, got {str(part)[:80]!r}", f"messages[{i}].content")
             parts.append(part["text"])
         return "".join(parts)
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {shown(content)}",
                        f"messages[{i}].content")
 
 
@@ -282,7 +291,7 @@ def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
             raise RequestError(f"messages[{i}] must be an object with a 'role' and a 'content'", f"messages[{i}]")
         role = message["role"]
         if role not in ROLES:
-            raise RequestError(f"messages[{i}].role {role!r} is not a chat role: use one of {', '.join(ROLES)}",
+            raise RequestError(f"messages[{i}].role {shown(role)} is not a chat role: use one of {', '.join(ROLES)}",
                                f"messages[{i}].role")
         extra = set(message) - {"role", "content", "name"}
         if extra:

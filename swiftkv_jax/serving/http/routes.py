@@ -29,7 +29,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' a
 from swiftkv_jax.serving.engine_loop import EngineFailed, EngineLoop
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.http.metrics import CountRequests, Metrics
-from swiftkv_jax.serving.http.protocol import Job, RequestError, parse_chat, parse_completion
+from swiftkv_jax.serving.http.protocol import Job, RequestError, parse_chat, parse_completion, shown
 from swiftkv_jax.serving.http.responses import Choice, Chunks, TokenStrings, prompt_rows, sse, whole
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -245,11 +245,12 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
             try:
                 json.dumps([name, value], ensure_ascii=False).encode("utf-8")
             except UnicodeEncodeError:
-                name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+                name = name.encode("utf-8", "backslashreplace").decode("utf-8")[:80]
                 raise RequestError(f"{name} holds a string that is not valid Unicode (a lone surrogate such as "
                                    f"\\ud800): send UTF-8 text", name, code="invalid_json") from None
         model = body.get("model")
         if model is not None and model != server.model_name:
+            model = model if isinstance(model, str) and len(model) <= 200 else shown(model)
             raise RequestError(f"The model `{model}` does not exist: this server serves `{server.model_name}`",
                                "model", 404, code="model_not_found")
         return body
