@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 import swiftkv_jax as sk
@@ -45,10 +46,15 @@ def server(tmp_path_factory):
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not come up"
         time.sleep(0.05)
     try:
-        yield url, engine
+        yield url, engine, tokenizer
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server_tokenizer(server):
+    return server[2]
 
 
 def _idle(engine, timeout: float = 10.0) -> dict:
@@ -65,7 +71,7 @@ def _idle(engine, timeout: float = 10.0) -> dict:
 def test_a_batch_with_a_prompt_the_pool_cannot_hold_leaves_nothing_behind(server):
     """The first prompts are added to the engine before the last is refused (it fits max_model_len, not the pool):
     they are aborted, their pages and ids go back, and the server serves on."""
-    url, engine = server
+    url, engine, _ = server
     fits, too_big = [5] * 40, [5] * (PAGE * PAGES + 8)
     response = httpx.post(f"{url}/v1/completions", timeout=60,
                           json=dict(prompt=[fits, fits, too_big], max_tokens=8, n=2, ignore_eos=True))
@@ -81,7 +87,7 @@ def test_a_batch_with_a_prompt_the_pool_cannot_hold_leaves_nothing_behind(server
 def test_a_prompt_of_megabytes_does_not_stall_the_other_clients(server):
     """Tokenizing a 3.6 MB prompt takes seconds: on the event loop it stalled every other client that long (a
     /health took as long as the whole refusal); on the parser thread they are answered meanwhile."""
-    url, engine = server
+    url, engine, _ = server
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
@@ -126,7 +132,7 @@ HUGE_VALUES = [  # (path, body, param): each refused value is 100 KB or thousand
 def test_errors_quote_a_huge_value_in_part(server):
     """A refusal quoted the whole refused value: 100 KB of suffix or 5000 logit_bias entries came back in the error
     message (54 KB for the logit_bias, 26 KB of out-of-vocabulary stop ids). Now at most SHOWN characters of it."""
-    url, engine = server
+    url, engine, _ = server
     with httpx.Client(timeout=60) as http:
         for path, body, param in HUGE_VALUES:
             response = http.post(f"{url}{path}", json=body)
@@ -134,3 +140,36 @@ def test_errors_quote_a_huge_value_in_part(server):
             assert response.status_code in (400, 404) and error["param"] == param, (param, error["message"][:300])
             assert len(error["message"]) < 400, (param, len(error["message"]), error["message"][:300])
         assert http.post(f"{url}/v1/completions", json=dict(prompt="hi", max_tokens=2)).status_code == 200
+
+
+def test_long_stop_strings_are_bounded_and_cheap_to_hold_back(server, server_tokenizer):
+    """A stop string of 100 KB was taken, and holding back the text that could still become one cost each token
+    O(text x stop) on the event loop (16 stop strings of 1024 characters: 6.9 s of CPU for 3000 tokens of 6000
+    characters; one of 1 MB, 2.2 s for 8000 characters, growing with the cube of the output). Now a stop string has at
+    most MAX_STOP_CHARS characters, and only the places where one could begin are tried."""
+    from swiftkv_jax.serving.http.protocol import MAX_STOP_CHARS
+    from swiftkv_jax.serving.http.text import ChoiceText
+
+    url, engine, _ = server
+    response = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json=dict(prompt="hi", stop=["a", "x" * (MAX_STOP_CHARS + 1)], max_tokens=4))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "stop", error
+    assert f"at most {MAX_STOP_CHARS} characters, got one of {MAX_STOP_CHARS + 1}" in error["message"], error
+    body = dict(prompt="hi", stop=["x" * MAX_STOP_CHARS] * 16, max_tokens=4)
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+    tokenizer = server_tokenizer
+    stops = ["\u00e9" * (MAX_STOP_CHARS - 1) + "x"] + ["o" * (MAX_STOP_CHARS - 1) + str(i) for i in range(15)]
+    text, rng = ChoiceText(tokenizer, [], stops), np.random.default_rng(0)
+    start = time.perf_counter()
+    for token in rng.integers(3, len(tokenizer), 3000):
+        text.add([int(token)])
+    seconds = time.perf_counter() - start
+    assert len(text.text) > 3000 and not text.stopped
+    assert seconds < 3.0, f"3000 tokens took {seconds:.2f} s with 16 stop strings of {MAX_STOP_CHARS} characters"
+    # the text held back is what a search of every tail finds
+    for tail in ("", "o", "\u00e9\u00e9", "oo", "o" * 50 + "\u00e9", "ab\u00e9"):
+        probe = ChoiceText(tokenizer, [], stops)
+        expected = max((k for s in stops for k in range(len(s)) if tail.endswith(s[:k])), default=0)
+        assert probe._hold_back("zz" + tail) == expected, tail

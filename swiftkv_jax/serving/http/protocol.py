@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 MAX_N = 64
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # each stop string's (the text held back while it could still become one is up to this long)
 SHOWN = 80  # characters of a refused value an error message quotes (a value may be megabytes)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -178,6 +179,9 @@ def _stop_strings(body: dict) -> list:
         raise RequestError(f"stop must be a non-empty string or a list of them, got {shown(stop)}", "stop")
     if len(stop) > MAX_STOP:
         raise RequestError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    longest = max(len(s) for s in stop)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop")
     return stop
 
 

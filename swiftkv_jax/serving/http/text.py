@@ -104,10 +104,12 @@ class ChoiceText:
 
     def _hold_back(self, text: str) -> int:
         """Length of the longest tail of `text` that begins some stop string (and so must not be sent yet)."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
+        best, end = 0, len(text)
+        for s in self.stop:  # a tail can begin only where s's first character is: its only candidates, longest first
+            i = text.find(s[0], end - min(len(s) - 1, end))
+            while 0 <= i < end - best:
+                if s.startswith(text[i:]):
+                    best = end - i
                     break
+                i = text.find(s[0], i + 1)
         return best
