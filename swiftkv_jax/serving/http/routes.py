@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import json
 import time
 import uuid
@@ -52,8 +53,11 @@ class Server:
         self.token_strings = TokenStrings(tokenizer)
         self.metrics = Metrics(self)
         self.loop = EngineLoop(engine, on_finish=self.metrics.on_finish)
-        # one thread parses request bodies (JSON, tokenizer, chat template) off the event loop, one at a time
+        # one thread parses request bodies (JSON, tokenizer, chat template) off the event loop, one at a time, with
+        # its own copy of the tokenizer: a fast tokenizer shared by two threads may refuse an encode while the other
+        # decodes ("Already borrowed", huggingface/tokenizers#537; vLLM gives each thread a copy too)
         self.parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
+        self.parser_tokenizer = copy.deepcopy(tokenizer)
 
     # ---- admission --------------------------------------------------------------------------------------------
     def engine_options(self, job: Job, prompt_ids: list, choice: int) -> dict:
@@ -260,8 +264,8 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
             raw = await request.body()
             # the JSON, the tokenizer and the chat template on the parser thread: a prompt of megabytes takes seconds
             # there, while the event loop goes on serving every other client (vLLM tokenizes off its loop too)
-            job = await asyncio.get_running_loop().run_in_executor(server.parser,
-                                                                   lambda: parse(read_body(raw), tokenizer))
+            job = await asyncio.get_running_loop().run_in_executor(
+                server.parser, lambda: parse(read_body(raw), server.parser_tokenizer))
             queue = asyncio.Queue()
             choices = server.start(job, queue)
         except RequestError as e:
