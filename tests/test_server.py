@@ -407,6 +407,16 @@ def test_stop_strings_cut_the_text(client, tokenizer, reference):
     assert out.choices[0].text == reference(ids, tokens.index(stop_id))[2]
     chunks = list(client.completions.create(**body, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    # ... and its logprob is there (README: "the stop id counts in usage and logprobs"), sk.generate's, whole and
+    # streamed: the text left it out, the scores did not
+    n = tokens.index(stop_id) + 1
+    want = reference(ids, n)[1]
+    lp = client.completions.create(**body, logprobs=1).choices[0].logprobs
+    assert len(lp.tokens) == n and lp.tokens[-1] == tokenizer.decode([stop_id])
+    assert lp.token_logprobs == pytest.approx(want, abs=2e-3) and lp.tokens[-1] in lp.top_logprobs[-1]
+    chunks = list(client.completions.create(**body, logprobs=1, stream=True))
+    assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
 
 
 def _cpu_seconds(pid: int) -> float:
