@@ -620,6 +620,27 @@ def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
         pack.parser().parse_args(["run", "--out", str(tmp_path), "--kernel-parts", "mosaic"])
 
 
+def test_run_hands_its_step_options_to_the_steps(tmp_path, monkeypatch):
+    """`pack.py run`'s step options reach the Context the steps run with, not only its parser: --kernel-parts there
+    runs only those tables (a Context built without it ran all three, and env.json's options said all three)."""
+    called = {}
+    monkeypatch.setattr(pack_runner, "nvidia_smi", lambda: {})
+    monkeypatch.setattr(pack_runner, "run", lambda steps, ctx, *a, **kw: called.update(ctx=ctx, **kw) or 0)
+    args = pack.parser().parse_args(["run", "--out", str(tmp_path / "r"), "--no-install", "--steps", "kernels,tune",
+                                     "--kernel-parts", "prefill,paged", "--decode-points", "32x4096",
+                                     "--prefill-points", "1x2048", "--tune-only", "paged:int8",
+                                     "--demo-attention", "cudnn"])
+    assert pack._run(args) == 0
+    ctx = called["ctx"]
+    assert (ctx.kernel_parts, ctx.kernel_points) == (("paged", "prefill"), {"decode": "32x4096", "prefill": "1x2048"})
+    assert (ctx.tune_only, ctx.demo_attention) == ("paged:int8", "cudnn")
+    assert called["options"]["kernel_parts"] == ["paged", "prefill"]
+    seen = []
+    pack_steps.kernels_step(dataclasses.replace(ctx, ends_at=time.monotonic() + 300), seen.append)
+    assert [cmd.label for cmd in seen] == ["benchmarks/kernels.py --parts paged --decode-points 32x4096",
+                                           "benchmarks/kernels.py --parts prefill --prefill-points 1x2048"]
+
+
 def test_distill_summary_names_each_rows_attention_and_the_failed_steps():
     row = lambda variant, attention, step_s: {"variant": variant, "attention_impl": attention, "remat": "none",
                                               "step_s": step_s, "tokens_per_s": 8192 / step_s, "mfu": 0.3,
