@@ -40,6 +40,9 @@ BF16 = sk.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # head dim 128,
     (H100, BF16.replace(head_dim=256), "bfloat16", True, ("cudnn", "pallas")),
     (H100, BF16.replace(dtype="float32"), "float32", False, ("xla_flash", "xla")),  # both kernels refuse fp32
     (CPU, BF16, "bfloat16", True, ("xla_flash", "xla")),
+    # the Triton paged kernel's head dims are powers of two >= 16 (paged_attention.paged_attention's docstring)
+    (A100, BF16.replace(head_dim=16), "bfloat16", True, ("cudnn", "pallas")),
+    (A100, BF16.replace(head_dim=8), "bfloat16", True, ("cudnn", "xla")),
 ])
 def test_default_impls_follow_the_measured_rule(device, config, cache, paged, want):
     got = default_impls(config, cache, paged=paged, device=device)
