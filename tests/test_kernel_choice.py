@@ -117,8 +117,13 @@ def test_named_cudnn_refuses_a_head_dim_it_cannot_run_when_the_engine_is_made(mo
 
     monkeypatch.setattr(kernel_choice.attention_lib, "check_cudnn", lambda dtype: None)  # the described GPU has it
     monkeypatch.setattr(kernel_choice.jax, "devices", lambda: [A100])
-    with pytest.raises(ValueError, match="cannot run head_dim 100 on this GPU"):
+    with pytest.raises(ValueError, match="cannot run head_dim 100 on this GPU.*use attention_impl='pallas'"):
         serving_config(BF16.replace(head_dim=100), paged=False, attention_impl="cudnn")
+    # past 128 (cuDNN's limit before sm_90) it names the kernel the default takes there: blockwise XLA, not our
+    # Triton kernel, whose tiles are sized for head dims up to 128
+    with pytest.raises(ValueError, match="cannot run head_dim 136 on this GPU.*up to 128 here.*'xla_flash'"):
+        serving_config(BF16.replace(head_dim=136), paged=False, attention_impl="cudnn")
+    assert default_impls(BF16.replace(head_dim=136), paged=False, device=A100)["attention_impl"] == "xla_flash"
     assert serving_config(BF16.replace(head_dim=96), paged=False, attention_impl="cudnn").attention_impl == "cudnn"
 
 
