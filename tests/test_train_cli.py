@@ -365,6 +365,34 @@ def test_a_finished_run_without_checkpoints_is_not_overwritten(capsys, assets, f
     assert file_digests(out) == digests
 
 
+@pytest.mark.parametrize("filled_at", ["config.yaml", "teacher_config.json"])
+def test_a_full_disk_as_a_resume_rewrites_its_config_keeps_the_run_resumable(capsys, assets, finished_copy,
+                                                                            monkeypatch, filled_at):
+    """Resume rewrites config.yaml and teacher_config.json, which the next resume reads: written in place, a full disk
+    (or a kill) mid-write left them cut short and the run unresumable. Whole or not at all, and no temporary file."""
+    import yaml
+
+    out, _ = finished_copy
+    names = ("config.yaml", "teacher_config.json", "metrics.jsonl")
+    before = {name: (out / name).read_bytes() for name in names}
+    write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):  # the disk fills as `filled_at` (or its temporary copy) is written
+        if filled_at not in self.name:
+            return write_text(self, text, *args, **kwargs)
+        write_text(self, text[:10], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        main(capsys, recipe(assets, out, "train.resume=true", "export.hf=false"))
+    monkeypatch.undo()
+    assert (out / filled_at).read_bytes() == before[filled_at]  # the file being written when the disk filled
+    assert (out / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["output_dir"]  # old or new, whole
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
 def test_resuming_a_finished_run_exports_again(capsys, assets, finished_copy):
     """Its own earlier export is replaced (the one case an export is). Settings of how, not what, it computes
     may change on resume (trainer.RESUME_FREE: here remat and the attention backend)."""
