@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     from swiftkv_jax.checkpoints import CheckpointError
 
     try:
+        _check_settings(args)
         if hasattr(args, "compilation_cache"):  # before anything is compiled
             from swiftkv_jax.serving.compile_cache import enable_compilation_cache
 
@@ -208,6 +209,30 @@ def main(argv=None) -> int:
     except (ValueError, CheckpointError, FileNotFoundError) as e:  # DataError and TaskError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_settings(args) -> None:
+    """--dtype, --cache-dtype and --kv-scales, checked before anything is read; a bad one is named by its flag (the
+    library's messages name its own parameters, not the command line's)."""
+    from swiftkv_jax.dtypes import dtype_name
+
+    if getattr(args, "dtype", None) is not None:
+        try:
+            dtype_name(args.dtype)
+        except ValueError as e:
+            raise ValueError(f"--dtype {args.dtype}: {e}") from None
+    if getattr(args, "cache_dtype", None) is None:
+        return
+    from swiftkv_jax.model.kv_quant import as_format
+
+    try:
+        as_format(args.cache_dtype)
+    except ValueError as e:
+        raise ValueError(f"--cache-dtype {args.cache_dtype}: {e}") from None
+    try:
+        as_format(args.cache_dtype, args.kv_scales)
+    except ValueError as e:
+        raise ValueError(f"--kv-scales {args.kv_scales} (with --cache-dtype {args.cache_dtype}): {e}") from None
 
 
 def _mesh(args):
@@ -325,6 +350,11 @@ def _check_length(args, config, ids: list) -> None:
     if args.max_len is not None and args.max_len > limit:
         raise ValueError(f"--max-len {args.max_len} is larger than the model's max_position_embeddings ({limit}, "
                          f"config.json): lower --max-len to at most {limit}")
+    if args.max_len is not None and longest + args.max_new_tokens > args.max_len:
+        raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {args.max_new_tokens} needs "
+                         f"{longest + args.max_new_tokens} cache entries, but --max-len is {args.max_len}: raise "
+                         f"--max-len to at least {longest + args.max_new_tokens}, lower --max-new-tokens or shorten "
+                         f"the prompt")
     if longest + args.max_new_tokens > limit:
         fix = (f"lower --max-new-tokens to at most {limit - longest}" if longest < limit else
                f"shorten the prompt to fewer than {limit} tokens")

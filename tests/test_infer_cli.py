@@ -118,9 +118,11 @@ def test_generate_from_a_prompts_file_with_the_chat_template(checkpoints, capsys
 
 
 def test_prompt_longer_than_the_cache_is_a_clear_error(checkpoints, capsys):
+    """The command names its flags (the library's message named max_len and max_new_tokens, its parameters)."""
     code, _, err = run(capsys, "generate", "--model", checkpoints / "student", "--prompt", "apple " * 40,
                        "--max-len", 32)
-    assert code == 2 and "raise max_len or shorten the prompt" in err
+    assert code == 2 and "but --max-len is 32: raise --max-len to at least" in err, err
+    assert "--max-new-tokens 128" in err and "max_len" not in err, err
 
 
 def test_checkpoint_without_a_tokenizer_is_a_clear_error(checkpoints, capsys, tmp_path):
@@ -285,9 +287,10 @@ def test_quantised_cache_from_the_command_line(checkpoints, capsys, tmp_path):
     rows = json.loads(out_json.read_text())["results"]
     assert code == 0 and {(r["cache_dtype"], r["kv_scales"]) for r in rows} == {("float8_e4m3fn", "per-layer")}
     code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--kv-scales", "per-layer")
-    assert code == 2 and "do not apply to a bfloat16 cache" in err
+    assert code == 2 and "--kv-scales per-layer (with --cache-dtype bfloat16): " in err
+    assert "do not apply to a bfloat16 cache" in err
     code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--cache-dtype", "int4")
-    assert code == 2 and "unknown KV cache dtype 'int4': choose one of" in err
+    assert code == 2 and "--cache-dtype int4: unknown KV cache dtype 'int4': choose one of" in err
 
 
 def test_tensor_parallel_from_the_command_line(checkpoints, capsys, tmp_path):
@@ -340,8 +343,10 @@ def test_bad_settings_are_refused_before_the_weights_are_read(checkpoints, capsy
     shutil.copytree(checkpoints / "teacher", broken)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     for sub in (["generate", "--prompt", "hi"], ["bench", "--gen-len", "1", "--prompt-len", "8", "--repeats", "1"]):
-        for flags, said in ((["--cache-dtype", "fp9"], "unknown KV cache dtype 'fp9'"),
-                            (["--dtype", "fp9"], "unknown dtype 'fp9'"),
+        # each named by its flag (the library's messages name only its parameters)
+        for flags, said in ((["--cache-dtype", "fp9"], "--cache-dtype fp9: unknown KV cache dtype 'fp9'"),
+                            (["--dtype", "fp9"], "--dtype fp9: unknown dtype 'fp9'"),
+                            (["--kv-scales", "per-row", "--cache-dtype", "int8"], "--kv-scales per-row"),
                             (["--cache-dtype", "int8", "--kv-scales", "per-layer"], "needs a calibrated scale")):
             code, _, err = run(capsys, *sub, "--model", broken, *flags)
             assert code == 2 and said in err, (sub, flags, err)
@@ -349,6 +354,9 @@ def test_bad_settings_are_refused_before_the_weights_are_read(checkpoints, capsy
     code, _, err = run(capsys, "analyze", "--model", tmp_path / "nowhere", "--data", checkpoints / "docs" / "a.txt",
                        "--out", tmp_path / "analysis")
     assert code == 2 and "no such checkpoint directory" in err, err
+    code, _, err = run(capsys, "analyze", "--model", checkpoints / "teacher", "--data", checkpoints / "docs",
+                       "--dtype", "fp9", "--out", tmp_path / "analysis")
+    assert code == 2 and "--dtype fp9: unknown dtype 'fp9'" in err, err
 
 
 class _Resolved(Exception):
