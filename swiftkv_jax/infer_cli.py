@@ -44,6 +44,19 @@ fraction = _bounded(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 port = _bounded(int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: any free port)")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default where the text does not say it already (None and off switches
+    have none to say)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or "default" in text or "%(default)" in text
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> None:
     p.add_argument("--dtype", default=None, help="parameter and compute dtype: bf16 | fp32 | fp16 (default: as stored)")
     if teacher_mode:
@@ -74,6 +87,8 @@ def _compilation_cache_option(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=_DefaultsFormatter, **k)
 
     g = sub.add_parser("generate", help="generate text for one prompt (streamed) or a file of prompts")
     g.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
@@ -81,11 +96,11 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="one prompt; its tokens are streamed as they are generated")
     src.add_argument("--prompts-file", help="a text file with one prompt per line, or jsonl with a 'prompt' field")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
-    g.add_argument("--max-new-tokens", type=positive_int, default=128)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated a prompt, at most")
     g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=fraction, default=1.0, help="1: off")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="sampling (with --temperature > 0)")
     g.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch (--prompts-file)")
     g.add_argument("--max-len", type=positive_int, default=None,
                    help="KV-cache length (default: prompt + max-new-tokens, at least the prompt's padded bucket, "
@@ -103,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
                         "others; not perplexity)")
     e.add_argument("--limit", type=positive_int, default=None, help="first N examples of each task")
     e.add_argument("--chat-template", action="store_true", help="each context as a user turn of the chat template")
-    e.add_argument("--batch-size", type=positive_int, default=32)
+    e.add_argument("--batch-size", type=positive_int, default=32, help="requests scored at once")
     e.add_argument("--max-length", type=positive_int, default=2048, help="context + answer tokens (perplexity: window)")
     e.add_argument("--max-new-tokens", type=positive_int, default=256, help="generation tasks (gsm8k)")
     e.add_argument("--seed", type=int, default=1234, help="few-shot sampling")
@@ -119,10 +134,10 @@ def parser() -> argparse.ArgumentParser:
                        help="a named model shape (see swiftkv_jax.serving.bench.PRESETS); needs --random-weights")
     b.add_argument("--random-weights", action="store_true",
                    help="random weights for --preset (no checkpoint; not with --model)")
-    b.add_argument("--prompt-len", type=positive_int, default=2048)
+    b.add_argument("--prompt-len", type=positive_int, default=2048, help="tokens of each random prompt")
     b.add_argument("--gen-len", type=non_negative_int, default=128, help="0: time the prefill only")
-    b.add_argument("--batch", type=positive_int, default=1)
-    b.add_argument("--repeats", type=positive_int, default=3)
+    b.add_argument("--batch", type=positive_int, default=1, help="prompts at once")
+    b.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each wiring")
     b.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="chunked prefill (must divide --prompt-len)")
     b.add_argument("--memory-bandwidth", type=positive_float, default=None,
@@ -141,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
                    help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
     a.add_argument("--max-tokens", type=positive_int, default=8192, help="tokens analysed in all")
     a.add_argument("--max-length", type=positive_int, default=512, help="window length")
-    a.add_argument("--batch-size", type=positive_int, default=8)
+    a.add_argument("--batch-size", type=positive_int, default=8, help="windows at once")
     a.add_argument("--swiftkv", action="store_true",
                    help="analyse a SwiftKV model's own wiring (default: the teacher's)")
     a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
@@ -177,7 +192,9 @@ def parser() -> argparse.ArgumentParser:
                    help="longest prompt + completion (default: what the model and the pool hold; at most both)")
     s.add_argument("--single-buckets", default=None, help="comma-separated single-token step sizes to compile "
                                                          "(default: powers of 2 up to --max-num-seqs)")
-    s.add_argument("--prompt-buckets", default=None, help="comma-separated prompt-token step sizes to compile")
+    s.add_argument("--prompt-buckets", default=None, help="comma-separated prompt-token step sizes to compile "
+                                                         "(default: doubling from budget/64, at least 32, up to the "
+                                                         "step's prompt-token budget)")
     s.add_argument("--max-waiting", type=non_negative_int, default=256,
                    help="requests admitted beyond --max-num-seqs (queued); more get 503 with Retry-After")
     s.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,

@@ -412,3 +412,27 @@ def test_generate_eval_and_serve_stop_at_generation_configs_eos_ids_too(checkpoi
     (model_dir / "generation_config.json").write_text("{not json")  # named, as transformers refuses it too
     with pytest.raises(ValueError, match=r"generation_config.json is not a JSON object .*fix or delete it"):
         _load_model(str(model_dir), args)
+
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "bench", "analyze", "serve"])
+def test_help_names_every_default_the_parser_uses(command, capsys):
+    """--max-new-tokens, --seed, --batch-size, --prompt-len, --batch, --repeats had no help at all, and --top-k,
+    --page-size, --port, --tensor-parallel... said nothing of their defaults: --help showed none of them."""
+    import argparse
+
+    from swiftkv_jax.infer_cli import parser
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    for action in sub._actions:
+        if (not action.option_strings or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            continue
+        assert action.help, action.option_strings
+        said = "default" in action.help or f"(default: {action.default})" in text
+        assert said, (action.option_strings, action.default)
+    if command in ("generate", "bench"):
+        assert "(default: 128)" in text
