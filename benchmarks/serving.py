@@ -831,6 +831,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     serving_prefix.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.rates and args.sweep:  # --rates replaces the multiples: both given, --sweep was dropped without a word
+        parser.error("--rates (absolute rates) and --sweep (multiples of rate inf) are two ways to give the sweep's "
+                     "rates: give one")
     args.platform = None
     if args.quick:
         args.preset = "quick"

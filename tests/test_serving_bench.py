@@ -465,3 +465,11 @@ def test_the_guidellm_comparison_runs_end_to_end(tmp_path):
     assert result["guidellm_errored"] == 0 and result["all_requests_complete"] and result["all_output_lengths"]
     assert len(data["guidellm_rounds"]) == len(data["our_rounds"]) == 1
     assert data["our_rounds"][0]["output_tokens"] == [16] * 6
+
+
+def test_rates_and_sweep_together_are_refused(capsys):
+    """--rates replaces --sweep's multiples: given both, --sweep was dropped without a word."""
+    with pytest.raises(SystemExit) as stop:
+        S.parse_args(["--quick", "--rates", "1,2", "--sweep", "0.5,1"])
+    assert stop.value.code == 2 and "--rates" in capsys.readouterr().err
+    assert S.parse_args(["--quick", "--rates", "1,2"]).rate_list == [1.0, 2.0]
