@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import functools
 import json
 import math
 import os
@@ -87,10 +88,9 @@ def _compilation_cache_option(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python infer.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    add_parser = sub.add_parser
-    sub.add_parser = lambda *a, **k: add_parser(*a, formatter_class=_DefaultsFormatter, **k)
+    command = functools.partial(sub.add_parser, formatter_class=_DefaultsFormatter)  # each option says its default
 
-    g = sub.add_parser("generate", help="generate text for one prompt (streamed) or a file of prompts")
+    g = command("generate", help="generate text for one prompt (streamed) or a file of prompts")
     g.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt; its tokens are streamed as they are generated")
@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     _model_options(g)
     _compilation_cache_option(g)
 
-    e = sub.add_parser("eval", help="accuracy / perplexity on benchmark tasks, optionally against a second model")
+    e = command("eval", help="accuracy / perplexity on benchmark tasks, optionally against a second model")
     e.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     e.add_argument("--tasks", required=True, nargs="+", help=TASKS_HELP)
     e.add_argument("--compare", metavar="DIR2", help="a second checkpoint (e.g. the teacher) evaluated in the same run")
@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     _model_options(e)
     _compilation_cache_option(e)
 
-    b = sub.add_parser("bench", help="TTFT, TPOT, tokens/s and KV-cache bytes: SwiftKV vs its teacher wiring")
+    b = command("bench", help="TTFT, TPOT, tokens/s and KV-cache bytes: SwiftKV vs its teacher wiring")
     which = b.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="checkpoint directory (HF or Orbax)")
     which.add_argument("--preset",
@@ -150,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
                         "(and the one given) without allocating anything; no timing")
     _model_options(b, teacher_mode=False)  # bench always measures both wirings
 
-    a = sub.add_parser("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
+    a = command("analyze", help="cosine similarity of the hidden states between layers, on held-out text")
     a.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     a.add_argument("--data", required=True,
                    help="text: .txt files (a file, folder or glob) or json/jsonl/parquet with 'text'")
@@ -163,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     a.add_argument("--dtype", default=None, help="parameter and compute dtype (default: as stored)")
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) on "
+    s = command("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) on "
                                      "the continuous-batching engine")
     s.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
