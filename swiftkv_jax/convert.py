@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     parser.add_argument("dst", help="directory to write; must not exist or be empty (see --overwrite)")
     parser.add_argument("--to", required=True, choices=FORMATS, help="output format")
     parser.add_argument("--dtype", default=None,
-                        help="parameter dtype to write: bf16 | fp32 | fp16 (default: as stored)")
+                        help="parameter dtype to write: bf16 | fp32 | fp16 (default: the checkpoint's, as "
+                             "config.json declares it)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="HF only: split safetensors above this size (a number and a unit: KB, MB, GB, TB)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the new one is complete")

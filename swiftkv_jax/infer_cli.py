@@ -59,7 +59,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> None:
-    p.add_argument("--dtype", default=None, help="parameter and compute dtype: bf16 | fp32 | fp16 (default: as stored)")
+    p.add_argument("--dtype", default=None, help="parameter and compute dtype: bf16 | fp32 | fp16 (default: the "
+                                                 "checkpoint's, as config.json declares it)")
     if teacher_mode:
         p.add_argument("--teacher-mode", action="store_true",
                        help="serve a SwiftKV model in its teacher wiring (every layer for every token, full KV cache)")
@@ -161,7 +162,8 @@ def parser() -> argparse.ArgumentParser:
                    help="analyse a SwiftKV model's own wiring (default: the teacher's)")
     a.add_argument("--out", default=None, help="output folder (default ./analysis/<model name>)")
     a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    a.add_argument("--dtype", default=None, help="parameter and compute dtype (default: as stored)")
+    a.add_argument("--dtype", default=None,
+                   help="parameter and compute dtype (default: the checkpoint's, as config.json declares it)")
 
     s = command("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) on "
                                      "the continuous-batching engine")

@@ -7,6 +7,7 @@ show; the tolerance is 1e-4 on the logits plus identical argmax at every positio
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -180,3 +181,31 @@ def test_stored_dtype_is_kept_or_upcast_exactly(family, torch_dtype, name, tmp_p
     assert {str(a.dtype) for a in leaves.values()} == {"float32"}
     for key, value in leaves.items():
         np.testing.assert_array_equal(value, as_fp32[key], err_msg=key)
+
+
+@pytest.mark.parametrize("config_dtype,stored", [
+    ("bfloat16", {"model.embed_tokens.weight": torch.float32}),  # an fp32 embedding beside bf16 layers
+    ("bfloat16", {"": torch.float32}),  # every tensor fp32 under a bf16 config
+    ("float32", {"": torch.bfloat16}),
+    (None, {"": torch.bfloat16}),  # no dtype in config.json: the weights'
+])
+def test_default_dtype_is_transformers_auto(config_dtype, stored, tmp_path):
+    """dtype=None picks what transformers' from_pretrained(dtype="auto") does: config.json's dtype, else the
+    weights'. Reading the embedding's alone loaded a bf16 checkpoint with an fp32 embedding all in fp32 (2x)."""
+    from safetensors.torch import save_file
+
+    make_hf_model(tmp_path, "llama", seed=3, torch_dtype=torch.bfloat16)
+    tensors = read_hf_tensors(tmp_path)
+    tensors = {k: v.to(stored.get(k, stored.get("", v.dtype))).contiguous() for k, v in tensors.items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype is not None:
+        config["torch_dtype"] = config_dtype
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    expected = str(LlamaForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype).removeprefix("torch.")
+    model = sk.load(tmp_path)
+    assert model.config.param_dtype == model.config.dtype == expected
+    assert {str(a.dtype) for a in jax.tree.leaves(model.params)} == {expected}

@@ -33,7 +33,7 @@ def load(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICA
          compute_dtype=None, attention_impl: str = "xla_flash") -> Model:
     """Load a HF or Orbax checkpoint directory (detected).
 
-    dtype: parameter dtype ("float32" | "bfloat16" | a jnp dtype | None = as stored); compute_dtype
+    dtype: parameter dtype ("float32" | "bfloat16" | a jnp dtype | None = config.json's dtype); compute_dtype
     defaults to it. With a mesh, parameters are placed sharded by `rules`.
     """
     loader = {"hf": load_hf, "orbax": load_orbax}[detect_format(path)]

@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 
 from swiftkv_jax import sharding
 from swiftkv_jax.checkpoints.atomic import atomic_directory
-from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf
+from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf, stored_dtype
 from swiftkv_jax.checkpoints.hf_layout import IGNORED_SUFFIXES, TensorEntry, tensor_entries
 from swiftkv_jax.dtypes import as_dtype, dtype_name
 from swiftkv_jax.model.model import Model, abstract_params, check_params, param_shardings
@@ -156,7 +156,8 @@ def load_hf(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOG
             compute_dtype=None, attention_impl: str = "xla_flash") -> Model:
     """Load a HF `llama`, `llama_swiftkv`, `qwen2` or `qwen2_swiftkv` checkpoint.
 
-    dtype: parameter dtype (None: as stored); compute_dtype defaults to it. With a mesh the parameters
+    dtype: parameter dtype (None: config.json's `dtype`/`torch_dtype`, else the embedding's stored dtype, as
+    transformers' dtype="auto"); compute_dtype defaults to it. With a mesh the parameters
     are born sharded under `rules`. Peak host memory (anonymous, beyond the page cache of the
     memory-mapped files): one stacked parameter in flight (all layers' copies of one weight, e.g. the MLP
     up-projections: 1/9 of an 8B Llama) plus one tensor as stored, on top of the parameters themselves
@@ -169,6 +170,10 @@ def load_hf(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOG
     path = Path(path)
     hf_config = read_config(path)
     with _SafetensorsFiles(path) as files:
+        # As transformers' dtype="auto" (and vLLM's): config.json's dtype, else the first weight's. Reading the
+        # embedding alone turned a bf16 checkpoint with an fp32 embedding into fp32 everywhere (twice the memory).
+        if dtype is None:
+            dtype = stored_dtype(hf_config)
         if dtype is None:
             embed = "model.embed_tokens.weight"
             if embed not in files.names():
