@@ -132,9 +132,12 @@ def host(student, counts=(32, 128, 256), steps: int = 60) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from results_file import DefaultsFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("checks", nargs="*", help="context, cost and/or host (default: all three)")
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--out", default=str(DEFAULT_OUT),
+                        help="JSON path (default: benchmarks/results/engine_scaling_cpu.json, in this checkout)")
     args = parser.parse_args(argv)
     if set(args.checks) - {"context", "cost", "host"}:
         parser.error(f"unknown checks {args.checks}: choose from context, cost, host")

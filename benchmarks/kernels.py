@@ -74,7 +74,7 @@ import sys
 import time
 
 import op_profile
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 
 SMOKE_OUT = "/tmp/swiftkv_jax_kernels_smoke.json"
 MAX_KV_GIB = 16  # decode points whose K/V (one layer) would exceed this are left out
@@ -243,7 +243,7 @@ def _page_sizes(text: str) -> tuple:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode on CPU: checks the script")
     parser.add_argument("--repeats", type=int, help="timed samples per point (default 20, smoke 2)")
     parser.add_argument("--copy-gib", type=float, help="size of the bandwidth probes' array (default 2, smoke 1/64)")
@@ -266,7 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-points", type=_points, default=None, metavar="BxT,...",
                         help="the prefill table's points (batch x tokens), likewise")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which no new point is started (rows so far are kept; the JSON says so)")
+                        help="seconds after which no new point is started, rows so far kept and the JSON saying so "
+                             "(default: none)")
     parser.add_argument("--fits-of", metavar="JSON", help="print the decode and paged cost fits of a results file "
                                                            "already written (any machine) and exit")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/kernels_<platform>.json; "

@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-from results_file import write_results
+from results_file import RawDescriptionDefaultsFormatter, write_results
 
 FORMATS = (("bfloat16", None), ("float32", None), ("float8_e4m3fn", "per-layer"), ("float8_e4m3fn", "per-token-head"),
            ("int8", "per-layer"), ("int8", "per-token-head"))
@@ -185,25 +185,27 @@ def speed_table(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=("bytes", "quality", "speed"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=RawDescriptionDefaultsFormatter)
+    p.add_argument("part", choices=("bytes", "quality", "speed"),
+                   help="bytes: cache sizes; quality: each format against a bf16 cache; speed: decode TPOT")
     p.add_argument("--model", action="append", help="checkpoint folder(s) (quality); default: a random --preset")
     p.add_argument("--data", help="validation parquet with a 'text' column (with --model)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the first --model)")
-    p.add_argument("--preset", default=None, help="quality: llama-3.1-8b (default); speed: tiny (default)")
-    p.add_argument("--layers", type=int, help="random model: layers kept of the preset (l = half)")
+    p.add_argument("--preset", default=None, help="random model's shape (serving.bench's presets); default: "
+                                                  "quality llama-3.1-8b, speed tiny")
+    p.add_argument("--layers", type=int, help="random model: layers kept of the preset, l = half (default: all)")
     p.add_argument("--vocab", type=int, help="random model: vocabulary (default the preset's)")
-    p.add_argument("--context", type=int, default=None, help="context tokens (quality 2048, speed 256)")
+    p.add_argument("--context", type=int, default=None, help="context tokens (default: quality 2048, speed 256)")
     p.add_argument("--tokens", type=int, default=64, help="teacher-forced / generated tokens after it (default 64)")
-    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--sequences", type=int, default=8, help="quality: windows scored (of --data, or random tokens)")
     p.add_argument("--generate-prompts", type=int, default=4, help="prompts for the free-running greedy prefix")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (bounds activation memory)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk, bounds activation memory (default: none, the context in one pass)")
     p.add_argument("--batch", type=int, default=8, help="speed: batch")
     p.add_argument("--repeats", type=int, default=3, help="speed: timed runs per format")
     p.add_argument("--dtype", default="float32", help="speed: parameter and compute dtype (fp32 on CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out")
+    p.add_argument("--seed", type=int, default=0, help="random model's weights and random tokens")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/kv_cache_<part>_<platform>.json)")
     args = p.parse_args(argv)
     if args.model and not args.data:
         p.error("--model needs --data (a validation parquet)")

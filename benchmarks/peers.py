@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 
 SHAPES = {
     # SmolLM-135M's shape (143M parameters): the measurements
@@ -63,13 +63,15 @@ def _interleaved(runs: dict, repeats: int, steps: int = 1) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="smol")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="smol",
+                        help="the random model's shape: smol SmolLM-135M's, 1b Llama-3.2-1B's")
     parser.add_argument("--prefill", default=None, help="prompt lengths (default 512,1024,2048; 1b: 512,1024)")
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,32; 1b: 1,8)")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens before the timed decode steps")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs of each point and side, the sides interleaved")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/peers_<shape>_<platform>.json)")
     args = parser.parse_args(argv)

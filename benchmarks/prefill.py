@@ -17,18 +17,19 @@ import statistics
 import sys
 import time
 
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
+    parser.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens a row")
+    parser.add_argument("--batch", type=int, default=1, help="prompts prefilled at once")
+    parser.add_argument("--layers", type=int, default=12, help="the random model's layers L (SwiftKV l = L / 2)")
+    parser.add_argument("--hidden", type=int, default=768,
+                        help="the random model's hidden size (heads of 64, KV heads heads / 3, MLP 4x)")
+    parser.add_argument("--vocab", type=int, default=8192, help="the random model's vocabulary")
     parser.add_argument("--group", type=int, default=1, help="AcrossKV group size g")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each wiring (median)")
     parser.add_argument("--dtype", default="float32", help="parameter and compute dtype (fp32 on CPU)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/prefill_<platform>.json)")
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from results_file import write_results
+from results_file import RawDescriptionDefaultsFormatter, write_results
 
 
 def parse_row(text: str) -> tuple[str, int | None, tuple]:
@@ -53,12 +53,14 @@ def parse_arch(text: str) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=RawDescriptionDefaultsFormatter)
     p.add_argument("work", type=Path, help="the demo's --out (its corpus and teacher; made there if missing)")
-    p.add_argument("rows", nargs="+", help="NAME|STEPS|key=value;key=value")
-    p.add_argument("--budget", default="full", choices=("full", "quick", "gpu", "smoke"))
-    p.add_argument("--arch", default=None, help="the teacher's architecture keys changed: key=N,...")
-    p.add_argument("--out", type=Path, default=None, help="JSON of the rows (rewritten after each)")
+    p.add_argument("rows", nargs="+", help="NAME|STEPS|key=value;key=value (STEPS empty: the budget's)")
+    p.add_argument("--budget", default="full", choices=("full", "quick", "gpu", "smoke"),
+                   help="the demo's settings (swiftkv_jax.demo.SETTINGS); OUT's demo must be of the same")
+    p.add_argument("--arch", default=None, help="the teacher's architecture keys changed: key=N,... (default: none)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON of the rows, rewritten after each (default: none, the table is printed only)")
     return p
 
 

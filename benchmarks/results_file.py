@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
+
+
+def _cli_help():
+    """swiftkv_jax/cli_help.py, loaded by its path: importing the package would import jax, and a script's --help
+    and its argument checks (gpu/args_only.py) run without it."""
+    path = Path(__file__).resolve().parents[1] / "swiftkv_jax" / "cli_help.py"
+    spec = importlib.util.spec_from_file_location("_swiftkv_jax_cli_help", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# every benchmark's --help: each option says its default (infer.py's formatter)
+_CLI_HELP = _cli_help()
+DefaultsFormatter = _CLI_HELP.DefaultsFormatter
+RawDescriptionDefaultsFormatter = _CLI_HELP.RawDescriptionDefaultsFormatter
 
 
 @functools.lru_cache(maxsize=None)

@@ -101,7 +101,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 
 SCRIPT = "benchmarks/serving.py"
 PEER_SCRIPT = Path(__file__).resolve().with_name("serving_peer.py")
@@ -769,66 +769,104 @@ def plot(path: Path, runs: dict, order: list, title: str) -> bool:
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 
+def _shown(value) -> str:
+    return "none" if value == "" else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def preset_default(key: str, prefix_presets: dict = None) -> str:
+    """--help's 'default: the preset's (cpu: 64, 8b: 256, quick: 8)' of a preset-filled option, built from PRESETS,
+    PART_8B and shared-prefix's presets (serving_prefix.PRESETS) as parse_args applies them (a None is left out)."""
+    text = "default: the preset's (" + ", ".join(f"{name}: {_shown(preset[key])}" for name, preset in PRESETS.items()
+                                                 if preset.get(key) is not None)
+    parts = [f"{part}: {_shown(values[key])}" for part, values in PART_8B.items() if key in values]
+    if parts:
+        text += "; 8b with --part " + ", ".join(parts)
+    shared = [f"{name}: {_shown(preset[key])}" for name, preset in (prefix_presets or {}).items() if key in preset]
+    if shared:
+        text += "; --workload shared-prefix " + ", ".join(shared)
+    return text + ")"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    import serving_prefix  # it imports this module's helpers
+
+    said = lambda key: preset_default(key, serving_prefix.PRESETS)  # noqa: E731
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--preset", choices=("auto",) + tuple(PRESETS), default="auto",
-                        help="model and workload defaults: auto = 8b on a GPU, cpu otherwise")
+                        help="model and workload defaults: cpu ~94M parameters fp32 on 2 CPU cores, 8b Llama-3.1-8B's "
+                             "shape bf16 for one GPU, quick a tiny model; default: auto, 8b on a GPU, cpu otherwise")
     parser.add_argument("--quick", "--smoke", action="store_true", help="the quick preset: a tiny model, seconds")
     parser.add_argument("--part", choices=tuple(PARTS), default="all",
-                        help="which configurations (see the docstring): one GPU pack call's share, or all")
+                        help="which configurations (see the docstring): one GPU pack call's share, or all of them; "
+                             + "; ".join(f"{part}: {configs}" for part, configs in PARTS.items() if part != "all")
+                             + f" (the cpu preset leaves out {', '.join(CPU_LEFT_OUT)})")
     parser.add_argument("--configs", help=f"comma-separated, a subset of {', '.join(CONFIGS)} (default: the part's)")
-    parser.add_argument("--layers", type=int, help="model shape (cpu / quick presets)")
-    parser.add_argument("--hidden", type=int, help="hidden size; heads of --head-dim, KV heads about heads / 3")
-    parser.add_argument("--vocab", type=int)
-    parser.add_argument("--head-dim", type=int)
-    parser.add_argument("--dtype", help="parameter, compute and KV cache dtype (preset: float32 cpu, bfloat16 8b)")
-    parser.add_argument("--num-requests", type=int, help="requests at rate inf (8b: 1000; 256 in the sweep and peer "
-                                                         "parts)")
-    parser.add_argument("--prompt-len", type=int, help="mean prompt length")
-    parser.add_argument("--output-len", type=int, help="mean output length")
-    parser.add_argument("--range-ratio", type=float, help="lengths uniform in [1 - r, 1 + r] x the mean (8b: 0)")
+    parser.add_argument("--layers", type=int, help="model shape, cpu / quick presets (8b has its own); "
+                                                   + said("layers"))
+    parser.add_argument("--hidden", type=int, help="hidden size; heads of --head-dim, KV heads about heads / 3; "
+                                                   + said("hidden"))
+    parser.add_argument("--vocab", type=int, help="vocabulary, cpu / quick presets; " + said("vocab"))
+    parser.add_argument("--head-dim", type=int, help="head size, cpu / quick presets; " + said("head_dim"))
+    parser.add_argument("--dtype", help="parameter, compute and KV cache dtype; " + said("dtype"))
+    parser.add_argument("--num-requests", type=int, help="requests at rate inf; " + said("num_requests"))
+    parser.add_argument("--prompt-len", type=int, help="mean prompt length; " + said("prompt_len"))
+    parser.add_argument("--output-len", type=int, help="mean output length; " + said("output_len"))
+    parser.add_argument("--range-ratio", type=float, help="lengths uniform in [1 - r, 1 + r] x the mean; "
+                                                          + said("range_ratio"))
     parser.add_argument("--sweep", help="Poisson rates as multiples of each configuration's rate-inf requests/s "
-                                        "('' for none)")
+                                        "('' for none); " + said("sweep"))
     parser.add_argument("--rates", help="absolute Poisson rates, requests/s (instead of --sweep's multiples)")
     parser.add_argument("--sweep-configs",
-                        help="engine configurations swept, of --configs (8b: teacher,swiftkv-tokens; cpu: teacher); "
-                             "every other SwiftKV engine runs at the teacher's highest sustained rate")
-    parser.add_argument("--sweep-requests", type=int, help="requests a sweep run, at most")
+                        help="engine configurations swept, of --configs; every other SwiftKV engine runs at the "
+                             "teacher's highest sustained rate; " + said("sweep_configs"))
+    parser.add_argument("--sweep-requests", type=int, help="requests a sweep run, at most; " + said("sweep_requests"))
     parser.add_argument("--peer-requests", type=int, help="requests the transformers peer runs (default: "
                                                           "--num-requests)")
     parser.add_argument("--seed", type=int, default=0, help="weights, lengths, prompts and arrivals")
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--max-prompt-seqs", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, help="sequences a step, at most; " + said("max_num_seqs"))
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="a step's token budget; " + said("max_num_batched_tokens"))
+    parser.add_argument("--max-prompt-seqs", type=int, default=8, help="prompts packed in one step, at most")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page")
     parser.add_argument("--kv-cache-fraction", type=float,
-                        help="each engine's pool: this fraction of the memory free beside the weights (8b: 0.9)")
+                        help="each engine's pool off a CPU: this fraction of the memory free beside the weights; "
+                             + said("kv_cache_fraction") + "; else --num-pages")
     parser.add_argument("--num-pages", type=int,
                         help="each engine's pool in pages, where no fraction is given (default: max-num-seqs "
                              "requests of the longest length + the null page)")
-    parser.add_argument("--single-buckets", help="decode-only step sizes (max-num-seqs is always added)")
-    parser.add_argument("--mixed-single-buckets", help="decode rows of steps with prompt tokens (max-num-seqs added)")
-    parser.add_argument("--prompt-buckets", help="prompt-token step sizes (each engine's largest prompt part added)")
-    parser.add_argument("--attention-impl", help="prompt attention (default: the engine's; static: the same)")
-    parser.add_argument("--decode-attention-impl", help="the engine's and static's few-query attention, xla or pallas")
-    parser.add_argument("--static-batches", type=int, help="full static batches timed, at most (8b: 2; default all)")
-    parser.add_argument("--static-chunk-tokens", type=int, help="static prefill: batch x chunk at most this")
-    parser.add_argument("--matmul-size", type=int, help="the roofline's matmul rate: an N^3 matmul (8b: 8192)")
-    parser.add_argument("--copy-gib", type=float, help="the roofline's memory bandwidth: GiB of its probes (8b: 2)")
+    parser.add_argument("--single-buckets", help="decode-only step sizes (max-num-seqs is always added); "
+                                                 + said("single_buckets"))
+    parser.add_argument("--mixed-single-buckets", help="decode rows of steps with prompt tokens (max-num-seqs "
+                                                       "added); " + said("mixed_single_buckets"))
+    parser.add_argument("--prompt-buckets", help="prompt-token step sizes (each engine's largest prompt part added); "
+                                                 + said("prompt_buckets"))
+    parser.add_argument("--attention-impl", help="prompt attention (default: the engine's; static: the model's, cudnn "
+                                                 "on a GPU in bf16 / fp16); swiftkv-pages always runs pallas")
+    parser.add_argument("--decode-attention-impl", help="the engine's and static's few-query attention, xla or pallas "
+                                                        "(default: the engine's); swiftkv-pages always runs pallas")
+    parser.add_argument("--static-batches", type=int, help="full static batches timed, at most; "
+                                                           + said("static_batches") + "; else all")
+    parser.add_argument("--static-chunk-tokens", type=int, help="static prefill: batch x chunk at most this; "
+                                                                + said("static_chunk_tokens"))
+    parser.add_argument("--matmul-size", type=int, help="the roofline's matmul rate: an N^3 matmul; "
+                                                        + said("matmul_size"))
+    parser.add_argument("--copy-gib", type=float, help="the roofline's memory bandwidth: GiB of its probes; "
+                                                       + said("copy_gib"))
     parser.add_argument("--ttft-factor", type=float, default=4.0,
                         help="sustained: TTFT p50 at most this x the config's TTFT p50 at its lowest rate")
-    parser.add_argument("--run-timeout", type=float, help="seconds a rate-inf run (and the peer's) may take")
-    parser.add_argument("--sweep-timeout", type=float, help="seconds a sweep run may take")
-    parser.add_argument("--peer-timeout", type=float, help="seconds the peer's process may take, start-up included")
+    parser.add_argument("--run-timeout", type=float, help="seconds a rate-inf run (and the peer's) may take; "
+                                                          + said("run_timeout"))
+    parser.add_argument("--sweep-timeout", type=float, help="seconds a sweep run may take; " + said("sweep_timeout"))
+    parser.add_argument("--peer-timeout", type=float, help="seconds the peer's process may take, start-up included; "
+                                                           + said("peer_timeout"))
     parser.add_argument("--deadline", type=float,
-                        help=f"seconds from the start: no run starts after it, every run is cut at it (8b parts: "
-                             f"{PART_DEADLINE_8B:g})")
+                        help=f"seconds from the start: no run starts after it, every run is cut at it (default: "
+                             f"{PART_DEADLINE_8B:g} on the 8b preset with a --part other than all or with --workload "
+                             f"shared-prefix; else none)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_<platform>.json)")
     parser.add_argument("--plot", help="PNG path (default: the JSON's, .png); 'none' for no plot")
     parser.add_argument("--http", action="store_true",
                         help="also run the engines' workloads through `infer.py serve` and report the HTTP overhead")
-    import serving_prefix  # it imports this module's helpers
-
     serving_prefix.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.rates and args.sweep:  # --rates replaces the multiples: both given, --sweep was dropped without a word

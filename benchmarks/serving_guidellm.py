@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 from serving_http import _server_metrics, http_workload, start_server
 
 SCRIPT = "benchmarks/serving_guidellm.py"
@@ -239,7 +239,7 @@ def run_ours(url: str, bodies: list, offsets: list) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--model", help="an HF checkpoint with its tokenizer (default: the tiny SwiftKV student)")
     parser.add_argument("--rate", type=float, default=2.0, help="requests/s, constant (guidellm's `constant`)")
     parser.add_argument("--requests", type=int, default=24, help="requests a run")
@@ -249,7 +249,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--guidellm-workers", type=int,
                         help="guidellm's worker processes (GUIDELLM__MAX_WORKER_PROCESSES; default: its own, 10)")
     parser.add_argument("--warmup-requests", type=int, default=4, help="untimed requests before the rounds")
-    parser.add_argument("--out", default="benchmarks/results/serving_guidellm_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/serving_guidellm_cpu.json", help="JSON path")
     args = parser.parse_args(argv)
     for name in ("rate", "requests", "prompt_tokens", "output_tokens", "rounds"):
         if getattr(args, name) <= 0:

@@ -62,16 +62,21 @@ TARGETS = {"hit_rate": 0.8, "ttft_p50": 0.3, "throughput": 2.0, "no_sharing": 0.
 
 
 def add_arguments(parser) -> None:
+    said = lambda key: "default: " + ", ".join(f"{name}: {preset[key]}" for name, preset in PRESETS.items())  # noqa: E731
     parser.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
                         help="random: ArcticInference's (the default); shared-prefix: prefix caching on against off "
                              "(serving_prefix.py)")
-    parser.add_argument("--prefix-len", type=int, help="shared-prefix: the system prompt's tokens (1000)")
-    parser.add_argument("--suffix-lens", help="shared-prefix: each request's own tokens, 'low,high' (100,300)")
-    parser.add_argument("--conversations", type=int, help="shared-prefix: multi-turn conversations (cpu: 4)")
-    parser.add_argument("--turns", type=int, help="shared-prefix: turns a conversation (4)")
+    parser.add_argument("--prefix-len", type=int, help="shared-prefix: the system prompt's tokens; "
+                                                       + said("prefix_len"))
+    parser.add_argument("--suffix-lens", help="shared-prefix: each request's own tokens, 'low,high'; "
+                                              + said("suffix_lens"))
+    parser.add_argument("--conversations", type=int, help="shared-prefix: multi-turn conversations; "
+                                                          + said("conversations"))
+    parser.add_argument("--turns", type=int, help="shared-prefix: turns a conversation; " + said("turns"))
     parser.add_argument("--answer-range-ratio", type=float, default=0.2,
-                        help="shared-prefix: multi-turn answers are uniform in (1 +- this) x --output-len tokens (0.2, "
-                             "vLLM's multi-turn benchmark's 80-120); 0: all --output-len, and no lockstep run")
+                        help="shared-prefix: multi-turn answers are uniform in (1 +- this) x --output-len tokens "
+                             "(default 0.2, vLLM's multi-turn benchmark's 80-120); 0: all --output-len, and no "
+                             "lockstep run")
     parser.add_argument("--cold", action="store_true",
                         help="shared-prefix: each run starts with an empty cache (default: the system prompt cached)")
     parser.add_argument("--ttft-load", type=float, default=0.5,

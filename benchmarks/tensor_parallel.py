@@ -21,7 +21,7 @@ import time
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before jax is imported
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from results_file import write_results  # noqa: E402
+from results_file import DefaultsFormatter, write_results  # noqa: E402
 
 GPU_BYTES = 80e9  # an H100's HBM
 SERVE_FRACTION = 0.9  # what `infer.py serve` gives the weights and the cache by default
@@ -107,15 +107,19 @@ def collectives(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="part", required=True)
-    s = sub.add_parser("sizing")
-    s.add_argument("--presets", nargs="+", default=["llama-3.1-8b", "llama-3.1-8b-acrosskv4", "llama-3.1-70b"])
-    s.add_argument("--batch", type=int, default=32)
-    s.add_argument("--max-len", type=int, default=8192)
-    c = sub.add_parser("collectives")
-    c.add_argument("--preset", default="llama-3.1-8b")
-    c.add_argument("--sizes", default="2,4,8", type=lambda text: [int(x) for x in text.split(",")])
-    c.add_argument("--batch", type=int, default=32)
-    c.add_argument("--max-len", type=int, default=4096)
+    s = sub.add_parser("sizing", formatter_class=DefaultsFormatter,
+                       help="bytes per device of the weights and a dense KV cache on 1/2/4/8 devices")
+    s.add_argument("--presets", nargs="+", default=["llama-3.1-8b", "llama-3.1-8b-acrosskv4", "llama-3.1-70b"],
+                   help="serving.bench's presets (default: llama-3.1-8b llama-3.1-8b-acrosskv4 llama-3.1-70b)")
+    s.add_argument("--batch", type=int, default=32, help="sequences of the KV cache")
+    s.add_argument("--max-len", type=int, default=8192, help="tokens a sequence of the KV cache")
+    c = sub.add_parser("collectives", formatter_class=DefaultsFormatter,
+                       help="the collectives of the decode step compiled for --sizes fake CPU devices")
+    c.add_argument("--preset", default="llama-3.1-8b", help="serving.bench's preset of the model")
+    c.add_argument("--sizes", default="2,4,8", type=lambda text: [int(x) for x in text.split(",")],
+                   help="device counts, comma-separated")
+    c.add_argument("--batch", type=int, default=32, help="the decode step's sequences")
+    c.add_argument("--max-len", type=int, default=4096, help="the KV cache's tokens a sequence")
     for parser in (s, c):
         parser.add_argument("--output", default=None, help="JSON (default benchmarks/results/tensor_parallel_<part>"
                                                            "[_<preset>].json)")

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from results_file import write_results
+from results_file import DefaultsFormatter, write_results
 
 HOPPER_SMEM = 227 * 1024  # the most dynamic shared memory one CTA may take on sm_90
 JAX_DEFAULTS = (128, 128, 8, 2)  # jax's mha at head dim > 64: BlockSizes.get_default(), num_warps 8, num_stages 2
@@ -110,13 +110,13 @@ def _configs(text: str, head_dim: int) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--configs", default="candidates",
                         help="'defaults' (ours), 'candidates' (ours and tune_kernels.py's flash candidates, the "
                              "default), or block_q x block_k x num_warps x num_stages, comma-separated")
     parser.add_argument("--tokens", type=int, default=8192, help="causal prefill length (default 8192)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--out", default="benchmarks/results/triton_static_flash.json")
+    parser.add_argument("--head-dim", type=int, default=128, help="head size (32 query, 8 KV heads)")
+    parser.add_argument("--out", default="benchmarks/results/triton_static_flash.json", help="JSON path")
     args = parser.parse_args(argv)
     try:
         import triton

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kernels import _error, timed
-from results_file import commit, write_results
+from results_file import DefaultsFormatter, commit, write_results
 
 
 class Point(NamedTuple):
@@ -299,16 +299,18 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted: checks the script")
     parser.add_argument("--repeats", type=int, default=None, help="timed samples per candidate (default 10, smoke 1)")
     parser.add_argument("--only", default=None, help="points to tune: kernel or kernel:cache_dtype, comma-separated "
                                                      "(e.g. mosaic_decode,paged:int8); default all, in order")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no point or candidate "
-                                                                     "starts (results so far are kept)")
+                                                                     "starts, results so far kept (default: none)")
     parser.add_argument("--write", action="store_true", help="record the winners in the table")
     parser.add_argument("--table", default=None, help="the table to write (default the package's tuned_blocks.json)")
-    parser.add_argument("--out", default=None, help="JSON of every candidate's time, rewritten after each point")
+    parser.add_argument("--out", default=None, help="JSON of every candidate's time, rewritten after each point "
+                                                    "(default benchmarks/results/tune_kernels_<platform>.json; with "
+                                                    "--smoke /tmp/swiftkv_jax_tune_smoke.json)")
     parser.add_argument("--from-results", nargs="+", default=None, help="write the winners of earlier runs' --out "
                                                                           "JSON into the table, measuring nothing")
     args = parser.parse_args(argv)

@@ -16,6 +16,8 @@ import socket
 import sys
 from typing import Optional
 
+from swiftkv_jax.cli_help import DefaultsFormatter as _DefaultsFormatter
+
 TASKS_HELP = ("tasks as NAME or NAME=SOURCE (local json/jsonl/parquet/txt, a folder or glob, or a hub name "
               "owner/name[:config][@split]); NAME is one of arc_easy, arc_challenge, hellaswag, winogrande, mmlu, "
               "gsm8k, perplexity (perplexity needs a SOURCE)")
@@ -43,19 +45,6 @@ positive_float = _bounded(float, lambda v: 0 < v < math.inf, "a positive number"
 non_negative_float = _bounded(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 fraction = _bounded(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 port = _bounded(int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: any free port)")
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default where the text does not say it already (None and off switches
-    have none to say)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.default is None or action.default is False or action.default == argparse.SUPPRESS
-                or "default" in text or "%(default)" in text
-                or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> None:

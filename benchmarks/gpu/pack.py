@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -51,16 +52,18 @@ def _limits(items) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
+    defaults, raw_defaults = pack_runner.help_formatters()
     p = argparse.ArgumentParser(prog="pack.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=raw_defaults, epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
+    command = functools.partial(sub.add_parser, formatter_class=defaults)  # each option says its default
+    wheelhouse = "the wheels' folder (default: .whl in the repository)"
     for name, help_ in (("prepare", "download the pinned wheels into the wheelhouse, check it, stamp the commit"),
                         ("check", "check the wheelhouse and the pins against pyproject and the host's packages")):
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
+        s = command(name, help=help_)
+        s.add_argument("--wheelhouse", type=Path, default=REPO / ".whl", help=wheelhouse)
         s.add_argument("--budget-mib", type=float, default=40.0, help="size budget of the wheels (default 40)")
-    r = sub.add_parser("run", help="install the wheelhouse, then run the steps (on the GPU host, or --smoke)")
+    r = command("run", help="install the wheelhouse, then run the steps (on the GPU host, or --smoke)")
     r.add_argument("--out", type=Path, required=True, help="results folder (flat; earlier step files are kept)")
     r.add_argument("--steps", default="all", help="numbers or names, at most 6 a GPU call: 1,2 / pytest,kernels / "
                    "'all' (the default, for --smoke) / " +
@@ -68,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--smoke", action="store_true", help="the same steps with tiny shapes on the CPU")
     r.add_argument("--deadline", type=float, default=540.0,
                    help="seconds for the whole call; no step starts with less than 20 s left (default 540)")
-    r.add_argument("--limit", action="append", metavar="STEP=SECONDS", help="a step's time limit (repeatable)")
+    r.add_argument("--limit", action="append", metavar="STEP=SECONDS",
+                   help="a step's time limit, repeatable (default: the step's own, see `pack.py steps`)")
     r.add_argument("--memory-bandwidth", type=float, default=None,
                    help="bytes/s for the bench roofline (default: from the GPU's name; H100 3.35e12, H200 4.8e12)")
     r.add_argument("--mem-fraction", type=float, default=0.9,
@@ -103,17 +107,18 @@ def parser() -> argparse.ArgumentParser:
         r.add_argument(f"--{table}-points", type=_said(parse_kernel_points), default=None, metavar="BxS,...",
                        help=f"the kernels step's {table} points (kernels.py --{table}-points, e.g. {example}"
                             f"{'; the paged table too' if table == 'decode' else ''}; default the whole grid)")
-    r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
+    r.add_argument("--wheelhouse", type=Path, default=REPO / ".whl", help=wheelhouse)
     r.add_argument("--site", type=Path, default=Path("/tmp/swiftkv-jax-site"), help="where the wheels go")
     r.add_argument("--no-install", action="store_true", help="use this environment as it is (--smoke implies it)")
     r.add_argument("--quiet", action="store_true", help="do not echo the steps' output")
     r.add_argument("--inject-failure", action="append", default=[], metavar="STEP", help=argparse.SUPPRESS)
-    s = sub.add_parser("summary", help="rebuild DIR/summary.md from the step files in DIR")
-    s.add_argument("folder", type=Path)
-    c = sub.add_parser("collect", help="merge the results folders of several calls into one, and summarize")
-    c.add_argument("sources", type=Path, nargs="+")
-    c.add_argument("--into", type=Path, required=True)
-    sub.add_parser("steps", help="list the steps")
+    s = command("summary", help="rebuild DIR/summary.md from the step files in DIR")
+    s.add_argument("folder", type=Path, help="a results folder (a `run --out` or a `collect --into`)")
+    c = command("collect", help="merge the results folders of several calls into one, and summarize")
+    c.add_argument("sources", type=Path, nargs="+",
+                   help="the calls' results folders (`run --out`), merged in this order; env.json the newest")
+    c.add_argument("--into", type=Path, required=True, help="the merged folder (made if missing), with its summary.md")
+    command("steps", help="list the steps")
     return p
 
 

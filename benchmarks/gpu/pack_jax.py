@@ -16,12 +16,14 @@ a point that passes it can still run out of memory, and is then recorded as fail
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import platform
 import sys
 from pathlib import Path
 
+from pack_runner import help_formatters
 from pack_steps import parse_points, prefill_chunk
 from pack_wheels import PINS, normalize, project_requirements, read_pins, unmet
 
@@ -111,17 +113,20 @@ def write_teacher(directory, preset: str) -> Path:
 
 
 def main(argv=None) -> int:
+    defaults, _ = help_formatters()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("probe")
-    f = sub.add_parser("fit")
-    f.add_argument("--preset", required=True)
-    f.add_argument("--points", required=True, type=parse_points)
-    f.add_argument("--gen-len", type=int, required=True)
-    f.add_argument("--tokens-per-call", type=int, required=True)
-    t = sub.add_parser("teacher")
-    t.add_argument("directory")
-    t.add_argument("--preset", choices=("llama-3.1-8b", "tiny"), default="llama-3.1-8b")
+    command = functools.partial(sub.add_parser, formatter_class=defaults)  # each option says its default
+    command("probe", help="versions, devices, unmet requirements and imports, as JSON")
+    f = command("fit", help="the bytes each bench point needs (shapes alone), as JSON")
+    f.add_argument("--preset", required=True, help="serving.bench's preset of the model")
+    f.add_argument("--points", required=True, type=parse_points, help="bench points PROMPTxBATCH,...")
+    f.add_argument("--gen-len", type=int, required=True, help="tokens generated a point")
+    f.add_argument("--tokens-per-call", type=int, required=True,
+                   help="batch x prefill chunk at most this (the prompt halved until it fits)")
+    t = command("teacher", help="a teacher folder holding only the preset's config.json (train.py --dry-run)")
+    t.add_argument("directory", help="the folder (made if missing)")
+    t.add_argument("--preset", choices=("llama-3.1-8b", "tiny"), default="llama-3.1-8b", help="the teacher's shape")
     args = parser.parse_args(argv)
     if args.command == "probe":
         print(json.dumps(probe()))

@@ -39,6 +39,17 @@ BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H1
              ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12))
 
 
+def help_formatters() -> tuple:
+    """(DefaultsFormatter, RawDescriptionDefaultsFormatter): every option's --help says its default, as infer.py's do
+    (benchmarks/results_file.py's, standard library only)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import results_file
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return results_file.DefaultsFormatter, results_file.RawDescriptionDefaultsFormatter
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
