@@ -175,3 +175,18 @@ def test_a_swiftkv_flag_that_is_not_a_bool_is_refused():
                  lambda: sk.logits(model, [[1, 2, 3]], swiftkv="false")):
         with pytest.raises(ValueError, match=r"swiftkv must be True, False or None .* got 'false'"):
             call()
+
+
+@pytest.mark.parametrize("l,g", [(2, 3), (5, 1), (L, 1)])
+def test_donated_transform_is_the_kept_one_and_consumes_the_layers(base, l, g):
+    """donate=True builds the same student, weight by weight in the input's dtype, deleting the teacher's stacked
+    layer weights as it goes (so the two are never both held); the other weights become the student's as they are."""
+    kept = sk.to_swiftkv(base, l, g)
+    teacher = sk.Model(base.config, jax.tree.map(lambda a: a.astype(jnp.bfloat16), base.params))
+    donated = sk.to_swiftkv(teacher, l, g, donate=True)
+    assert jax.tree.structure(donated.params) == jax.tree.structure(kept.params)
+    for got, want in zip(jax.tree.leaves(donated.params), jax.tree.leaves(kept.params)):
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert all(a.is_deleted() for a in jax.tree.leaves(teacher.params["layers"]))
+    assert donated.params["embed_tokens"]["embedding"] is teacher.params["embed_tokens"]["embedding"]

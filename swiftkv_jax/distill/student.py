@@ -179,8 +179,9 @@ def load_student(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_
                                  compute_dtype=section.compute_dtype, attention_impl=config.attention_impl)
     except (FileNotFoundError, checkpoints.CheckpointError) as e:
         raise ConfigError(f"model.teacher: {e}") from None
-    if not model.config.is_swiftkv:
-        model = to_swiftkv(model, section.num_key_value_layers, section.key_value_group_size, section.norm_init)
+    if not model.config.is_swiftkv:  # consumed: the teacher's layers and the student's are never both held
+        model = to_swiftkv(model, section.num_key_value_layers, section.key_value_group_size, section.norm_init,
+                           donate=True)
     trainable, frozen = trainable_lib.split(model.params)
     master = as_dtype(section.trainable_dtype)
     trainable = jax.jit(lambda t: jax.tree.map(lambda a: a.astype(master), t))(trainable)
