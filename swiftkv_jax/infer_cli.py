@@ -220,8 +220,8 @@ def main(argv=None) -> int:
 
 
 def _check_settings(args) -> None:
-    """--dtype, --cache-dtype and --kv-scales, checked before anything is read; a bad one is named by its flag (the
-    library's messages name its own parameters, not the command line's)."""
+    """--dtype, --cache-dtype and --kv-scales, checked before anything is read (the minutes of reading weights); a bad
+    one is named by its flag (the library's messages name its own parameters, not the command line's)."""
     from swiftkv_jax.dtypes import dtype_name
 
     if getattr(args, "dtype", None) is not None:
@@ -255,14 +255,8 @@ def _mesh(args):
 
 def _load_model(path: str, args, mesh=None):
     import swiftkv_jax as sk
-    from swiftkv_jax.dtypes import dtype_name
     from swiftkv_jax.serving.tensor_parallel import load_sharded
 
-    # the settings the weights are read under, checked before the minutes of reading them
-    if args.dtype is not None:
-        dtype_name(args.dtype)
-    if getattr(args, "cache_dtype", None) is not None:
-        _cache_format(args)
     model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
