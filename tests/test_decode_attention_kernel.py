@@ -240,14 +240,15 @@ class TestDecodeAttentionCompiled(DecodeAttentionChecks):
     interpret = False
 
 
-def test_int8_reaches_float32_exactly_by_integer_arithmetic():
-    """Every int8 value, against numpy's conversion (the `dequant_dtype="float32"` read of an int8 cache)."""
-    from swiftkv_jax.kernels.split_k import int8_to_float32
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_int8_reaches_float_exactly_by_integer_arithmetic(dtype):
+    """Every int8 value, against numpy's conversion (the read of an int8 cache into fp32 or fp16)."""
+    from swiftkv_jax.kernels.split_k import int8_to_float16, int8_to_float32
 
     values = np.arange(-128, 128).astype(np.int8).reshape(16, 16)
-    out = int8_to_float32(jnp.asarray(values))
-    assert out.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(out), values.astype(np.float32))
+    out = (int8_to_float32 if dtype == np.float32 else int8_to_float16)(jnp.asarray(values))
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out), values.astype(dtype))
 
 
 def test_merge_ignores_empty_partials():

@@ -385,8 +385,8 @@ def test_compiled_lowers_to_a_triton_kernel(q_dtype, num_queries):
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 def test_compiled_quantized_pool_lowers_to_a_triton_kernel(dtype, dequant_dtype):
     """Without a GPU: an int8 / FP8 pool with per-token-head scales (gathered through the table) lowers for CUDA to
-    a Triton custom call, its values converted to bf16 or (the tuning knob) straight to fp16 or to fp32, int8 to
-    fp32 by integer arithmetic (no int-to-float conversion of the tile)."""
+    a Triton custom call, its values converted to bf16 or (the tuning knob) straight to fp16 or to fp32, int8 by
+    integer arithmetic (no int-to-float conversion of the tile)."""
     from swiftkv_jax.kernels.paged_attention import _paged_attention
 
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in [
@@ -400,11 +400,12 @@ def test_compiled_quantized_pool_lowers_to_a_triton_kernel(dtype, dequant_dtype)
     # the conversions of a [block_k, H] = [32, 128] tile of K or V: straight to fp16, or to bf16 through fp32
     kernel = str(jax.make_jaxpr(lambda *a: _paged_attention(*a[:6], sizes, False, *a[6:]))(*args))
     tiles = set(re.findall(r"(\w+)\[32,128\] = convert_element_type", kernel))
-    if dequant_dtype == "float32":
-        assert tiles == ({"i32"} if dtype == jnp.int8 else {"f32"})
-        assert ("bitcast_convert_type" in kernel) == (dtype == jnp.int8)
+    # int8 widens to an integer and is bitcast (no int-to-float conversion): to i16 for fp16, else i32 (then bf16)
+    assert ("bitcast_convert_type" in kernel) == (dtype == jnp.int8)
+    if dtype == jnp.int8:
+        assert tiles == {"float16": {"i16"}, "float32": {"i32"}, None: {"i32", "bf16"}}[dequant_dtype]
     else:
-        assert tiles == ({"f16"} if dequant_dtype else {"f32", "bf16"})
+        assert tiles == {"float16": {"f16"}, "float32": {"f32"}, None: {"f32", "bf16"}}[dequant_dtype]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU defaults")

@@ -25,9 +25,9 @@ KV head, loaded beside the block, multiplies that key's column of the scores (K'
 before P V (V's): [rows, block_k] products where scaling the block would take [block_k, H], and no dequantised
 copy of the cache is made. Softmax and accumulation stay fp32. A per-layer (``()``) scale is not loaded at all: K's
 multiplies the queries and V's the unnormalised output (attention is linear in each). `DecodeBlockSizes.dequant_dtype`
-may convert the values to fp16 or fp32 instead (tuning knobs; the H200 run of 2026-11-24 found the int8 pool slower
-than bf16 with the default, by arithmetic the int-to-float conversions, which the fp32 knob replaces with integer
-arithmetic).
+may convert the values to fp16 or fp32 instead (tuning knobs). The H200 run of 2026-11-24 found the int8 pool slower
+than bf16 with the default, by arithmetic the int-to-float conversions; an int8 cache now reaches every dtype by
+integer arithmetic, no conversion instruction (bf16 through fp32: bf16's 8 bits cannot hold 128 + x).
 FP8 needs a GPU of compute capability >= 8.9 under Triton (checked before the launch).
 
 Nothing here imports the model: the kernels stand alone, and the model picks them by name.
@@ -54,8 +54,8 @@ except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backen
 
 __all__ = [
     "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "Launch", "attend_split", "check_queries",
-    "check_scales", "dequantize", "int8_to_float32", "kernel_settings", "launch", "merge_partials", "no_keys",
-    "normalize", "scale_inputs", "split_k_attention",
+    "check_scales", "dequantize", "int8_to_float16", "int8_to_float32", "kernel_settings", "launch", "merge_partials",
+    "no_keys", "normalize", "scale_inputs", "split_k_attention",
 ]
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -82,12 +82,12 @@ class DecodeBlockSizes:
       that fit are one row block padded to a power of two >= 16 (decode); more are cut into ceil(T*G / block_q)
       blocks, each its own program, which reads keys only up to its own rows' positions.
     dequant_dtype: what a quantised (int8 / float8_e4m3fn) cache's values become in registers when q is 16-bit:
-      None, q's dtype; "float16": one conversion a value (Hopper converts int8 and e4m3 to fp16 directly, to bf16
-      through fp32), the 16-bit q and P cast to fp16 for the two products (exact for 1-byte values; P in [0, 1] keeps
-      more bits than in bf16); "float32": fp32 operands, so the products run in TF32 (Triton's default for fp32 dots:
+      None, q's dtype; "float16": one conversion a value (Hopper converts e4m3 to fp16 directly, to bf16 through
+      fp32), the 16-bit q and P cast to fp16 for the two products (exact for 1-byte values; P in [0, 1] keeps more
+      bits than in bf16); "float32": fp32 operands, so the products run in TF32 (Triton's default for fp32 dots:
       exact for a bf16 q and 1-byte values, P rounded to 10 mantissa bits, more than bf16's 7) and P is not
-      converted, and an int8 cache reaches fp32 by integer arithmetic (`int8_to_float32`), not by a conversion
-      instruction. A tuning knob: which is faster is the GPU's to say.
+      converted. An int8 cache reaches fp16 or fp32 by integer arithmetic (`int8_to_float16`, `int8_to_float32`;
+      bf16 through fp32), not by a conversion instruction. A tuning knob: which is faster is the GPU's to say.
     """
 
     block_k: int = 64
@@ -172,6 +172,7 @@ def check_scales(k, v, k_scale, v_scale, token_shape: tuple, layout: str):
 
 
 _INT8_IN_MANTISSA = 0x4B000080  # the bits of the fp32 2^23 + 128: an int8 added to them lands in the low byte
+_INT8_IN_FP16_MANTISSA = 0x6480  # the bits of the fp16 2^10 + 128 (ulp 1 from 1024 to 2048)
 
 
 def int8_to_float32(x):
@@ -180,6 +181,13 @@ def int8_to_float32(x):
     conversion, an instruction Hopper issues at a quarter of the rate of integer and fp32 arithmetic."""
     bits = x.astype(jnp.int32) + _INT8_IN_MANTISSA
     return lax.bitcast_convert_type(bits, jnp.float32) - float(2**23 + 128)
+
+
+def int8_to_float16(x):
+    """int8 values as fp16, exactly, by the same integer arithmetic at 16 bits (1152 + x lies in [1024, 1280), where
+    fp16's ulp is 1): what FasterTransformer's int8 GEMMs do instead of the int-to-float conversion."""
+    bits = x.astype(jnp.int16) + jnp.int16(_INT8_IN_FP16_MANTISSA)
+    return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(2**10 + 128)
 
 
 def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, split_len: int, key_index,
@@ -218,10 +226,10 @@ def attend_split(limit_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: i
             x = pltriton.load(ref.at[keys], mask=in_range[:, None], other=0.0)
             if dequantize is None:
                 return x
-            if dot_dtype == jnp.float16:  # int8 and e4m3 convert to fp16 in one step
+            if x.dtype == jnp.int8:  # integer arithmetic, no int-to-float conversion (bf16 cannot hold 128 + x)
+                return int8_to_float16(x) if dot_dtype == jnp.float16 else int8_to_float32(x).astype(dot_dtype)
+            if dot_dtype == jnp.float16:  # e4m3 converts to fp16 in one step
                 return x.astype(dot_dtype)
-            if dot_dtype == jnp.float32 and x.dtype == jnp.int8:
-                return int8_to_float32(x)
             return x.astype(jnp.float32).astype(dot_dtype)  # to bf16 through fp32 (Triton has no e4m3 -> bf16)
 
         def key_scales(which):  # [1, block_k]: each key's K (0) or V (1) scale, on its column
