@@ -190,6 +190,14 @@ def parser() -> argparse.ArgumentParser:
                    help="requests admitted beyond --max-num-seqs (queued); more get 503 with Retry-After")
     s.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults of requests that omit temperature, top_p, top_k (chat: max_tokens): auto, "
+                        "the model folder's generation_config.json; vllm, none (temperature 1, top_p 1, top_k off); "
+                        "DIR, that folder's generation_config.json (vLLM's flag; EOS ids always come from the model "
+                        "folder's) (default: auto)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every request but /health, /metrics and /version needs `Authorization: Bearer KEY` "
+                        "(default: $SWIFTKV_API_KEY, else $VLLM_API_KEY, else none: open to all)")
     _model_options(s)
     _compilation_cache_option(s)
     return p
@@ -266,18 +274,29 @@ def _load_model(path: str, args, mesh=None):
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
 
 
+def _generation_config(path: str) -> tuple[dict, str]:
+    """(the folder's generation_config.json as a dict, {} without one (an orbax checkpoint, a converted folder may
+    have none); the file's path). A file that is not a JSON object raises, as transformers refuses such a checkpoint."""
+    file = os.path.join(os.path.expanduser(path), "generation_config.json")
+    if not os.path.isfile(file):
+        return {}, file
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except ValueError as e:
+        config = e
+    if not isinstance(config, dict):
+        what = config if isinstance(config, ValueError) else f"a JSON {type(config).__name__}"
+        raise ValueError(f"{file} is not a JSON object ({what}): fix or delete it (it holds stop ids and sampling "
+                         f"defaults)")
+    return config, file
+
+
 def _generation_eos(path: str, eos):
     """config.json's EOS ids and generation_config.json's after them, which generate, eval and serve stop at: as
     transformers' generate and vLLM do. Llama-3-Instruct and Qwen2.5-Instruct name only <|eot_id|> / <|im_end|> in
     config.json, <|end_of_text|> / <|endoftext|> too in generation_config.json, and do end answers with them."""
-    file = os.path.join(os.path.expanduser(path), "generation_config.json")
-    if not os.path.isfile(file):  # none (an orbax checkpoint, a converted folder may have none)
-        return eos
-    try:
-        with open(file, encoding="utf-8") as f:
-            more = json.load(f).get("eos_token_id")
-    except (ValueError, AttributeError) as e:  # as transformers, which refuses to load such a checkpoint
-        raise ValueError(f"{file} is not a JSON object ({e}): fix or delete it (it only adds stop ids)") from None
+    more = _generation_config(path)[0].get("eos_token_id")
     more = more if isinstance(more, list) else [more]
     extra = [t for t in more if isinstance(t, int) and not isinstance(t, bool) and t not in (eos or ())]
     return tuple(eos or ()) + tuple(dict.fromkeys(extra)) if extra else eos
@@ -602,6 +621,48 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
     return pool, tokens_held(pages, args.page_size)
 
 
+def _sampling_defaults(args) -> dict:
+    """--generation-config's request defaults (vLLM's): auto, the model folder's generation_config.json; vllm, none;
+    DIR, DIR's (which must have one). Logs what the file sets and what of it is not applied."""
+    import logging
+
+    from swiftkv_jax.serving.http.protocol import sampling_defaults
+
+    log = logging.getLogger(__name__)
+    if args.generation_config == "vllm":
+        return {}
+    folder = args.model if args.generation_config == "auto" else args.generation_config
+    config, file = _generation_config(folder)
+    if args.generation_config != "auto" and not os.path.isfile(file):
+        raise ValueError(f"--generation-config {args.generation_config}: no generation_config.json there (give "
+                         f"auto, the model folder's, or vllm, none)")
+    defaults, ignored = sampling_defaults(config, file)
+    if defaults:
+        log.info("Default sampling parameters have been overridden by the model's generation config %s: %s (a "
+                 "request's own values win; --generation-config vllm ignores the file)", file,
+                 ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    if ignored:
+        log.warning("%s sets %s, which this server does not implement: NOT applied (requests are sampled without "
+                    "them)", file, ", ".join(f"{k}={v}" for k, v in ignored.items()))
+    return defaults
+
+
+def _api_key(args) -> Optional[str]:
+    """--api-key, else $SWIFTKV_API_KEY, else $VLLM_API_KEY (a deployment moved from vLLM stays closed), else None.
+    An empty key is refused (it would look set and let nobody in)."""
+    import logging
+
+    for source, key in (("--api-key", args.api_key), ("SWIFTKV_API_KEY", os.environ.get("SWIFTKV_API_KEY")),
+                        ("VLLM_API_KEY", os.environ.get("VLLM_API_KEY"))):
+        if key is not None:
+            if not key.strip():
+                raise ValueError(f"{source} is empty: give a key, or unset it to serve without one")
+            logging.getLogger(__name__).info("an API key is required (%s) on every path but /health, /metrics and "
+                                             "/version", source)
+            return key
+    return None
+
+
 def _serve(args) -> int:
     import logging
 
@@ -619,6 +680,8 @@ def _serve(args) -> int:
                    prompt_buckets=_buckets(args.prompt_buckets, "--prompt-buckets"))
     config = _model_config(args)
     tokenizer = _tokenizer(args)
+    sampling = _sampling_defaults(args)
+    api_key = _api_key(args)
     pool, pool_tokens = _kv_pool(args, config)
     if args.max_model_len is not None:  # the engine checks a fraction's pool once the weights are loaded
         check_max_model_len(args.max_model_len, config.max_position_embeddings, pool_tokens, name="--max-model-len",
@@ -640,7 +703,8 @@ def _serve(args) -> int:
                    **buckets, **{k: v for k, v in given.items() if v is not None})
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
-                 max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock)
+                 max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock,
+                 sampling_defaults=sampling, api_key=api_key)
 
 
 def _write_json(path: str, data) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import json
+import logging
 import os
 import random
 import signal
@@ -32,6 +34,7 @@ from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 from swiftkv_jax.data.chat import load_tokenizer
 from swiftkv_jax.evaluation.harness import render_context
 from swiftkv_jax.infer_cli import main
+from swiftkv_jax.serving.http.protocol import parse_chat, parse_completion, sampling_defaults
 from swiftkv_jax.serving.http.responses import TokenStrings
 from swiftkv_jax.serving.http.text import ChoiceText
 from swiftkv_jax.tiny_assets import make_tiny_assets
@@ -43,6 +46,10 @@ MODEL = "tiny-swiftkv"
 MAX_MODEL_LEN, MAX_SEQS, MAX_WAITING, GRACE = 128, 16, 64, 8
 REF_TOKENS = 16   # every reference is 16 greedy tokens; a shorter request gets a prefix of it
 PROMPTS = ["What is 4 + 5?", "Sort these words: fig apple pear", "Repeat 'owl' 2 times.", "Count from 3 to 9."]
+# the server's --generation-config DIR: what a request that omits these fields gets (every other test names its
+# temperature, and chat's max_tokens, or does not depend on them)
+GENERATION = {"temperature": 0.0, "top_p": 0.95, "top_k": 40, "max_new_tokens": 5, "repetition_penalty": 1.1,
+              "min_p": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +72,14 @@ def server(student, tokenizer, reference, tmp_path_factory):
     `sk.generate` on one device (the engine on one device is `test_continuous_engine`'s)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("log") / "server.log"
+    generation = tmp_path_factory.mktemp("generation")
+    (generation / "generation_config.json").write_text(json.dumps(GENERATION))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
             "--served-model-name", MODEL, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
             "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--single-buckets", str(MAX_SEQS),
             "--prompt-buckets", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting", str(MAX_WAITING),
-            "--shutdown-grace", str(GRACE), "--tensor-parallel", "2"]
+            "--shutdown-grace", str(GRACE), "--tensor-parallel", "2", "--generation-config", str(generation)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
@@ -633,12 +642,133 @@ def test_metrics_count_what_was_sent(server):
     assert queries > hits >= 16, (queries, hits)
 
 
+# ---- generation_config.json's defaults, vLLM's /tokenize, /detokenize, /version and X-Request-Id --------------------
+def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
+    """vLLM's --generation-config: the file's temperature, top_p, top_k (-1: off) and max_new_tokens (chat's
+    max_tokens) are the defaults; values equal to transformers' defaults are none (vLLM reads the file's diff from
+    them); repetition_penalty and min_p are reported, not applied; a request's own values win."""
+    defaults, ignored = sampling_defaults(GENERATION, "gen.json")
+    assert defaults == dict(temperature=0.0, top_p=0.95, top_k=40, max_tokens=5)
+    assert ignored == dict(repetition_penalty=1.1, min_p=0.05)
+    assert sampling_defaults(dict(temperature=1.0, top_p=1.0, top_k=50, repetition_penalty=1.0, min_p=0.0,
+                                  do_sample=True, eos_token_id=[1, 2]), "f") == ({}, {})
+    assert sampling_defaults(dict(top_k=-1, temperature=0.6, max_new_tokens=None), "f") == \
+        (dict(temperature=0.6, top_k=0), {})
+    for bad, words in ((dict(temperature=-1), "temperature must be >= 0"), (dict(top_p=0), "top_p must lie in"),
+                       (dict(top_k="40"), "top_k must be an integer"), (dict(max_new_tokens=0), "max_new_tokens must"),
+                       (dict(temperature=True), "temperature must be a number")):
+        with pytest.raises(ValueError, match=f"gen.json: .*{words}"):
+            sampling_defaults(bad, "gen.json")
+    job = parse_completion(dict(prompt="hi"), tokenizer, defaults)
+    assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.0, 0.95, 40, 16)
+    job = parse_completion(dict(prompt="hi", temperature=0.7, top_p=1, top_k=-1, max_tokens=3), tokenizer, defaults)
+    assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.7, 1.0, 0, 3)
+    chat = dict(messages=[{"role": "user", "content": "hi"}])
+    job = parse_chat(chat, tokenizer, defaults)
+    assert (job.engine["temperature"], job.max_tokens, job.default_max_tokens) == (0.0, None, 5)
+    assert parse_chat(dict(chat, max_tokens=9, temperature=1), tokenizer, defaults).max_tokens == 9
+    job = parse_chat(chat, tokenizer)  # no file: 1, 1, off, the rest of the context
+    assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.default_max_tokens) == \
+        (1.0, 1.0, 0, None)
+
+
+def test_the_servers_generation_config_is_the_default_of_omitted_fields(server, client, tokenizer, reference):
+    """The module's server runs with --generation-config DIR (GENERATION: temperature 0, max_new_tokens 5): an
+    omitted temperature is greedy, chat's omitted max_tokens is 5, completions' stays OpenAI's 16 (as vLLM's); a
+    request's own max_tokens wins (its own temperature: test_n_seed_and_logprobs samples at 1)."""
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0])
+    assert out.choices[0].text == reference(ids)[2] and out.usage.completion_tokens == len(reference(ids)[0])
+    chat_ids = _chat_ids(tokenizer, PROMPTS[1])
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    out = client.chat.completions.create(model=MODEL, messages=messages)
+    assert out.choices[0].message.content == reference(chat_ids, 5)[2]
+    assert out.usage.completion_tokens == len(reference(chat_ids, 5)[0])
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert out.choices[0].message.content == reference(chat_ids, 8)[2]
+    log = server.log.read_text()
+    assert "Default sampling parameters have been overridden by the model's generation config" in log
+    assert "temperature=0.0, top_p=0.95, top_k=40, max_tokens=5" in log
+    assert "repetition_penalty=1.1, min_p=0.05, which this server does not implement: NOT applied" in log
+
+
+def test_tokenize_detokenize_version_and_request_ids(server, tokenizer):
+    """vLLM's /tokenize (a prompt, or messages as chat runs them), /detokenize and /version; bad input is an error
+    object; every response carries the request's X-Request-Id back."""
+    post = lambda path, **body: httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    out = post("/tokenize", model=MODEL, prompt=PROMPTS[0]).json()
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert out == dict(count=len(ids), max_model_len=MAX_MODEL_LEN, tokens=ids, token_strs=None)
+    out = post("/tokenize", prompt=PROMPTS[0], add_special_tokens=False, return_token_strs=True).json()
+    assert out["tokens"] == tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"] != ids
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat_ids = _chat_ids(tokenizer, PROMPTS[1])
+    assert post("/tokenize", model=MODEL, messages=messages).json()["tokens"] == chat_ids
+    bare = post("/tokenize", messages=messages, add_generation_prompt=False).json()["tokens"]
+    assert bare == tokenizer.apply_chat_template(messages, add_generation_prompt=False, return_dict=True)["input_ids"]
+    assert chat_ids[:len(bare)] == bare and len(bare) < len(chat_ids)  # without the assistant's header
+    assert post("/detokenize", model=MODEL, tokens=ids).json() == dict(prompt=tokenizer.decode(ids))
+    for path, body, status, param, words in (
+            ("/tokenize", dict(model="gpt-9", prompt="hi"), 404, "model", "`gpt-9` does not exist"),
+            ("/tokenize", dict(prompt=[1, 2]), 400, "prompt", "takes a prompt (a string) or messages"),
+            ("/tokenize", dict(), 400, "prompt", "takes a prompt (a string) or messages"),
+            ("/tokenize", dict(prompt="hi", add_special_tokens="yes"), 400, "add_special_tokens", "true or false"),
+            ("/tokenize", dict(messages=[]), 400, "messages", "messages must be a non-empty list"),
+            ("/tokenize", dict(prompt="hi", bogus=1), 400, "bogus", "Unrecognized request argument supplied: bogus"),
+            ("/detokenize", dict(tokens=[5, 10**6]), 400, "tokens", "token ids must lie in [0, "),
+            ("/detokenize", dict(tokens="5"), 400, "tokens", "tokens must be a list of token ids"),
+            ("/detokenize", dict(tokens=[True]), 400, "tokens", "tokens must be a list of token ids"),
+            ("/detokenize", dict(), 400, "tokens", "tokens is required")):
+        response = post(path, **body)
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (status, param), (body, error)
+        assert words in error["message"], (body, error)
+    assert httpx.get(f"{server.url}/version").json() == {"version": importlib.metadata.version("swiftkv-jax")}
+    for response in (httpx.get(f"{server.url}/health", headers={"X-Request-Id": "probe-1"}),
+                     httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "abc-2"},
+                                json=dict(prompt="hi", max_tokens=1)),
+                     httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "bad-3"}, json={})):
+        assert response.headers["x-request-id"] == response.request.headers["x-request-id"]
+    assert "x-request-id" not in httpx.get(f"{server.url}/health").headers
+
+
 # ---- the command line ------------------------------------------------------------------------------------------------
 def test_serve_cli_errors(student, capsys):
     code = main(["serve", "--model", str(student / "teacher"), "--teacher-mode"])
     assert code == 2 and "not a SwiftKV model" in capsys.readouterr().err
     code = main(["serve", "--model", str(student / "student"), "--single-buckets", "4,x"])
     assert code == 2 and "--single-buckets takes comma-separated integers" in capsys.readouterr().err
+
+
+def test_serve_reads_generation_config_and_api_key_as_vllm(tmp_path, monkeypatch, caplog):
+    """--generation-config auto reads the model folder's file, vllm none, DIR that folder's (which must have one);
+    --api-key, else $SWIFTKV_API_KEY, else $VLLM_API_KEY (a deployment moved from vLLM stays closed)."""
+    from swiftkv_jax.infer_cli import _api_key, _sampling_defaults, parser
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(temperature=0.6, top_p=0.9, min_p=0.1)))
+    args = lambda *more: parser().parse_args(["serve", "--model", str(tmp_path), *more])
+    monkeypatch.setattr(logging.getLogger("swiftkv_jax"), "propagate", True)  # main(["serve"...]) turned it off
+    with caplog.at_level("INFO", logger="swiftkv_jax"):
+        assert _sampling_defaults(args()) == dict(temperature=0.6, top_p=0.9)
+    assert "overridden by the model's generation config" in caplog.text and "min_p=0.1" in caplog.text
+    assert _sampling_defaults(args("--generation-config", "vllm")) == {}
+    assert _sampling_defaults(args("--generation-config", str(tmp_path))) == dict(temperature=0.6, top_p=0.9)
+    with pytest.raises(ValueError, match="--generation-config .*: no generation_config.json there"):
+        _sampling_defaults(args("--generation-config", str(tmp_path / "nowhere")))
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(top_p=2.0)))
+    with pytest.raises(ValueError, match=r"generation_config.json: top_p must lie in \(0, 1\]"):
+        _sampling_defaults(args())
+    monkeypatch.delenv("SWIFTKV_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _api_key(args()) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _api_key(args()) == "from-vllm"
+    monkeypatch.setenv("SWIFTKV_API_KEY", "ours")
+    assert _api_key(args()) == "ours" and _api_key(args("--api-key", "flag")) == "flag"
+    monkeypatch.setenv("SWIFTKV_API_KEY", " ")
+    with pytest.raises(ValueError, match="SWIFTKV_API_KEY is empty"):
+        _api_key(args())
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server, tokenizer, reference):

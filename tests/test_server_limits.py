@@ -197,3 +197,35 @@ def test_long_stop_strings_are_bounded_and_cheap_to_hold_back(server, server_tok
         probe = ChoiceText(tokenizer, [], stops)
         expected = max((k for s in stops for k in range(len(s)) if tail.endswith(s[:k])), default=0)
         assert probe._hold_back("zz" + tail) == expected, tail
+
+
+def test_an_api_key_guards_every_path_but_health_metrics_and_version(server):
+    """make_app(api_key=...): the official client with the key is served; a wrong or missing key gets 401 (openai's
+    AuthenticationError) with an OpenAI error object, counted in /metrics; /health, /metrics, /version stay open.
+    The key is read per request (app.state.server.api_key), so it is set here on the module's server and reset."""
+    import openai
+
+    url, _, _, app = server
+    app.state.server.api_key = "s3cret"
+    try:
+        client = lambda key: openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        out = client("s3cret").completions.create(model="m", prompt="hi", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError) as refused:
+            client("wrong").completions.create(model="m", prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client("s3cret-and-more").models.list()
+        for method, path in (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/v1/nothing")):
+            response = httpx.request(method, f"{url}{path}", json={}, timeout=10)
+            assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer", path
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            assert "no API key given" in response.json()["error"]["message"]
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 200, path
+        assert 'swiftkv_http_requests_total{endpoint="/v1/completions",status="401"} 1.0' in \
+            httpx.get(f"{url}/metrics", timeout=10).text
+    finally:
+        app.state.server.api_key = None
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200

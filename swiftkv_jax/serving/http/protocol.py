@@ -14,6 +14,11 @@ vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accep
 `ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
 completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
 computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generated).
+
+A request that omits temperature, top_p or top_k takes the server's sampling defaults (`sampling_defaults`: the
+model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off; chat's omitted max_tokens
+is the rest of the context, at most the file's max_new_tokens. `parse_tokenize` and `parse_detokenize` are vLLM's
+/tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
+    default_max_tokens: Optional[int] = None  # max_tokens None: at most this many (generation_config's max_new_tokens)
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -143,15 +149,58 @@ def _check_fields(body: dict, allowed: set) -> None:
                                code="unsupported_parameter")
 
 
-def _sampling(body: dict) -> dict:
-    """The engine's sampling options, typed (their ranges are the engine's to check)."""
-    top_k = _number(body, "top_k", 0, integer=True)
+# generation_config.json: the fields vLLM takes as request defaults (`--generation-config auto`) -> the request's
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+# ... and those it takes that this server does not implement, with their no-op values (they are not applied)
+NOT_APPLIED = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}
+# transformers' GenerationConfig defaults: vLLM reads the file through GenerationConfig.to_diff_dict(), so a value
+# equal to one of these is no override there (a file's top_k of 50 included), nor here
+HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
+
+def sampling_defaults(generation_config: dict, source: str) -> tuple[dict, dict]:
+    """(request defaults, not applied) of a generation_config.json's content: {request field: value} of the
+    temperature, top_p, top_k (-1 or 0: off) and max_new_tokens (chat's max_tokens) it sets, and {name: value} of
+    the parameters vLLM would also take from it that this server does not implement (repetition_penalty != 1,
+    min_p > 0). A value the engine would refuse raises ValueError naming `source` (else every request that omits
+    the field would be refused for a value it did not send)."""
+    from swiftkv_jax.serving.errors import InvalidRequest
+    from swiftkv_jax.serving.sampling import SamplingParams
+
+    given = {k: v for k, v in generation_config.items()
+             if v is not None and (isinstance(v, bool) or HF_DEFAULTS.get(k, object()) != v)}  # True == 1.0
+    defaults, ignored = {}, {}
+    for name, field in GENERATION_FIELDS.items():
+        if name not in given:
+            continue
+        value = given[name]
+        integer = name in ("top_k", "max_new_tokens")
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or \
+                (name == "max_new_tokens" and value < 1) or (name == "top_k" and value < -1):
+            what = {"top_k": "an integer >= -1", "max_new_tokens": "an integer >= 1"}.get(name, "a number")
+            raise ValueError(f"{source}: {name} must be {what}, got {shown(value)}")
+        defaults[field] = 0 if name == "top_k" and value == -1 else value
+    try:
+        SamplingParams(**{k: defaults[k] for k in ("temperature", "top_k", "top_p") if k in defaults})
+    except InvalidRequest as e:
+        raise ValueError(f"{source}: {e}") from None
+    for name, no_op in NOT_APPLIED.items():
+        if name in given and given[name] not in no_op:
+            ignored[name] = given[name]
+    return defaults, ignored
+
+
+def _sampling(body: dict, defaults: dict) -> dict:
+    """The engine's sampling options, typed (their ranges are the engine's to check); an omitted one is the server's
+    default (`sampling_defaults`), else off."""
+    top_k = _number(body, "top_k", defaults.get("top_k", 0), integer=True)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or
                                  any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
         raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {shown(stop_ids)}",
                            "stop_token_ids")
-    return dict(temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+    return dict(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+                top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
                 extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"))
 
@@ -185,7 +234,7 @@ def _stop_strings(body: dict) -> list:
     return stop
 
 
-def _common(body: dict) -> dict:
+def _common(body: dict, defaults: dict) -> dict:
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must lie in [1, {MAX_N}], got {n}", "n")
@@ -200,7 +249,7 @@ def _common(body: dict) -> dict:
             raise RequestError(f"stream_options takes {{'include_usage': bool, 'continuous_usage_stats': bool}}, got "
                                f"{shown(options)}", "stream_options")
     options = options or {}
-    sampling, stop = _sampling(body), _stop_strings(body)
+    sampling, stop = _sampling(body, defaults), _stop_strings(body)
     _min_tokens(body, sampling, stop)
     return dict(n=n, seed=seed, stream=stream, include_usage=options.get("include_usage", False),
                 continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop)
@@ -246,11 +295,13 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
     return ids, texts
 
 
-def parse_completion(body: dict, tokenizer) -> Job:
+def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
+    """A completion request; `defaults`: the server's sampling defaults (`sampling_defaults`). An omitted max_tokens
+    is OpenAI's 16, whatever generation_config.json says (as vLLM's completions)."""
     _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
-    common = _common(body)
+    common = _common(body, defaults or {})
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
         raise RequestError(f"best_of={shown(best_of)} is not supported (only best_of = n)", "best_of",
@@ -282,8 +333,10 @@ def _content(message: dict, i: int) -> str:
                        f"messages[{i}].content")
 
 
-def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
-    """The conversation through the tokenizer's chat template, with the assistant's header: (token ids, text)."""
+def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> tuple[list[int], str]:
+    """The conversation through the tokenizer's chat template, with the assistant's header unless not
+    `add_generation_prompt`: (token ids, text). The template writes the special tokens (a BOS) itself."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -303,7 +356,7 @@ def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
                                f"messages[{i}]")
         clean.append({"role": role, "content": _content(message, i)})
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2's TemplateError, raise_exception() in the template: the messages are refused
         raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
     cursor = 0
@@ -314,14 +367,16 @@ def render_messages(messages: Any, tokenizer) -> tuple[list[int], str]:
             raise RequestError(f"the chat template does not render messages[{i}] (role {message['role']!r}): "
                                f"this model's template does not know that role", f"messages[{i}].role")
         cursor = found + len(content)
-    return tokenizer(text, add_special_tokens=False)["input_ids"], text
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], text
 
 
-def parse_chat(body: dict, tokenizer) -> Job:
+def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
+    """A chat request; `defaults`: the server's sampling defaults (`sampling_defaults`), max_tokens among them."""
+    defaults = defaults or {}
     _check_fields(body, CHAT_FIELDS)
     if "messages" not in body:
         raise RequestError("messages is required", "messages", code="missing_required_parameter")
-    common = _common(body)
+    common = _common(body, defaults)
     logprobs = _bool(body, "logprobs")
     top = _number(body, "top_logprobs", 0, integer=True)
     if top and not logprobs:
@@ -329,4 +384,46 @@ def parse_chat(body: dict, tokenizer) -> Job:
     max_tokens, field = _max_tokens(body, "max_completion_tokens")
     ids, text = render_messages(body["messages"], tokenizer)
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
-               logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field)
+               logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
+               defaults.get("max_tokens"))
+
+
+# ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------
+TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
+
+
+def _token_ids(value: Any, name: str, tokenizer) -> list:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise RequestError(f"{name} must be a list of token ids (integers), got {shown(value)}", name)
+    vocab = len(tokenizer)
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"{name}: token ids must lie in [0, {vocab}) (this model's vocabulary), got {bad[:5]}", name)
+    return value
+
+
+def parse_tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+    """vLLM's POST /tokenize: {"prompt", "add_special_tokens": true} or {"messages", "add_generation_prompt": true,
+    "add_special_tokens": false} (the ids chat would run) -> {"count", "max_model_len", "tokens", "token_strs"}
+    (the tokens' strings with `return_token_strs`)."""
+    chat = "messages" in body
+    _check_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_FIELDS)
+    special = _bool(body, "add_special_tokens", not chat)
+    if chat:
+        ids, _ = render_messages(body["messages"], tokenizer, _bool(body, "add_generation_prompt", True), special)
+    elif isinstance(body.get("prompt"), str):
+        ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
+    else:
+        raise RequestError(f"/tokenize takes a prompt (a string) or messages, got prompt={shown(body.get('prompt'))}",
+                           "prompt", code=None if "prompt" in body else "missing_required_parameter")
+    strs = tokenizer.convert_ids_to_tokens(ids) if _bool(body, "return_token_strs") else None
+    return dict(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+
+def parse_detokenize(body: dict, tokenizer) -> dict:
+    """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": their text} (special tokens included, as vLLM's)."""
+    _check_fields(body, {"model", "tokens"})
+    if "tokens" not in body:
+        raise RequestError("tokens is required", "tokens", code="missing_required_parameter")
+    return dict(prompt=tokenizer.decode(_token_ids(body["tokens"], "tokens", tokenizer)))

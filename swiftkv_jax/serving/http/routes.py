@@ -3,7 +3,9 @@
     app = make_app(engine, tokenizer, "my-model", max_waiting=256)      # a FastAPI app, for tests and embedding
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events with `stream: true`),
-GET /v1/models, /health (200 while the engine loop runs, 503 otherwise) and /metrics (Prometheus text).
+GET /v1/models, vLLM's POST /tokenize and /detokenize and GET /version, /health (200 while the engine loop runs, 503
+otherwise) and /metrics (Prometheus text). With an API key every path but /health, /metrics and /version needs
+`Authorization: Bearer KEY` (`access.Authenticate`); a request's X-Request-Id header comes back on its response.
 
 The engine steps on one background thread (`serving.engine_loop.EngineLoop`); each HTTP request's body is parsed
 and tokenized on another (`Server.parser`, so that a prompt of megabytes stalls no other client), then adds its
@@ -29,11 +31,14 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' a
 
 from swiftkv_jax.serving.engine_loop import EngineFailed, EngineLoop
 from swiftkv_jax.serving.errors import InvalidRequest
+from swiftkv_jax.serving.http.access import Authenticate, EchoRequestId
 from swiftkv_jax.serving.http.metrics import CountRequests, Metrics
-from swiftkv_jax.serving.http.protocol import Job, RequestError, parse_chat, parse_completion, shown
+from swiftkv_jax.serving.http.protocol import (Job, RequestError, parse_chat, parse_completion, parse_detokenize,
+                                               parse_tokenize, shown)
 from swiftkv_jax.serving.http.responses import Choice, Chunks, TokenStrings, prompt_rows, sse, whole
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
+             "/health", "/metrics")
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there
 
@@ -41,8 +46,11 @@ DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its cl
 class Server:
     """What the handlers share: the engine loop, the tokenizer and the limits."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None):
+    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None,
+                 sampling_defaults=None, api_key: Optional[str] = None):
         self.engine, self.tokenizer, self.model_name, self.startup = engine, tokenizer, model_name, startup
+        self.sampling_defaults = dict(sampling_defaults or {})  # protocol.sampling_defaults' (generation_config.json)
+        self.api_key = api_key  # None: open to all (access.Authenticate reads it on every request)
         self.created = int(time.time())
         self.max_model_len = engine.max_model_len
         self.capacity_tokens = (engine.allocator.capacity) * engine.page_size
@@ -69,7 +77,8 @@ class Server:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens, but the "
                                f"{param} has {p} tokens: no room is left for a completion. Shorten the {param}.",
                                param, code="context_length_exceeded")
-        max_tokens = job.max_tokens if job.max_tokens is not None else min(room, self.capacity_tokens - p)
+        max_tokens = job.max_tokens if job.max_tokens is not None else \
+            min(room, self.capacity_tokens - p, job.default_max_tokens or room)
         if p + max_tokens > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                f"requested {p + max_tokens} tokens ({p} in the {param}, {max_tokens} for the "
@@ -195,6 +204,16 @@ async def _get_or_poll(queue: asyncio.Queue, request, state: list):
             getter.cancel()
 
 
+def _version() -> str:
+    """The installed swiftkv-jax's version (pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swiftkv-jax")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def _error_response(error: RequestError):
     from fastapi.responses import JSONResponse
 
@@ -203,20 +222,24 @@ def _error_response(error: RequestError):
 
 # ---- the app -----------------------------------------------------------------------------------------------------
 def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None,
-             startup: Optional[dict] = None):
+             startup: Optional[dict] = None, sampling_defaults: Optional[dict] = None, api_key: Optional[str] = None):
     """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
 
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
     its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `process.start_engine`'s figures,
-    shown in /metrics (swiftkv_startup_*). app.state.server holds the shared state (app.state.server.loop.stats: the
-    engine's last stats)."""
+    shown in /metrics (swiftkv_startup_*). sampling_defaults: what a request that omits temperature, top_p, top_k
+    (chat: max_tokens) gets, `protocol.sampling_defaults` of a generation_config.json. api_key: every path but
+    /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401). app.state.server holds the
+    shared state (app.state.server.loop.stats: the engine's last stats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
         raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
-    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string (or None: no key)")
+    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup, sampling_defaults, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -226,7 +249,9 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     app = FastAPI(title="swiftkv-jax", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(CountRequests, counter=server.metrics.requests, endpoints=ENDPOINTS)
+    app.add_middleware(Authenticate, server=server)
+    app.add_middleware(CountRequests, counter=server.metrics.requests, endpoints=ENDPOINTS)  # 401s counted too
+    app.add_middleware(EchoRequestId)
     server.loop.start()
 
     @app.exception_handler(HTTPException)
@@ -259,13 +284,17 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
                                "model", 404, code="model_not_found")
         return body
 
+    async def parsed(request: Request, parse):
+        """parse(body, the parser's tokenizer), on the parser thread: the JSON, the tokenizer and the chat template
+        there, as a prompt of megabytes takes seconds, while the event loop goes on serving every other client
+        (vLLM tokenizes off its loop too). RequestError for bad input."""
+        raw = await request.body()
+        return await asyncio.get_running_loop().run_in_executor(
+            server.parser, lambda: parse(read_body(raw), server.parser_tokenizer))
+
     async def run(request: Request, parse, kind: str):
         try:
-            raw = await request.body()
-            # the JSON, the tokenizer and the chat template on the parser thread: a prompt of megabytes takes seconds
-            # there, while the event loop goes on serving every other client (vLLM tokenizes off its loop too)
-            job = await asyncio.get_running_loop().run_in_executor(
-                server.parser, lambda: parse(read_body(raw), server.parser_tokenizer))
+            job = await parsed(request, lambda body, tokenizer: parse(body, tokenizer, server.sampling_defaults))
             queue = asyncio.Queue()
             choices = server.start(job, queue)
         except RequestError as e:
@@ -332,6 +361,25 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
     async def models():
         return dict(object="list", data=[dict(id=server.model_name, object="model", created=server.created,
                                               owned_by="swiftkv-jax", max_model_len=server.max_model_len)])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            return JSONResponse(await parsed(request, lambda body, tokenizer: parse_tokenize(
+                body, tokenizer, server.max_model_len)))
+        except RequestError as e:
+            return _error_response(e)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            return JSONResponse(await parsed(request, parse_detokenize))
+        except RequestError as e:
+            return _error_response(e)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/health")
     async def health():
