@@ -229,3 +229,17 @@ def test_an_api_key_guards_every_path_but_health_metrics_and_version(server):
     finally:
         app.state.server.api_key = None
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
+
+def test_shown_quotes_at_most_SHOWN_characters_of_the_repr():
+    """An error quotes a refused value's repr whole up to SHOWN (80) characters, else exactly its first 80 and its
+    length (the server test above only bounds the whole message at 400 characters: a cut at 3 x SHOWN, or a value of
+    exactly SHOWN characters cut, passed it)."""
+    from swiftkv_jax.serving.http.protocol import SHOWN, shown
+
+    assert SHOWN == 80
+    assert shown("x" * 78) == repr("x" * 78) and len(repr("x" * 78)) == 80  # exactly 80: whole
+    assert shown("x" * 79) == "'" + "x" * 79 + "... (81 characters)"  # 81: the first 80 and the length
+    assert shown(BIG) == "'" + "x" * 79 + f"... ({len(BIG) + 2} characters)"
+    bias = {str(i): 1 for i in range(5000)}
+    assert shown(bias) == f"{repr(bias)[:80]}... ({len(repr(bias))} characters)"
+    assert shown(None) == "None" and shown([1, 2]) == "[1, 2]"
