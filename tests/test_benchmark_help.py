@@ -57,3 +57,49 @@ def test_help_names_every_default(script, monkeypatch, capsys):
             if action.option_strings and action.default is not None and action.default is not False:
                 said = "default" in action.help or f"(default: {action.default})" in text
                 assert said, (parser.prog, name, action.default)
+
+
+def _cli_help_module():
+    """swiftkv_jax/cli_help.py by its path, as benchmarks/results_file.py loads it (no jax import)."""
+    import importlib.util
+
+    path = BENCHMARKS.parent / "swiftkv_jax" / "cli_help.py"
+    spec = importlib.util.spec_from_file_location("_test_cli_help", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_formatter_adds_the_default_as_argparses_own_where_the_help_leaves_it_unsaid():
+    """DefaultsFormatter ends an option's help as argparse.ArgumentDefaultsHelpFormatter does, except where there is
+    nothing to say (None, an off switch, a positional) or the help already says its default; the raw variant keeps the
+    description as argparse.RawDescriptionHelpFormatter does. The scripts' test above only asks that each default be
+    said somewhere: saying it twice, '(default: False)' on every switch, or a reflowed docstring passed it."""
+    cli_help = _cli_help_module()
+    parser = argparse.ArgumentParser(prog="x")
+    said = [parser.add_argument("--rows", type=int, default=5, help="rows a step"),
+            parser.add_argument("--count", type=int, default=0, help="how many"),
+            parser.add_argument("--name", default="m", help="the name")]
+    unsaid = [parser.add_argument("--preset", default="tiny", help="the preset (default: tiny, the smallest)"),
+              parser.add_argument("--out", default=None, help="where (default: beside the input)"),
+              parser.add_argument("--seed", default=None, help="a seed"),
+              parser.add_argument("--fast", action="store_true", help="go fast"),
+              parser.add_argument("--level", default=3, help="the level, %(default)s if unsaid"),
+              parser.add_argument("path", nargs="?", default="here", help="the input")]
+    ours = cli_help.DefaultsFormatter("x")._get_help_string
+    theirs = argparse.ArgumentDefaultsHelpFormatter("x")._get_help_string
+    for action in said:
+        assert ours(action) == theirs(action) == f"{action.help} (default: %(default)s)", action.dest
+    for action in unsaid:
+        assert ours(action) == action.help, action.dest
+    parser.formatter_class = cli_help.DefaultsFormatter
+    text = " ".join(parser.format_help().split())
+    assert "rows a step (default: 5)" in text and "how many (default: 0)" in text
+    assert text.count("default: tiny") == 1 and "(default: False)" not in text and "None" not in text
+
+    description = "Two lines as written:\n\n  python x.py --rows 5\n  python x.py --rows 6"
+    helps = []
+    for formatter in (cli_help.RawDescriptionDefaultsFormatter, argparse.RawDescriptionHelpFormatter):
+        raw = argparse.ArgumentParser(prog="x", description=description, formatter_class=formatter)
+        helps.append(raw.format_help())
+    assert helps[0] == helps[1] and "  python x.py --rows 5\n  python x.py --rows 6\n" in helps[0]
