@@ -189,7 +189,8 @@ def test_stored_dtype_is_kept_or_upcast_exactly(family, torch_dtype, name, tmp_p
     ("float32", {"": torch.bfloat16}),
     (None, {"": torch.bfloat16}),  # no dtype in config.json: the weights'
 ])
-def test_default_dtype_is_transformers_auto(config_dtype, stored, tmp_path):
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])  # transformers 4.x's name and 5.x's (4.x's alone passed)
+def test_default_dtype_is_transformers_auto(config_dtype, stored, key, tmp_path):
     """dtype=None picks what transformers' from_pretrained(dtype="auto") does: config.json's dtype, else the
     weights'. Reading the embedding's alone loaded a bf16 checkpoint with an fp32 embedding all in fp32 (2x)."""
     from safetensors.torch import save_file
@@ -202,7 +203,7 @@ def test_default_dtype_is_transformers_auto(config_dtype, stored, tmp_path):
     config.pop("torch_dtype", None)
     config.pop("dtype", None)
     if config_dtype is not None:
-        config["torch_dtype"] = config_dtype
+        config[key] = config_dtype
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     expected = str(LlamaForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype).removeprefix("torch.")
