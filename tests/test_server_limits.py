@@ -102,6 +102,25 @@ class _HeldTokenizer:
         return getattr(self.tokenizer, name)
 
 
+class _CountingTokenizer(_HeldTokenizer):
+    """_HeldTokenizer, counting its callers: the threads that called it, and the most inside it at once."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.lock, self.threads, self.inside, self.most = threading.Lock(), [], 0, 0
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.threads.append(threading.get_ident())
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+
 def test_a_prompt_being_tokenized_does_not_stall_the_other_clients(server):
     """Tokenizing a 3.6 MB prompt took 4 s on the event loop, and every other client waited that long (a /health took
     as long as the whole refusal). Bodies are parsed on the parser thread, with its own copy of the tokenizer (a fast
@@ -131,6 +150,36 @@ def test_a_prompt_being_tokenized_does_not_stall_the_other_clients(server):
         state.parser_tokenizer = held.tokenizer
     assert health.status_code == 200
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2, response.text
+    assert _idle(engine)["running"] == 0
+
+
+def test_the_parser_thread_tokenizes_one_body_at_a_time(server):
+    """The parser's copy of the tokenizer is used by one thread only (a fast tokenizer used by two threads at once may
+    refuse an encode, "Already borrowed": huggingface/tokenizers#537): while one body's encode is held, a second
+    request's waits for it rather than entering the same tokenizer (a pool of 4 parser threads passed every test)."""
+    url, engine, tokenizer, app = server
+    state = app.state.server
+    held = _CountingTokenizer(state.parser_tokenizer)
+    state.parser_tokenizer = held
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            requests = [asyncio.create_task(http.post(f"{url}/v1/completions", json=dict(prompt=p, max_tokens=1)))
+                        for p in ("one two", "three four")]
+            assert await asyncio.to_thread(held.started.wait, 30), "the request was never tokenized"
+            await asyncio.sleep(0.5)  # time for a second parser thread, were there one, to enter the tokenizer
+            with held.lock:
+                entered = len(held.threads)
+            held.release.set()
+            return entered, await asyncio.gather(*requests)
+
+    try:
+        entered, responses = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        held.release.set()
+        state.parser_tokenizer = held.tokenizer
+    assert entered == 1 and held.most == 1 and len(set(held.threads)) == 1, (entered, held.most, held.threads)
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
     assert _idle(engine)["running"] == 0
 
 
