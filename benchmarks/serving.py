@@ -842,8 +842,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  + said("prompt_buckets"))
     parser.add_argument("--attention-impl", help="prompt attention (default: the engine's; static: the model's, cudnn "
                                                  "on a GPU in bf16 / fp16); swiftkv-pages always runs pallas")
-    parser.add_argument("--decode-attention-impl", help="the engine's and static's few-query attention, xla, pallas or "
-                                                        "mosaic (default: the engine's); swiftkv-pages always runs pallas")
+    parser.add_argument("--decode-attention-impl", help="the engine's and static's few-query attention, xla, pallas "
+                                                        "or mosaic (default: the engine's); swiftkv-pages always runs "
+                                                        "pallas")
     parser.add_argument("--static-batches", type=int, help="full static batches timed, at most; "
                                                            + said("static_batches") + "; else all")
     parser.add_argument("--static-chunk-tokens", type=int, help="static prefill: batch x chunk at most this; "

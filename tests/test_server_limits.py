@@ -279,6 +279,7 @@ def test_an_api_key_guards_every_path_but_health_metrics_and_version(server):
         app.state.server.api_key = None
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
 
+
 def test_shown_quotes_at_most_SHOWN_characters_of_the_repr():
     """An error quotes a refused value's repr whole up to SHOWN (80) characters, else exactly its first 80 and its
     length (the server test above only bounds the whole message at 400 characters: a cut at 3 x SHOWN, or a value of
