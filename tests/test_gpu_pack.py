@@ -620,6 +620,25 @@ def test_kernels_and_tune_steps_fit_their_deadlines_to_the_time_left(tmp_path):
         pack.parser().parse_args(["run", "--out", str(tmp_path), "--kernel-parts", "mosaic"])
 
 
+def test_smoke_kernels_step_runs_the_chosen_tables_and_parses_the_gpu_command_lines(tmp_path):
+    """--smoke with the next loan's --kernel-parts and --decode-points: kernels.py --smoke over those tables only
+    (their tiny points: the GPU's, interpreted, would take hours), then each GPU command line, deadline and points
+    included, through kernels.py's own parser (smoke ran all three tables and never saw the points before)."""
+    seen = []
+    ctx = Context(smoke=True, python=sys.executable, repo=REPO, tmp=tmp_path, ends_at=time.monotonic() + 120,
+                  kernel_parts=("paged",), kernel_points={"decode": "32x4096,32x8192"})
+    pack_steps.kernels_step(ctx, seen.append)
+    smoke, check = seen
+    assert smoke.argv[smoke.argv.index("--parts") + 1] == "paged" and "--smoke" in smoke.argv
+    assert "--decode-points" not in smoke.argv
+    argv = [str(a) for a in check.argv]
+    assert argv[1] == str(pack_steps.ARGS_ONLY) and argv[2] == "benchmarks/kernels.py"
+    assert argv[argv.index("--parts") + 1] == "paged" and argv[argv.index("--decode-points") + 1] == "32x4096,32x8192"
+    assert "--deadline" in argv and "--smoke" not in argv
+    assert check.label.startswith("benchmarks/kernels.py --parts paged --decode-points 32x4096,32x8192 (smoke")
+    assert args_only([argv[0], *argv[2:]]).returncode == 0  # the very command the step runs, run here
+
+
 def test_run_hands_its_step_options_to_the_steps(tmp_path, monkeypatch):
     """`pack.py run`'s step options reach the Context the steps run with, not only its parser: --kernel-parts there
     runs only those tables (a Context built without it ran all three, and env.json's options said all three)."""

@@ -5,7 +5,8 @@
             files), pallas (the Triton kernels' files) and rest (every other file with GPU tests); about one call
             of 10 minutes for mosaic, one for pallas with rest (smoke: each part's GPU tests collected, not run)
  2 kernels  benchmarks/kernels.py, the decode, paged and prefill tables each under its own --deadline, the targets'
-            points first (smoke: its --smoke, kernels interpreted)
+            points first (smoke: its --smoke over the --kernel-parts tables, kernels interpreted; the GPU's command
+            lines, points and deadlines included, checked by kernels.py's parser)
  3 bench    `infer.py bench --preset llama-3.1-8b --random-weights` at 2K/8K/32K prompts x batch 1/16/64 with the
             TPOT roofline, one process a point; a point whose estimated memory exceeds the device's is skipped
             ("does not fit"), and large batch x prompt prefills are chunked to bound their activations
@@ -174,11 +175,22 @@ def parse_kernel_parts(text: str) -> tuple:
 
 def kernels_step(ctx, run):
     if ctx.smoke:
-        out = ctx.tmp / "kernels.json"
-        run(Command("benchmarks/kernels.py", (ctx.python, "benchmarks/kernels.py", "--smoke", "--repeats", "1",
-                                              "--profile-at", "2x256", "--out", out), 600, output=out,
-                    script="benchmarks/kernels.py"))
+        # the tables --kernel-parts names, at kernels.py's own tiny points (the GPU's, interpreted, would take hours);
+        # then the GPU's command lines (their --deadline and --decode-points / --prefill-points) parsed by kernels.py
+        out, parts = ctx.tmp / "kernels.json", ",".join(ctx.kernel_parts)
+        run(Command(f"benchmarks/kernels.py --smoke --parts {parts}",
+                    (ctx.python, "benchmarks/kernels.py", "--smoke", "--repeats", "1", "--profile-at", "2x256",
+                     "--parts", parts, "--out", out), 600, output=out, script="benchmarks/kernels.py"))
+        for label, argv, _ in _kernel_commands(ctx, None):
+            run(Command(f"{label} (smoke: arguments checked only)", args_only(argv), 60,
+                        script="benchmarks/kernels.py"))
         return
+    for label, argv, limit in _kernel_commands(ctx, ctx.seconds_left()):
+        run(Command(label, argv, limit, output=argv[argv.index("--out") + 1], script="benchmarks/kernels.py"))
+
+
+def _kernel_commands(ctx, left) -> list:
+    """(label, argv, limit) of each kernels.py command on the GPU, their deadlines fitted to `left` seconds."""
     # the whole grid takes longer than one call: the dense and paged decode tables (bf16, int8, FP8 caches; paged at
     # pages of 16 and 32) and prefill each under kernels.py's own deadline (rows written as measured, the targets'
     # points first; points not started recorded as such). Prefill's targets take the fewest rows. Decode has the
@@ -187,7 +199,8 @@ def kernels_step(ctx, run):
     # --prefill-points narrow the tables to the points still open; the deadlines shrink to the time left.
     # --kernel-parts runs some of them (their deadlines fitted to the time left among themselves).
     chosen = [(parts, deadline) for parts, deadline in KERNEL_PARTS if parts in ctx.kernel_parts]
-    deadlines = fitted([deadline for _, deadline in chosen], ctx.seconds_left(), KERNEL_OVERHEAD_S)
+    deadlines = fitted([deadline for _, deadline in chosen], left, KERNEL_OVERHEAD_S)
+    commands = []
     for (parts, _), deadline in zip(chosen, deadlines):
         out = ctx.tmp / f"kernels_{parts}.json"
         table = "prefill" if parts == "prefill" else "decode"  # the paged table's points are the decode ones
@@ -197,8 +210,8 @@ def kernels_step(ctx, run):
         # the label names the points: `collect` keeps an earlier call's rows of other points (a call's commands
         # replace those of the same label only)
         label = f"benchmarks/kernels.py --parts {parts}" + (f" --{table}-points {points}" if points else "")
-        run(Command(label, argv, deadline + KERNEL_OVERHEAD_S, output=out,
-                    script="benchmarks/kernels.py"))
+        commands.append((label, argv, deadline + KERNEL_OVERHEAD_S))
+    return commands
 
 
 def args_only(argv: tuple) -> tuple:
