@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from swiftkv_jax import demo
 from swiftkv_jax.distill.metrics import read_metrics
@@ -97,6 +98,13 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     assert result["seconds_with_earlier_calls"] == pytest.approx(result["seconds"] + stopped_call)
     teacher_s = json.loads((out / "teacher" / demo.TRAIN_SECONDS).read_text())
     assert teacher_s["seconds"] == pytest.approx(stopped_s + teacher_s["this_call_seconds"], abs=0.11)
+    # the students trained on their own rows a step (distill_batch_size), the teacher on its own, as on the gpu budget
+    settings = demo.SETTINGS["smoke"]
+    assert settings.distill_rows < settings.batch_size
+    for run_dir, rows_a_step in ((out / "teacher", settings.batch_size),
+                                 (out / "distill" / "swiftkv-50", settings.distill_rows)):
+        trained = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+        assert trained["global_batch_size"] == rows_a_step, run_dir
     stages = sorted(p.parent.name for p in out.glob(f"**/{demo.TRAIN_SECONDS}"))
     layers = demo.SETTINGS["smoke"].architecture["num_hidden_layers"]
     assert stages == sorted(["teacher", *(v.name for v in demo.variants(layers) if v.distilled)])
@@ -133,7 +141,8 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     sweep = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",
                            str(sweep), "lr1e-3|2|optim.learning_rate=1e-3"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one device,
+    # as the demo ran (its students' 4 rows a step do not split over the suite's 8 fake devices)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(sweep.read_text())
     assert record["teacher_val_loss"] == pytest.approx(rows["teacher"]["val_loss"], rel=1e-5)
