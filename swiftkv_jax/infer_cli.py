@@ -53,8 +53,9 @@ def _model_options(p: argparse.ArgumentParser, teacher_mode: bool = True) -> Non
     if teacher_mode:
         p.add_argument("--teacher-mode", action="store_true",
                        help="serve a SwiftKV model in its teacher wiring (every layer for every token, full KV cache)")
-    p.add_argument("--cache-dtype", default="bfloat16",
-                   help="KV-cache dtype: bfloat16 (default), float32, float16, or quantised float8_e4m3fn (fp8) / int8")
+    p.add_argument("--cache-dtype", default="auto",
+                   help="KV-cache dtype: auto (default: the model's compute dtype, --dtype's; as vLLM), bfloat16, "
+                        "float32, float16, or quantised float8_e4m3fn (fp8) / int8")
     p.add_argument("--kv-scales", default=None, help="scales of a quantised KV cache: per-token-head (default) or "
                                                        "per-layer (a static scale of 1.0: fp8 only, int8 is refused)")
     p.add_argument("--attention-impl", choices=("xla_flash", "xla", "pallas", "mosaic", "cudnn"), default=None,
@@ -204,10 +205,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _cache_format(args):
-    """The KV cache format of --cache-dtype and --kv-scales (a bad pair raises, naming the choices)."""
-    from swiftkv_jax.model.kv_quant import as_format
+    """The KV cache format of --cache-dtype and --kv-scales (a bad pair raises, naming the choices); `auto` as is,
+    which the library resolves to each model's compute dtype (eval's --compare model may have another)."""
+    from swiftkv_jax.model.kv_quant import as_format, check_format, is_auto
 
-    return as_format(args.cache_dtype, args.kv_scales)
+    check_format(args.cache_dtype, args.kv_scales)
+    return args.cache_dtype if is_auto(args.cache_dtype) else as_format(args.cache_dtype, args.kv_scales)
 
 
 def main(argv=None) -> int:
@@ -239,14 +242,14 @@ def _check_settings(args) -> None:
             raise ValueError(f"--dtype {args.dtype}: {e}") from None
     if getattr(args, "cache_dtype", None) is None:
         return
-    from swiftkv_jax.model.kv_quant import as_format
+    from swiftkv_jax.model.kv_quant import check_format
 
     try:
-        as_format(args.cache_dtype)
+        check_format(args.cache_dtype)
     except ValueError as e:
         raise ValueError(f"--cache-dtype {args.cache_dtype}: {e}") from None
     try:
-        as_format(args.cache_dtype, args.kv_scales)
+        check_format(args.cache_dtype, args.kv_scales)
     except ValueError as e:
         raise ValueError(f"--kv-scales {args.kv_scales} (with --cache-dtype {args.cache_dtype}): {e}") from None
 
@@ -612,6 +615,16 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
     pool = {k: v for k, v in pool.items() if v is not None}
     if "kv_cache_fraction" in pool:
         return pool, None
+    from swiftkv_jax.model.kv_quant import is_auto
+
+    if is_auto(args.cache_dtype):  # the model's compute dtype: the one the weights will load in (as sk.load picks it)
+        from swiftkv_jax.checkpoints.hf import read_config
+        from swiftkv_jax.checkpoints.hf_config import stored_dtype
+
+        dtype = args.dtype or stored_dtype(read_config(args.model))
+        if dtype is None:  # an HF checkpoint's undeclared dtype is its weights': the engine checks once they are loaded
+            return pool, None
+        config = config.replace(param_dtype=dtype, dtype=dtype)
     swiftkv = config.is_swiftkv and not args.teacher_mode
     if args.tensor_parallel > 1:  # the engine holds each KV head on kv_replicas devices: a page costs that many copies
         from swiftkv_jax.serving.tensor_parallel import plan

@@ -287,8 +287,8 @@ def test_quantised_cache_from_the_command_line(checkpoints, capsys, tmp_path):
     rows = json.loads(out_json.read_text())["results"]
     assert code == 0 and {(r["cache_dtype"], r["kv_scales"]) for r in rows} == {("float8_e4m3fn", "per-layer")}
     code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--kv-scales", "per-layer")
-    assert code == 2 and "--kv-scales per-layer (with --cache-dtype bfloat16): " in err
-    assert "do not apply to a bfloat16 cache" in err
+    assert code == 2 and "--kv-scales per-layer (with --cache-dtype auto): " in err  # auto: the default
+    assert "do not apply to cache dtype 'auto'" in err
     code, _, err = run(capsys, "generate", "--model", student, "--prompt", "hi", "--cache-dtype", "int4")
     assert code == 2 and "--cache-dtype int4: unknown KV cache dtype 'int4': choose one of" in err
 

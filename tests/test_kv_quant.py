@@ -6,8 +6,8 @@ import pytest
 
 import jax.numpy as jnp
 import swiftkv_jax as sk
-from swiftkv_jax.model.kv_quant import (KVCacheFormat, as_format, dequantize, init_scales, kv_bytes_per_token,
-                                          quantize)
+from swiftkv_jax.model.kv_quant import (KVCacheFormat, as_format, check_format, dequantize, init_scales,
+                                          kv_bytes_per_token, quantize)
 
 
 def heads(seed=0, shape=(3, 5, 2, 64)):
@@ -75,18 +75,43 @@ def test_unquantised_formats_cast_and_take_no_scales():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("float8_e5m2",), "unknown KV cache dtype 'float8_e5m2': choose one of float32, bfloat16, float16, "
+    (("float8_e5m2",), "unknown KV cache dtype 'float8_e5m2': choose one of auto, float32, bfloat16, float16, "
                        "float8_e4m3fn, int8"),
     (("int4",), "unknown KV cache dtype"),
     (("bfloat16", "per-token-head"), "do not apply to a bfloat16 cache"),
     (("int8", "per-channel"), "choose one of per-layer, per-token-head"),
     (("int8", "per-layer"), "needs a calibrated scale.*per-token-head scales"),  # 1.0 rounds |x| < 0.5 to 0
+    (("auto", "per-token-head"), "do not apply to cache dtype 'auto' \\(the model's float dtype\\)"),
+    (("auto",), "'auto' is the model's compute dtype: resolve it with the model's"),  # no model_dtype given
 ])
 def test_bad_settings_name_the_choices(args, message):
     with pytest.raises(ValueError, match=message):
         as_format(*args)
     with pytest.raises(ValueError, match="positive"):
         KVCacheFormat("int8", "per-layer", per_layer_scale=0.0)
+
+
+@pytest.mark.parametrize("model_dtype, want", [("float32", "float32"), ("bfloat16", "bfloat16"), ("fp16", "float16"),
+                                               (jnp.bfloat16, "bfloat16")])
+def test_auto_is_the_models_compute_dtype(model_dtype, want):
+    """`auto` (the default everywhere, as vLLM's --kv-cache-dtype auto and transformers' caches) is the model's compute
+    dtype, in any spelling; a named dtype ignores the model's."""
+    for auto in ("auto", "AUTO"):
+        fmt = as_format(auto, model_dtype=model_dtype)
+        assert fmt == KVCacheFormat(want) and fmt.element_dtype == jnp.dtype(want) and not fmt.quantized
+    assert as_format("bfloat16", model_dtype="float32").dtype == "bfloat16"
+    assert as_format("int8", model_dtype="float32").element_dtype == jnp.int8
+
+
+def test_check_format_takes_auto_before_the_model_is_known():
+    """EngineOptions and infer.py check the setting before a model is loaded: auto passes, a bad name or scales beside
+    auto name the choices."""
+    check_format("auto")
+    check_format("fp8", "per-layer")
+    with pytest.raises(ValueError, match="choose one of auto, float32, bfloat16, float16, float8_e4m3fn, int8"):
+        check_format("f32x")
+    with pytest.raises(ValueError, match="do not apply to cache dtype 'auto'"):
+        check_format("auto", "per-layer")
 
 
 def test_bytes_reproduce_the_papers_62_5_percent():

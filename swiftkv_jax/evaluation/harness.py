@@ -29,7 +29,7 @@ class EvalOptions:
     max_new_tokens: int = 256       # generation tasks
     chat_template: bool = False     # wrap each context as one user turn of the tokenizer's chat template
     swiftkv: Optional[bool] = None  # None: the SwiftKV fast path for a SwiftKV model; False: teacher wiring
-    cache_dtype: str = "bfloat16"
+    cache_dtype: str = "auto"       # KV cache; "auto": each model's compute dtype (`kv_quant.as_format`)
     mesh: Optional[Mesh] = None     # tensor-parallel serving mesh (`serving_mesh(N)`), None: one device
     attention_impl: Optional[str] = None         # generation tasks' kernels; None: `generate`'s defaults
     decode_attention_impl: Optional[str] = None

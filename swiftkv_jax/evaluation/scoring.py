@@ -78,7 +78,7 @@ def _check_ids(what: str, ids: Sequence[int], vocab_size: int) -> None:
 
 
 def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-                        swiftkv: Optional[bool] = None, batch_size: int = 32, cache_dtype="bfloat16",
+                        swiftkv: Optional[bool] = None, batch_size: int = 32, cache_dtype="auto",
                         progress: Optional[Callable[[int], None]] = None,
                         mesh: Optional[Mesh] = None) -> list[tuple[float, bool]]:
     """(log p(continuation | context), continuation is the greedy one) for (context ids, continuation ids).
@@ -86,10 +86,12 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
     Requests sharing a context share one prefill. batch_size bounds the continuations per call.
     swiftkv=None: the SwiftKV fast path for a SwiftKV model, the plain model as is; False: teacher wiring.
     progress(n) is called with the number of requests finished by each call. mesh: tensor-parallel serving mesh.
+    cache_dtype: "auto" (the model's compute dtype), or any `sk.generate` takes.
     """
     model = for_serving(model, mesh)
     cfg = model.config
     swiftkv = serves_swiftkv(cfg, swiftkv)
+    cache_format = as_format(cache_dtype, model_dtype=cfg.dtype)  # "auto": the model's compute dtype
     groups: dict[tuple, list[int]] = {}
     for i, (context, continuation) in enumerate(requests):
         _check_ids("context", context, cfg.vocab_size)
@@ -117,7 +119,7 @@ def score_continuations(model: Model, requests: Sequence[tuple[Sequence[int], Se
             jnp.asarray(row_ctx),
             jnp.asarray(_pad_rows(conts, padded_length(max(map(len, conts)), None), n_rows)),
             jnp.asarray(np.array([len(c) for c in conts] + [0] * (n_rows - len(conts)), np.int32)),
-            config=cfg, swiftkv=swiftkv, cache_dtype=as_format(cache_dtype), mesh=mesh)
+            config=cfg, swiftkv=swiftkv, cache_dtype=cache_format, mesh=mesh)
         total, greedy = jax.device_get((total, greedy))
         for row, (_, i) in enumerate(members):
             results[i] = (float(total[row]), bool(greedy[row]))

@@ -9,6 +9,10 @@ softmax and accumulation in fp32 (`dequantize` returns fp32). Two scale granular
   largest value, kept in fp32 beside the cache. It costs 4 bytes per token and head (3% of an FP8 head of 128).
 
 Bytes (`kv_bytes_per_token`) count the scales, so the paged pool sizes itself and the bytes table from one rule.
+
+The default cache dtype is `auto`: the model's compute dtype (`ModelConfig.dtype`), as vLLM's `--kv-cache-dtype auto`
+and transformers' caches (an fp32 model's cache is fp32, a bf16 model's bf16). `cache_dtype_name` resolves it, given
+the model's dtype, and is the one place that does.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ if TYPE_CHECKING:  # config imports attention, which reads caches through this m
 # The largest magnitude each quantised format holds: e4m3fn has no infinity, and a value past 448 casts to NaN,
 # so writes clip; int8 keeps -128 unused, so the range is symmetric.
 QUANTIZED_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
-CACHE_DTYPES = tuple(DTYPES) + tuple(QUANTIZED_MAX)
+AUTO = "auto"  # the model's compute dtype
+CACHE_DTYPES = (AUTO,) + tuple(DTYPES) + tuple(QUANTIZED_MAX)
 SCALE_GRANULARITIES = ("per-layer", "per-token-head")
 SCALE_DTYPE = jnp.float32
 # For both formats: a static scale of 1.0 leaves int8 unusable (K/V below 0.5 round to 0), and a good static scale
@@ -34,8 +39,19 @@ DEFAULT_SCALES = "per-token-head"
 _TINY = 1e-12  # an all-zero token-head gets this scale rather than 0 (whose inverse is inf)
 
 
-def cache_dtype_name(dtype) -> str:
-    """The canonical name of a cache dtype (`CACHE_DTYPES`); aliases fp8 / e4m3 / float8 name float8_e4m3fn."""
+def is_auto(dtype) -> bool:
+    """Whether a cache dtype setting is `auto` (the model's compute dtype, resolved by `cache_dtype_name`)."""
+    return isinstance(dtype, str) and dtype.lower() == AUTO
+
+
+def cache_dtype_name(dtype, model_dtype=None) -> str:
+    """The canonical name of a cache dtype (`CACHE_DTYPES`); aliases fp8 / e4m3 / float8 name float8_e4m3fn; `auto`
+    names `model_dtype`, the model's compute dtype (`ModelConfig.dtype`), which it then needs."""
+    if is_auto(dtype):
+        if model_dtype is None:
+            raise ValueError("KV cache dtype 'auto' is the model's compute dtype: resolve it with the model's, "
+                             "as_format(cache_dtype, model_dtype=config.dtype)")
+        return dtype_name(model_dtype)
     if isinstance(dtype, str):
         name = dtype.lower()
         name = {"fp8": "float8_e4m3fn", "float8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
@@ -93,19 +109,29 @@ class KVCacheFormat:
         return head_dim * self.element_dtype.itemsize + (jnp.dtype(SCALE_DTYPE).itemsize if self.dynamic else 0)
 
 
-def as_format(cache_dtype, kv_scales: Optional[str] = None) -> KVCacheFormat:
-    """A `KVCacheFormat` from the user's cache dtype (a name, a dtype or a format) and scale setting."""
+def as_format(cache_dtype, kv_scales: Optional[str] = None, model_dtype=None) -> KVCacheFormat:
+    """A `KVCacheFormat` from the user's cache dtype (a name, a dtype or a format) and scale setting; `auto` becomes
+    `model_dtype`, the model's compute dtype (`ModelConfig.dtype`), which it then needs."""
     if isinstance(cache_dtype, KVCacheFormat):
         if kv_scales is not None and kv_scales != cache_dtype.scales:
             raise ValueError(f"kv scales {kv_scales!r} given beside a KVCacheFormat with {cache_dtype.scales!r}")
         return cache_dtype
-    fmt = KVCacheFormat(cache_dtype, kv_scales)
+    if is_auto(cache_dtype) and kv_scales is not None:  # before resolving: the message names 'auto', not a dtype
+        raise ValueError(f"kv scales {kv_scales!r} do not apply to cache dtype 'auto' (the model's float dtype): "
+                         f"scales go with a quantised cache dtype ({', '.join(QUANTIZED_MAX)}); leave them unset")
+    fmt = KVCacheFormat(cache_dtype_name(cache_dtype, model_dtype), kv_scales)
     if fmt.dtype == "int8" and fmt.scales == "per-layer":  # named by a user: the uncalibrated static scale of 1.0
         raise ValueError("an int8 cache with per-layer scales needs a calibrated scale, and named settings give it "
                          "1.0, which rounds every K/V value below 0.5 to 0 (half of a small model's cache): use "
                          "per-token-head scales (the default), float8_e4m3fn, or "
                          "KVCacheFormat('int8', 'per-layer', per_layer_scale=S) with a scale calibrated for the model")
     return fmt
+
+
+def check_format(cache_dtype, kv_scales: Optional[str] = None) -> None:
+    """Raises as `as_format` would for any model, before one is known (a bad name or scale setting names the
+    choices): `auto` is checked as a float cache, which it is for every model."""
+    as_format(cache_dtype, kv_scales, model_dtype="float32")
 
 
 def kv_bytes_per_token(config: ModelConfig, layers: int, fmt: KVCacheFormat) -> int:

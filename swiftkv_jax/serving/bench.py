@@ -238,7 +238,7 @@ def expected_kv_ratio(config: ModelConfig) -> float:
     return config.num_kv_cache_layers / config.num_hidden_layers
 
 
-def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: int = 3, cache_dtype="bfloat16",
+def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: int = 3, cache_dtype="auto",
           decode_attention_impl: Optional[str] = None, attention_impl: Optional[str] = None,
           prefill_chunk: Optional[int] = None, memory_bandwidth: Optional[float] = None, seed: int = 0,
           keep_tokens: bool = False, mesh: Optional[Mesh] = None) -> list[dict]:
@@ -259,6 +259,7 @@ def bench(model: Model, *, prompt_len: int, gen_len: int, batch: int, repeats: i
     if memory_bandwidth is not None and not 0 < memory_bandwidth < float("inf"):
         raise ValueError(f"memory_bandwidth must be a positive number of bytes/s (H200: 4.8e12), "
                          f"got {memory_bandwidth!r}")
+    cache_dtype = as_format(cache_dtype, model_dtype=model.config.dtype)  # "auto": the rows record the dtype it is
     cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
                          decode_attention_impl=decode_attention_impl)
     model = tensor_parallel.for_serving(Model(cfg, model.params), mesh)
@@ -324,7 +325,7 @@ def sizing_rows(config: ModelConfig, sizes, *, batch: int, max_len: int, cache_f
             except ValueError as e:
                 row = dict(tensor_parallel=tensor, error=str(e))
             rows.append(dict(row, wiring=wiring, param_dtype=config.param_dtype,
-                             cache_dtype=as_format(cache_format).dtype))
+                             cache_dtype=as_format(cache_format, model_dtype=config.dtype).dtype))
     return rows
 
 

@@ -61,15 +61,16 @@ def allocated_length(max_len: int) -> int:
     return -(-max_len // LENGTH_ALIGN) * LENGTH_ALIGN
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="bfloat16",
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, swiftkv: bool, dtype="auto",
                kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> KVCache:
     """An empty cache (zeros, lengths 0) for `batch_size` sequences of up to `max_len` tokens, allocated to the next
-    multiple of `LENGTH_ALIGN` (entries past a sequence's length are never read as keys). `dtype`: a float dtype, or
-    float8_e4m3fn / int8 with `kv_scales` (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works). On a
-    tensor-parallel `mesh`, born split by KV heads."""
+    multiple of `LENGTH_ALIGN` (entries past a sequence's length are never read as keys). `dtype`: `auto` (the
+    model's compute dtype, `config.dtype`), a float dtype, or float8_e4m3fn / int8 with `kv_scales`
+    (`swiftkv_jax.model.kv_quant`; a `KVCacheFormat` also works). On a tensor-parallel `mesh`, born split by KV
+    heads."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
-    fmt = as_format(dtype, kv_scales)
+    fmt = as_format(dtype, kv_scales, config.dtype)
     row = (batch_size, config.num_key_value_heads, allocated_length(max_len), config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(row, fmt.element_dtype), jnp.zeros(row, fmt.element_dtype))
                             + init_scales(fmt, row[:-1]) for _ in range(n))

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from swiftkv_jax.checks import flag, integer, real, token_ids
 from swiftkv_jax.model.cached import unstack_layers
 from swiftkv_jax.model.config import serves_swiftkv
-from swiftkv_jax.model.kv_quant import as_format
+from swiftkv_jax.model.kv_quant import as_format, check_format
 from swiftkv_jax.model.model import Model, check_params
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
 from swiftkv_jax.serving.compile_cache import count_compiles
@@ -136,7 +136,7 @@ class EngineConfig:
     budget_unit: str = "tokens"
     max_model_len: Optional[int] = None
     max_prompt_seqs: int = 8
-    cache_dtype: object = "bfloat16"
+    cache_dtype: object = "auto"  # the model's compute dtype (kv_quant.AUTO)
     kv_scales: Optional[str] = None
     attention_impl: Optional[str] = None
     decode_attention_impl: Optional[str] = None
@@ -182,7 +182,7 @@ class EngineConfig:
             if value is not None and (not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
                                                        for v in value)):
                 raise ValueError(f"{name} must be positive integers, got {value!r}")
-        as_format(self.cache_dtype, self.kv_scales)  # a bad dtype or scale setting names the choices
+        check_format(self.cache_dtype, self.kv_scales)  # a bad dtype or scale setting names the choices
 
 
 @dataclasses.dataclass
@@ -219,7 +219,8 @@ class Engine:
                                            attention_impl=options.attention_impl,
                                            decode_attention_impl=options.decode_attention_impl)
         self.swiftkv = serves_swiftkv(cfg, options.swiftkv)
-        self.cache_format = as_format(options.cache_dtype, options.kv_scales)
+        # "auto": the model's compute dtype, the one the pool is sized and allocated in (and the compile key holds)
+        self.cache_format = as_format(options.cache_dtype, options.kv_scales, cfg.dtype)
         page_size = self.page_size = options.page_size
         budget = dict(num_pages=options.num_pages, kv_cache_bytes=options.kv_cache_bytes,
                       kv_cache_fraction=options.kv_cache_fraction,

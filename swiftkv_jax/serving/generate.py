@@ -103,7 +103,7 @@ def padded_length(length: int, chunk: Optional[int]) -> int:
 def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str], str], max_new_tokens: int = 64,
              *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
-             cache_dtype="bfloat16", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
+             cache_dtype="auto", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
              logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
              attention_impl: Optional[str] = None, on_token: Optional[Callable] = None,
              kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> Generation:
@@ -116,8 +116,9 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     holds prompt + max_new_tokens takes the prompts as they are, unless chunked). decode_attention_impl: the
     few-query attention over the cache, attention_impl: prefill's (defaults: the config's off a GPU, the measured
     fastest on one, see `kernel_choice`). on_token(tokens [B], live [B]) streams: it is called
-    on the host as each token is sampled. cache_dtype: a float dtype, or float8_e4m3fn / int8 (quantised on
-    write, read back in fp32) with kv_scales "per-token-head" (default) or "per-layer" (`model.kv_quant`).
+    on the host as each token is sampled. cache_dtype: "auto" (the default: the model's compute dtype,
+    `model.config.dtype`, as vLLM's and transformers'), a float dtype, or float8_e4m3fn / int8 (quantised on write,
+    read back in fp32) with kv_scales "per-token-head" (default) or "per-layer" (`model.kv_quant`).
     mesh: serve tensor-parallel on this mesh (`serving_mesh(N)`): the weights, unless already placed there
     (`load_sharded`), are split by heads (`tensor_parallel.shard_model`), and so is the cache.
     """

@@ -57,7 +57,7 @@ def is_hopper(device=None) -> bool:
     return device.platform == "gpu" and capability is not None and str(capability).split(".")[0] == "9"
 
 
-def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> tuple[dict, dict]:
+def choose(config: ModelConfig, cache_dtype="auto", *, paged: bool, device=None) -> tuple[dict, dict]:
     """(`default_impls`, {field: why a kernel the rule prefers was passed over for this config's head dim}); the
     reasons are what `serving_config` logs."""
     device = device or jax.devices()[0]
@@ -83,7 +83,8 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
                                          + ("prefill by our Triton flash kernel ('pallas')" if triton else
                                             f"prefill by blockwise XLA ('xla_flash'; our Triton flash kernel's "
                                             f"tiles are sized for head dims up to {FLASH_MAX_HEAD_DIM})"))
-    sixteen_bit_cache = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype)) in SIXTEEN_BIT  # name or format
+    cache_name = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype), config.dtype)  # a name or a format
+    sixteen_bit_cache = cache_name in SIXTEEN_BIT
     if paged:  # the Triton paged kernel takes head dims that are powers of two >= 16 (Llama's 128, 64)
         taken = is_power_of_two(config.head_dim) and config.head_dim >= 16
         impls["decode_attention_impl"] = "pallas" if taken else "xla"
@@ -98,13 +99,13 @@ def choose(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=N
     return impls, reasons
 
 
-def default_impls(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool, device=None) -> dict:
+def default_impls(config: ModelConfig, cache_dtype="auto", *, paged: bool, device=None) -> dict:
     """{attention_impl, decode_attention_impl} an engine serves `config` with by default (see the module
     docstring); `paged`: sk.Engine's pools rather than the static cache."""
     return choose(config, cache_dtype, paged=paged, device=device)[0]
 
 
-def serving_config(config: ModelConfig, cache_dtype="bfloat16", *, paged: bool,
+def serving_config(config: ModelConfig, cache_dtype="auto", *, paged: bool,
                    attention_impl: Optional[str] = None, decode_attention_impl: Optional[str] = None) -> ModelConfig:
     """`config` with the impls the caller named, and the device's defaults (`default_impls`) for the others; logs
     why a default passed over the rule's kernel for this head dim."""

@@ -37,7 +37,8 @@ class PagePool:
 
 def page_bytes(config: ModelConfig, swiftkv: bool, page_size: int, dtype, kv_scales: Optional[str] = None) -> int:
     """Bytes of one page id across every cached layer, K and V (a quantised cache's dynamic scales included)."""
-    return page_size * kv_bytes_per_token(config, cache_layers(config, swiftkv), as_format(dtype, kv_scales))
+    fmt = as_format(dtype, kv_scales, config.dtype)  # "auto": the model's compute dtype
+    return page_size * kv_bytes_per_token(config, cache_layers(config, swiftkv), fmt)
 
 
 def free_memory(devices: list) -> int:
@@ -84,13 +85,13 @@ def pages_for_budget(config: ModelConfig, swiftkv: bool, page_size: int, dtype, 
 POOL_AXES = {4: ("kv_heads", None, None, "head_dim"), 3: ("kv_heads", None, None), 0: ()}
 
 
-def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="bfloat16",
+def init_pool(config: ModelConfig, num_pages: int, page_size: int, swiftkv: bool, dtype="auto",
               kv_scales: Optional[str] = None, mesh: Optional[Mesh] = None) -> PagePool:
-    """Zeroed pools; a quantised `dtype` (`model.kv_quant`) adds its scales to each pair. On a tensor-parallel
-    `mesh`, born split by KV heads."""
+    """Zeroed pools of `dtype` (`auto`: the model's compute dtype, `config.dtype`); a quantised one (`model.kv_quant`)
+    adds its scales to each pair. On a tensor-parallel `mesh`, born split by KV heads."""
     if swiftkv and not config.is_swiftkv:
         raise ValueError("swiftkv=True needs a SwiftKV model: this one has no SwiftKV layers (see to_swiftkv)")
-    fmt = as_format(dtype, kv_scales)
+    fmt = as_format(dtype, kv_scales, config.dtype)
     shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
     pairs = lambda n: tuple((jnp.zeros(shape, fmt.element_dtype), jnp.zeros(shape, fmt.element_dtype))
                             + init_scales(fmt, shape[:-1]) for _ in range(n))

@@ -229,7 +229,7 @@ def sizing(config: ModelConfig, tensor: int, *, batch: int, max_len: int, swiftk
     weights = sum(jax.tree.leaves(jax.tree.map(per_device, abstract_params(served), specs,
                                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
     layers = cache_layers(served, swiftkv)
-    per_token = kv_bytes_per_token(served, layers, as_format(cache_format)) // tensor
+    per_token = kv_bytes_per_token(served, layers, as_format(cache_format, model_dtype=served.dtype)) // tensor
     return dict(tensor_parallel=tensor, kv_replicas=tp_plan.kv_replicas,
                 kv_heads_per_device=served.num_key_value_heads // tensor, weight_bytes_per_device=int(weights),
                 kv_cache_bytes_per_device=int(per_token * batch * allocated_length(max_len)),
