@@ -266,3 +266,26 @@ def test_port_zero_binds_a_free_port():
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def test_serves_pool_check_sizes_an_auto_cache_in_the_dtype_the_weights_load_in(weightless, capsys, tmp_path):
+    """--cache-dtype auto (the default) is the model's compute dtype: the early pool check sizes the pages at the
+    dtype the weights will load in, config.json's or --dtype's (a bf16 checkpoint's pool holds twice the tokens of
+    an fp32 one's), before any weight is read."""
+    from swiftkv_jax.checkpoints.hf_config import config_from_hf
+    from swiftkv_jax.model.kv_quant import as_format
+    from swiftkv_jax.serving.paged_cache import pages_for_budget, tokens_held
+
+    hf, budget = json.loads((weightless / "config.json").read_text()), 1 << 19
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(weightless, bf16)
+    hf = {k: v for k, v in hf.items() if k not in ("dtype", "torch_dtype")}
+    (bf16 / "config.json").write_text(json.dumps({**hf, "torch_dtype": "bfloat16"}))
+    held = {dtype: tokens_held(pages_for_budget(config_from_hf(hf), False, 16, as_format(dtype),
+                                                kv_cache_bytes=budget), 16) for dtype in ("float32", "bfloat16")}
+    assert held["bfloat16"] < POSITIONS
+    for model, flags, dtype in ((weightless, (), "float32"), (bf16, (), "bfloat16"),
+                                (bf16, ("--dtype", "fp32"), "float32")):
+        code, _, err = run(capsys, "serve", "--model", model, *flags, "--kv-cache-bytes", budget, "--page-size", 16,
+                           "--max-model-len", POSITIONS)
+        assert code == 2 and f"pool holds ({held[dtype]} tokens)" in err, (model, flags, err)
