@@ -293,6 +293,17 @@ def test_quantised_cache_from_the_command_line(checkpoints, capsys, tmp_path):
     assert code == 2 and "--cache-dtype int4: unknown KV cache dtype 'int4': choose one of" in err
 
 
+def test_bench_records_the_dtype_an_auto_cache_resolves_to(checkpoints, capsys, tmp_path):
+    """--cache-dtype auto (the default): the model's compute dtype, the checkpoint's (fp32 here) or --dtype's; the
+    JSON rows record that dtype, never 'auto'."""
+    out_json = tmp_path / "bench.json"
+    for flags, want in (((), "float32"), (("--dtype", "bf16"), "bfloat16")):
+        code, out, _ = run(capsys, "bench", "--model", checkpoints / "teacher", "--prompt-len", 16, "--gen-len", 1,
+                           "--batch", 1, "--repeats", 1, *flags, "--output", out_json)
+        rows = json.loads(out_json.read_text())["results"]
+        assert code == 0 and [r["cache_dtype"] for r in rows] == [want] and f"KV {want}" in out
+
+
 def test_tensor_parallel_from_the_command_line(checkpoints, capsys, tmp_path):
     """--tensor-parallel 2 (8 fake CPU devices) generates what one device does and serves the eval; a size that does
     not fit the devices or the heads is a clear error before any weight is read."""
