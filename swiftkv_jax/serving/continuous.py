@@ -30,8 +30,9 @@ import time
 from typing import Optional, Sequence as Seq
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from swiftkv_jax.checks import flag, integer, real, token_ids
 from swiftkv_jax.model.cached import unstack_layers
@@ -44,7 +45,7 @@ from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.paged_cache import init_pool, pages_for_budget, tokens_held
 from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
-from swiftkv_jax.serving.ragged_step import Sampled, StepInput, ragged_step
+from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, StepInput, ragged_step
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
 from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
 
@@ -76,6 +77,17 @@ class RequestOutput:
 def _set_row(tables, slot, row):
     """The device block tables with one slot's row replaced (in place: donated)."""
     return tables.at[slot].set(row)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _reset_counts(counts, slot, marks):
+    """The penalties' counts [S, V] with one slot's row rebuilt (in place: donated) from marks [n]: a prompt token's
+    id (< V) sets its PROMPT_BIT, V + id counts an output token, 2V is padding. A slot out of range: no change."""
+    vocab = counts.shape[1]
+    prompt = marks < vocab
+    row = jnp.zeros(vocab, counts.dtype).at[jnp.where(prompt, marks, vocab)].set(PROMPT_BIT, mode="drop")
+    row = row.at[jnp.where(prompt, vocab, marks - vocab)].add(1, mode="drop")
+    return counts.at[slot].set(row, mode="drop")
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -244,6 +256,13 @@ class Engine:
         # free once the engine's weights exist, and, consumed, the stacked copy is gone (no second copy to OOM).
         self.params = unstack_layers(model.params, cfg, consume=options.consume_weights)
         del model
+        # The penalties' per-slot token counts (`ragged_step.PROMPT_BIT`), before the pool is sized from the free
+        # memory: [max_num_seqs, V] int32, 256 x 128,256 x 4 = 131 MB at vLLM's defaults for Llama 3, born on the
+        # device(s). Kept for the slots of penalised requests only (their admission rebuilds the row, `_launch`).
+        shape = (max_num_seqs, cfg.vocab_size)
+        zeros = functools.partial(jnp.zeros, shape, jnp.int32)
+        self.counts = zeros() if mesh is None else jax.jit(
+            zeros, out_shardings=NamedSharding(mesh, PartitionSpec()))()
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
@@ -272,8 +291,11 @@ class Engine:
         self.tables, self.last_tokens = replicated(mesh, (np.zeros((max_num_seqs, self.pages_per_seq), np.int32),
                                                           np.zeros(max_num_seqs, np.int32)))
         self.max_prompt_seqs = options.max_prompt_seqs
-        # per slot: temperature, top_p, top_k, seed, top_logprobs of the sequence that holds it
-        self._slot_settings = np.zeros((max_num_seqs, 5), np.float64)
+        # per slot: temperature, top_p, top_k, seed, top_logprobs, min_p, repetition, presence and frequency
+        # penalties of the sequence that holds it
+        self._slot_settings = np.zeros((max_num_seqs, 9), np.float64)
+        # rebuilding a penalised sequence's counts row (`_reset_counts`): its tokens padded to one of these
+        self.count_buckets = _growing(min(64, self.max_model_len), self.max_model_len)
         self.scheduler = Scheduler(self.allocator, page_size=page_size, max_num_seqs=max_num_seqs,
                                    budget=float(options.max_num_batched_tokens), max_prompt_tokens=max_prompt_tokens,
                                    max_prompt_seqs=options.max_prompt_seqs, prompt_cost=self.prompt_cost,
@@ -302,11 +324,19 @@ class Engine:
     def add_request(self, prompt: Seq[int], *, request_id: Optional[str] = None, max_tokens: int = 16,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
-                    prompt_logprobs: Optional[int] = None) -> str:
+                    prompt_logprobs: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> str:
         """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
-        runs as full-depth single tokens, see the scheduler); on the request's first output."""
+        runs as full-depth single tokens, see the scheduler); on the request's first output.
+
+        vLLM's sampling, in vLLM's order: the penalties on the model's logits, then the temperature, min_p, top_k
+        and top_p. repetition_penalty (> 0, 1 off): a token of the prompt or the output so far has a positive logit
+        divided by it, a negative one multiplied; presence_penalty and frequency_penalty (in [-2, 2], 0 off): a
+        token the request generated n > 0 times has its logit lowered by presence + frequency x n (OpenAI's). Greedy
+        (temperature 0) takes the argmax of the penalised logits. min_p (in [0, 1], 0 off): tokens less likely than
+        min_p x the most likely one (after the temperature) are dropped. The logprobs stay the model's own."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -319,7 +349,8 @@ class Engine:
         if stop_token_ids is not None:
             stop_token_ids = token_ids("stop_token_ids", stop_token_ids, InvalidRequest)
         params = RequestParams(max_tokens, temperature, top_k, top_p, number % 2**31 if seed is None else seed,
-                               tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs).validate(vocab)
+                               tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs, min_p,
+                               repetition_penalty, presence_penalty, frequency_penalty).validate(vocab)
         max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
@@ -371,8 +402,9 @@ class Engine:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens."""
-        return self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes
+        """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens and
+        the penalties' token counts."""
+        return self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes + self.counts.nbytes
 
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty() or self._in_flight is not None
@@ -404,6 +436,9 @@ class Engine:
             row = np.zeros(self.pages_per_seq, np.int32)
             row[:len(pages)] = pages
             self.tables = _set_row(self.tables, np.int32(slot), replicated(self.mesh, row))
+        for seq in schedule.admitted:  # penalised sequences given a slot: its counts row, from their tokens so far
+            if seq.params.penalised:
+                self._reset_slot_counts(seq)
         key, step, want_top = self._build(schedule)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
@@ -415,6 +450,18 @@ class Engine:
         self.counters["prompt_tokens"] += (sum(c.length for c in schedule.prompts)
                                            + sum(c.start < len(c.seq.prompt) for c in schedule.singles))
         return _InFlight(schedule, token, logprob, top if want_top else None)
+
+    def _reset_slot_counts(self, seq: Sequence) -> None:
+        """Rebuild the counts row of a penalised sequence's new slot from the host: its whole prompt (pages found in
+        the prefix cache never pass through a step) and its output (a preempted sequence comes back once its
+        pending token is known, so the host has every token; the steps add each one sampled after). Launched
+        before the step, after any step that wrote the slot for its previous sequence."""
+        vocab = self.config.vocab_size
+        n = len(seq.prompt) + len(seq.output)
+        marks = np.full(_bucket(n, self.count_buckets), 2 * vocab, np.int32)
+        marks[:len(seq.prompt)] = seq.prompt
+        marks[len(seq.prompt):n] = np.asarray(seq.output, np.int32) + vocab
+        self.counts = _reset_counts(self.counts, np.int32(seq.slot), replicated(self.mesh, marks))
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and hand them to their requests."""
@@ -485,7 +532,8 @@ class Engine:
         singles, prompts, sampling_chunks = schedule.singles, schedule.prompts, schedule.sampling
         for seq in schedule.admitted:
             p = seq.params
-            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs)
+            self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs, p.min_p,
+                                             p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
         num_prompt = sum(c.length for c in prompts)
         widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
                                                                                default=0))
@@ -513,13 +561,14 @@ class Engine:
                 upper_index[rows] = end - 1
                 rows += 1
             offset = end
-        settings = np.zeros((u, 5), np.float64)
-        settings[:, 1] = 1.0  # padding rows: greedy, top_p off
+        settings = np.zeros((u, 9), np.float64)
+        settings[:, [1, 6]] = 1.0  # padding rows: greedy, top_p and the repetition penalty off
         settings[:rows] = self._slot_settings[slots[upper_index[:rows]]]
         count = np.zeros(u, np.int32)
         count[:rows] = [c.count for c in sampling_chunks]
-        sampling = Sampled(settings[:, 0].astype(np.float32), settings[:, 2].astype(np.int32),
-                           settings[:, 1].astype(np.float32), settings[:, 3].astype(np.int32), count)
+        floats = settings.astype(np.float32)
+        sampling = Sampled(floats[:, 0], settings[:, 2].astype(np.int32), floats[:, 1],
+                           settings[:, 3].astype(np.int32), count, *floats[:, 5:].T)
         new = schedule.new_pages
         assert len(new) <= a, (len(new), a)
         table = np.zeros((3, a), np.int32)
@@ -537,8 +586,8 @@ class Engine:
         """Launch the step (asynchronously): its outputs on the device; the engine's state moves on."""
         # one transfer each of the step's ints and floats (jnp.asarray would compile a conversion per shape), to
         # every device of a tensor-parallel mesh
-        token, logprob, top, self.pool, self.tables, self.last_tokens = ragged_step(
-            self.params, self.pool, self.tables, self.last_tokens, replicated(self.mesh, step.pack()),
+        token, logprob, top, self.pool, self.tables, self.last_tokens, self.counts = ragged_step(
+            self.params, self.pool, self.tables, self.last_tokens, self.counts, replicated(self.mesh, step.pack()),
             np.bool_(want_top), sizes=step.sizes, **self._step_options(width))
         return token, logprob, top
 
@@ -548,6 +597,10 @@ class Engine:
         start = time.perf_counter()
         # the table-row update of a prefix-cache hit (before any request: row 0 is all null pages either way)
         self.tables = _set_row(self.tables, np.int32(0), replicated(self.mesh, np.zeros(self.pages_per_seq, np.int32)))
+        for n in self.count_buckets:  # a penalised request's counts row, by its tokens' bucket (no slot: no change)
+            marks = np.full(n, 2 * self.config.vocab_size, np.int32)
+            self.counts = _reset_counts(self.counts, np.int32(self.scheduler.max_num_seqs),
+                                        replicated(self.mesh, marks))
         for key in self.programs():
             t0 = time.perf_counter()
             with count_compiles() as counts:
@@ -573,7 +626,7 @@ class Engine:
         """The program (d single tokens, r prompt tokens, tables `width` pages wide), lowered (`jax.stages.Lowered`):
         for its HLO, cost and memory analyses."""
         step = self._empty_step(d, r)
-        return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens,
+        return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens, self.counts,
                                  replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
                                  **self._step_options(width))
 

@@ -34,17 +34,57 @@ from swiftkv_jax.serving.tensor_parallel import activation_sharding
 @struct.dataclass
 class Sampled:
     """Per logit row [U]: temperature (0 greedy), top_k (0 off), top_p (1 off), seed and the number of tokens the
-    request generated before (the key is fold_in(key(seed), count): the same draw whatever else is in the batch)."""
+    request generated before (the key is fold_in(key(seed), count): the same draw whatever else is in the batch);
+    vLLM's min_p (0 off) and penalties (`apply_penalties`): repetition (1 off), presence and frequency (0 off).
+    None: off for every row."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     seed: jax.Array
     count: jax.Array
+    min_p: Optional[jax.Array] = None
+    repetition_penalty: Optional[jax.Array] = None
+    presence_penalty: Optional[jax.Array] = None
+    frequency_penalty: Optional[jax.Array] = None
+
+
+# The engine's per-slot token counts for the penalties, [max_num_seqs, V] int32 on the device (256 x 128,256 =
+# 131 MB): bits 0-29 count the sequence's output tokens of each id, PROMPT_BIT marks the ids of its prompt.
+PROMPT_BIT = 1 << 30
+
+
+def penalised(s: Sampled):
+    """[U] bool: the rows with a penalty on."""
+    return (s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)
+
+
+def apply_penalties(logits, s: Sampled, counts, slots):
+    """fp32 logits [U, V] with each row's penalties, as vLLM's (and transformers' repetition penalty): a token seen
+    in the prompt or the output has a positive logit divided by repetition_penalty, a negative one multiplied; then
+    logit -= frequency_penalty x its output count + presence_penalty x (count > 0) (OpenAI's formula). counts: the
+    engine's per-slot counts [S, V] (`PROMPT_BIT`), slots [U] each row's (-1: padding, whose settings are off). A
+    step where no row has a penalty runs none of it (not even the [U, V] gather of counts)."""
+
+    def penalise():
+        row = counts[jnp.maximum(slots, 0)]
+        output = row & (PROMPT_BIT - 1)
+        r = s.repetition_penalty[:, None]
+        out = jnp.where(row != 0, jnp.where(logits > 0, logits / r, logits * r), logits)
+        return out - s.frequency_penalty[:, None] * output - s.presence_penalty[:, None] * (output > 0)
+
+    return jax.lax.cond(jnp.any(penalised(s)), penalise, lambda: logits)
+
+
+def count_tokens(counts, s: Sampled, slots, tokens):
+    """counts [S, V] plus each penalised row's sampled token (rows of slot -1 or out of range: none)."""
+    rows = jnp.where(penalised(s) & (slots >= 0), slots, counts.shape[0])
+    return counts.at[rows, tokens].add(1, mode="drop")
 
 
 def sample_rows(logits, s: Sampled):
-    """tokens [U] from fp32 logits [U, V], each row by its own settings (`sampling.sample`'s rules per row)."""
+    """tokens [U] from fp32 logits [U, V], each row by its own settings (`sampling.sample`'s rules per row; min_p
+    after the temperature, before top-k and top-p, as vLLM V1)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
@@ -56,6 +96,8 @@ def sample_rows(logits, s: Sampled):
         # every token tied with the k-th too, as transformers' TopKLogitsWarper, vLLM and `sampling.sample` keep them
         kth = jnp.take_along_axis(ranked, jnp.clip(s.top_k - 1, 0, logits.shape[-1] - 1)[:, None], axis=-1)
         keep = (s.top_k[:, None] == 0) | (ranked >= kth)
+        if s.min_p is not None:  # p / p_max = exp(ranked), ranked less the max
+            keep &= jnp.exp(ranked) >= s.min_p[:, None]
         probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
         keep &= jnp.cumsum(probs, axis=-1) - probs < s.top_p[:, None]  # the smallest prefix reaching top_p
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seed, s.count)
@@ -88,18 +130,23 @@ class StepInput:
         ints = [self.tokens, self.positions, self.slots, self.segments, self.upper_index, self.targets,
                 self.sampling.top_k,
                 self.sampling.seed, self.sampling.count, self.table_slots, self.table_indices, self.table_pages]
-        floats = [np.asarray(x, np.float32).view(np.int32) for x in (self.sampling.temperature, self.sampling.top_p)]
+        s, u = self.sampling, self.upper_index.shape[0]
+        off = lambda x, value: np.full(u, value) if x is None else x  # noqa: E731 (a setting None: off)
+        floats = [np.asarray(x, np.float32).view(np.int32) for x in (
+            s.temperature, s.top_p, off(s.min_p, 0), off(s.repetition_penalty, 1), off(s.presence_penalty, 0),
+            off(s.frequency_penalty, 0))]
         return np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ints] + floats)
 
     @classmethod
     def unpack(cls, packed, sizes: tuple) -> "StepInput":
         """The inverse of `pack` for a step of sizes (D + R tokens, R prompt tokens, U rows, A table entries)."""
         t, r, u, a = sizes
-        parts = np.cumsum([0, t, t, t, r, u, u, u, u, u, a, a, a, u, u])
+        parts = np.cumsum([0, t, t, t, r, u, u, u, u, u, a, a, a] + [u] * 6)
         (tokens, positions, slots, segments, upper_index, targets, top_k, seed, count, table_slots, table_indices,
-         table_pages, temperature, top_p) = (packed[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
-        floats = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
-        sampling = Sampled(floats(temperature), top_k, floats(top_p), seed, count)
+         table_pages, *floats) = (packed[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
+        temperature, top_p, min_p, repetition, presence, frequency = (
+            jax.lax.bitcast_convert_type(x, jnp.float32) for x in floats)
+        sampling = Sampled(temperature, top_k, top_p, seed, count, min_p, repetition, presence, frequency)
         return cls(tokens, positions, slots, segments, upper_index, targets, sampling, table_slots, table_indices,
                    table_pages)
 
@@ -109,25 +156,27 @@ class StepInput:
 
 
 @functools.partial(jax.jit, static_argnames=("sizes", "config", "swiftkv", "width", "xla_loop", "mesh"),
-                   donate_argnames=("pool", "tables", "last_tokens"))
-def ragged_step(params, pool: PagePool, tables, last_tokens, packed, want_top, *, sizes: tuple,
+                   donate_argnames=("pool", "tables", "last_tokens", "counts"))
+def ragged_step(params, pool: PagePool, tables, last_tokens, counts, packed, want_top, *, sizes: tuple,
                 config: ModelConfig, swiftkv: bool, width: int, xla_loop: str = "dynamic", mesh: Optional[Mesh] = None):
-    """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens).
+    """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens,
+    counts).
     params in serving layout (`unstack_layers`, done once by the engine).
 
     The device keeps the engine's state between steps, donated and updated in place: the pool, the block tables
     [S, M] (a row per slot; this step writes its new entries) and last_tokens [S] (the token each slot's sequence
-    sampled last, which a decode whose token is still on its way to the host reads). Attention reads the first
+    sampled last, which a decode whose token is still on its way to the host reads) and counts [S, V] (the
+    penalties' token counts, `PROMPT_BIT`: a penalised row adds its sampled token). Attention reads the first
     `width` entries of each table (the engine's bucket of the step's longest sequence); `xla_loop` is the XLA
     paged path's form (`model.paged.default_xla_loop`). want_top []: whether any row asked for its top logprobs
     (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel mesh of params and pool, None for
     one device. packed: `StepInput.pack()` of the step's inputs, whose `sizes` are static."""
     with activation_sharding(config, mesh):
-        return _ragged_step(params, pool, tables, last_tokens, StepInput.unpack(packed, sizes), want_top, config,
-                            swiftkv, width, xla_loop)
+        return _ragged_step(params, pool, tables, last_tokens, counts, StepInput.unpack(packed, sizes), want_top,
+                            config, swiftkv, width, xla_loop)
 
 
-def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swiftkv, width, xla_loop):
+def _ragged_step(params, pool, tables, last_tokens, counts, step, want_top, config, swiftkv, width, xla_loop):
     num_slots, page_size = tables.shape[0], pool.lower[0][0].shape[2]
     tables = tables.at[step.table_slots, step.table_indices].set(step.table_pages, mode="drop")
     slots, positions = step.slots, step.positions
@@ -154,7 +203,8 @@ def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swif
         h, upper_pool = cached_upper(params, config, h, positions, batch, pool.upper, swiftkv=False)
         h = h[:, upper_index]
     logits = head(params, config, h)[0]
-    token = sample_rows(logits, sampling)
+    # penalties, then the temperature, min_p, top-k and top-p (vLLM's order); the logprobs are the model's own
+    token = sample_rows(apply_penalties(logits, sampling, counts, upper_slots), sampling)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     scored = step.targets >= 0  # a scored prompt token's row: the logprob of its target, and no token kept
     logprob = jnp.take_along_axis(log_probs, jnp.where(scored, step.targets, token)[:, None], axis=-1)[:, 0]
@@ -164,4 +214,5 @@ def _ragged_step(params, pool, tables, last_tokens, step, want_top, config, swif
                                                                                             jnp.int32)))
     keep = (upper_slots >= 0) & ~scored
     last_tokens = last_tokens.at[jnp.where(keep, upper_slots, num_slots)].set(token, mode="drop")
-    return token, logprob, top, PagePool(lower, upper_pool), tables, last_tokens
+    counts = count_tokens(counts, sampling, jnp.where(keep, upper_slots, -1), token)
+    return token, logprob, top, PagePool(lower, upper_pool), tables, last_tokens, counts

@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-k, top-p (nucleus), from a seed."""
+"""Next-token choice: greedy, temperature, top-k, top-p (nucleus), min-p, from a seed; the range checks of the
+penalties the continuous engine applies (`ragged_step.apply_penalties`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0            # 0: off (as is any k >= the vocabulary: it keeps every token)
     top_p: float = 1.0        # 1: off
+    min_p: float = 0.0        # 0: off; after the temperature, drop tokens less likely than min_p x the top one
 
     def __post_init__(self):
         # a NaN temperature sampled token 0 every step, a float top_k failed inside lax.top_k: refused by name, and
@@ -30,6 +32,24 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}", "top_p")
+        object.__setattr__(self, "min_p", real("min_p", self.min_p, InvalidRequest))
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must lie in [0, 1] (0 = off), got {self.min_p}", "min_p")
+
+
+def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> tuple:
+    """(repetition, presence, frequency) as floats, vLLM's ranges: repetition_penalty > 0 (1 = off), presence and
+    frequency in [-2, 2] (0 = off); InvalidRequest naming the first bad one."""
+    repetition = real("repetition_penalty", repetition_penalty, InvalidRequest)
+    if repetition <= 0:
+        raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off), got {repetition}", "repetition_penalty")
+    out = [repetition]
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        value = real(name, value, InvalidRequest)
+        if not -2 <= value <= 2:
+            raise InvalidRequest(f"{name} must lie in [-2, 2] (0 = off), got {value}", name)
+        out.append(value)
+    return tuple(out)
 
 
 def sample(logits, rng, params: SamplingParams):
@@ -40,6 +60,8 @@ def sample(logits, rng, params: SamplingParams):
     # less the row's max first (softmax is unchanged): at a tiny temperature the quotient overflowed to inf, softmax
     # gave NaN and every row drew token 0; a subnormal one (flushed to 0 on the device) is the smallest normal
     logits = (logits - logits.max(axis=-1, keepdims=True)) / max(params.temperature, TINY)
+    if params.min_p > 0:  # vLLM's order: after the temperature, before top-k / top-p (p / p_max = exp(x - max))
+        logits = jnp.where(jnp.exp(logits) < params.min_p, -jnp.inf, logits)
     if 0 < params.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -47,7 +47,7 @@ from swiftkv_jax.checks import flag, integer, real
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
-from swiftkv_jax.serving.sampling import SamplingParams
+from swiftkv_jax.serving.sampling import SamplingParams, check_penalties
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -71,14 +71,27 @@ class RequestParams:
     logprobs: bool = False      # the sampled token's log-probability under the model (before temperature etc.)
     top_logprobs: int = 0       # and the k most likely tokens' (k <= MAX_TOP_LOGPROBS), with logprobs
     prompt_logprobs: Optional[int] = None  # each prompt token's logprob and the k most likely there (vLLM's)
+    min_p: float = 0.0                # vLLM's: 0 off, in [0, 1]
+    repetition_penalty: float = 1.0   # 1 off, > 0: on the prompt's and the output's tokens
+    presence_penalty: float = 0.0     # 0 off, in [-2, 2]: on the output's tokens
+    frequency_penalty: float = 0.0    # 0 off, in [-2, 2]: on the output's tokens, times their count
+
+    @property
+    def penalised(self) -> bool:
+        """Whether a penalty is on (the engine then keeps this sequence's token counts)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate(self, vocab_size: int) -> "RequestParams":
         """These params with numpy scalars as Python numbers; InvalidRequest naming the first bad setting."""
         number = lambda name, value: real(name, value, InvalidRequest)
         whole = lambda name, value: integer(name, value, error=InvalidRequest)
         sampling = SamplingParams(number("temperature", self.temperature), self.top_k,
-                                  number("top_p", self.top_p))  # its own range checks
+                                  number("top_p", self.top_p), number("min_p", self.min_p))  # its own range checks
+        repetition, presence, frequency = check_penalties(self.repetition_penalty, self.presence_penalty,
+                                                          self.frequency_penalty)
         changes = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                       min_p=sampling.min_p, repetition_penalty=repetition, presence_penalty=presence,
+                       frequency_penalty=frequency,
                        max_tokens=whole("max_tokens", self.max_tokens), seed=whole("seed", self.seed),
                        top_logprobs=whole("top_logprobs", self.top_logprobs),
                        logprobs=flag("logprobs", self.logprobs, InvalidRequest))  # bool("false") is True
