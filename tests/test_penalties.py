@@ -215,3 +215,17 @@ def test_bad_penalties_are_refused_by_name(setting, value, message):
     with pytest.raises(InvalidRequest, match=message) as e:
         engine("swiftkv-g1").add_request([1, 2, 3], **{setting: value})
     assert e.value.param == setting
+
+
+def test_sk_generate_takes_min_p_and_refuses_penalties_naming_the_engine():
+    model, swiftkv = MODELS["swiftkv-g1"]
+    request = dict(swiftkv=swiftkv, cache_dtype="float32", stop_token_ids=[], max_len=80)
+    # min_p=1 keeps the most likely token only: greedy, whatever the temperature
+    got = sk.generate(model, [PROMPTS[0]], MAX_TOKENS, temperature=1.5, min_p=1.0, seed=3, **request).tokens[0]
+    assert list(got) == list(alone("swiftkv-g1", tuple(PROMPTS[0]))[0])
+    for setting in (dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=-1.0)):
+        with pytest.raises(InvalidRequest, match="use sk.Engine") as e:
+            sk.generate(model, [PROMPTS[0]], 2, **setting, **request)
+        assert e.value.param == next(iter(setting))
+    with pytest.raises(InvalidRequest, match="min_p must lie in"):
+        sk.generate(model, [PROMPTS[0]], 2, min_p=-0.1, **request)
