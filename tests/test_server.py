@@ -50,6 +50,9 @@ PROMPTS = ["What is 4 + 5?", "Sort these words: fig apple pear", "Repeat 'owl' 2
 # temperature, and chat's max_tokens, or does not depend on them)
 GENERATION = {"temperature": 0.0, "top_p": 0.95, "top_k": 40, "max_new_tokens": 5, "repetition_penalty": 1.1,
               "min_p": 0.05}
+# ... less its repetition_penalty, which the server would apply to every request that omits it (the references are
+# sk.generate's unpenalised greedy tokens; `test_generation_config_sets_what_an_omitted_field_gets` checks it)
+SERVED_GENERATION = {k: v for k, v in GENERATION.items() if k != "repetition_penalty"}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def server(student, tokenizer, reference, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("log") / "server.log"
     generation = tmp_path_factory.mktemp("generation")
-    (generation / "generation_config.json").write_text(json.dumps(GENERATION))
+    (generation / "generation_config.json").write_text(json.dumps(SERVED_GENERATION))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
             "--served-model-name", MODEL, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
@@ -394,6 +397,41 @@ def test_n_seed_and_logprobs(client, tokenizer, reference):
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == want
 
 
+def _penalised_greedy(model, ids, n, eos, repetition=1.0, presence=0.0, frequency=0.0) -> list:
+    """Greedy tokens (to eos or n), each the argmax of the full forward's last logits with vLLM's penalties in
+    numpy: repetition on the prompt's and the output's tokens (transformers' rule), then OpenAI's presence and
+    frequency on the output's."""
+    tokens, out = list(ids), []
+    while len(out) < n and (not out or out[-1] != eos):
+        logits = np.asarray(sk.logits(model, np.asarray([tokens])), np.float64)[0, -1]
+        seen = np.isin(np.arange(len(logits)), tokens)
+        logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+        counts = np.bincount(out, minlength=len(logits))
+        out.append(int(np.argmax(logits - frequency * counts - presence * (counts > 0))))
+        tokens.append(out[-1])
+    return out
+
+
+def test_penalties_through_the_openai_client(client, student, tokenizer, reference):
+    """vLLM's repetition_penalty and min_p (extra_body) and OpenAI's presence_penalty and frequency_penalty, greedy
+    on both endpoints: the tokens of the full forward penalised in numpy, not those without the penalties."""
+    model = sk.load(student / "student")
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    want = _penalised_greedy(model, ids, 12, eos, repetition=3.0, presence=1.0)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, presence_penalty=1.0,
+                                    extra_body={"repetition_penalty": 3.0})
+    assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    assert want != list(reference(ids, 12)[0])
+    chat_ids = _chat_ids(tokenizer, PROMPTS[3])
+    want = _penalised_greedy(model, chat_ids, 12, eos, frequency=2.0)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3]}],
+                                         max_tokens=12, temperature=0, frequency_penalty=2.0,
+                                         extra_body={"min_p": 0.2, "repetition_penalty": 1.0})
+    assert out.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+    assert want != list(reference(chat_ids, 12)[0])
+
+
 def test_stop_strings_cut_the_text(client, tokenizer, reference):
     ids = tokenizer(PROMPTS[3])["input_ids"]
     text = reference(ids)[2]
@@ -565,7 +603,16 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", "is not valid Unicode"),
     ("/v1/completions", dict(prompt="hi", temperature=10**400), 400, "temperature", "must be a finite number"),
     ("/v1/completions", dict(prompt=[]), 400, "prompt", "prompt must be a string"),
-    ("/v1/completions", dict(prompt="hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    ("/v1/completions", dict(prompt="hi", presence_penalty=2.5), 400, "presence_penalty",
+     "presence_penalty must lie in [-2, 2]"),
+    ("/v1/completions", dict(prompt="hi", frequency_penalty="x"), 400, "frequency_penalty",
+     "frequency_penalty must be a number"),
+    ("/v1/completions", dict(prompt="hi", repetition_penalty=0), 400, "repetition_penalty",
+     "repetition_penalty must be > 0"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], min_p=1.5), 400, "min_p",
+     "min_p must lie in [0, 1]"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], frequency_penalty=-2.5), 400,
+     "frequency_penalty", "frequency_penalty must lie in [-2, 2]"),
     ("/v1/completions", dict(prompt="hi", min_tokens=3), 400, "min_tokens", "with ignore_eos: true"),
     ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), 400, "stop_token_ids", "stop_token_ids must lie"),
     ("/v1/completions", dict(prompt="hi", stream=True, stream_options=dict(include_usage="yes")), 400,
@@ -646,21 +693,27 @@ def test_metrics_count_what_was_sent(server):
 def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
     """vLLM's --generation-config: the file's temperature, top_p, top_k (-1: off) and max_new_tokens (chat's
     max_tokens) are the defaults; values equal to transformers' defaults are none (vLLM reads the file's diff from
-    them); repetition_penalty and min_p are reported, not applied; a request's own values win."""
+    them; min_p 0 is off); repetition_penalty and min_p too, as vLLM's; a request's own values win."""
     defaults, ignored = sampling_defaults(GENERATION, "gen.json")
-    assert defaults == dict(temperature=0.0, top_p=0.95, top_k=40, max_tokens=5)
-    assert ignored == dict(repetition_penalty=1.1, min_p=0.05)
+    assert defaults == dict(temperature=0.0, top_p=0.95, top_k=40, max_tokens=5, repetition_penalty=1.1, min_p=0.05)
+    assert ignored == {}
     assert sampling_defaults(dict(temperature=1.0, top_p=1.0, top_k=50, repetition_penalty=1.0, min_p=0.0,
                                   do_sample=True, eos_token_id=[1, 2]), "f") == ({}, {})
     assert sampling_defaults(dict(top_k=-1, temperature=0.6, max_new_tokens=None), "f") == \
         (dict(temperature=0.6, top_k=0), {})
     for bad, words in ((dict(temperature=-1), "temperature must be >= 0"), (dict(top_p=0), "top_p must lie in"),
                        (dict(top_k="40"), "top_k must be an integer"), (dict(max_new_tokens=0), "max_new_tokens must"),
-                       (dict(temperature=True), "temperature must be a number")):
+                       (dict(temperature=True), "temperature must be a number"),
+                       (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+                       (dict(min_p=2), r"min_p must lie in \[0, 1\]")):
         with pytest.raises(ValueError, match=f"gen.json: .*{words}"):
             sampling_defaults(bad, "gen.json")
     job = parse_completion(dict(prompt="hi"), tokenizer, defaults)
     assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.0, 0.95, 40, 16)
+    assert (job.engine["repetition_penalty"], job.engine["min_p"], job.engine["presence_penalty"]) == (1.1, 0.05, 0)
+    job = parse_chat(dict(messages=[{"role": "user", "content": "hi"}], repetition_penalty=1, min_p=0,
+                          presence_penalty=0.5), tokenizer, defaults)
+    assert (job.engine["repetition_penalty"], job.engine["min_p"], job.engine["presence_penalty"]) == (1, 0, 0.5)
     job = parse_completion(dict(prompt="hi", temperature=0.7, top_p=1, top_k=-1, max_tokens=3), tokenizer, defaults)
     assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.7, 1.0, 0, 3)
     chat = dict(messages=[{"role": "user", "content": "hi"}])
@@ -688,8 +741,7 @@ def test_the_servers_generation_config_is_the_default_of_omitted_fields(server, 
     assert out.choices[0].message.content == reference(chat_ids, 8)[2]
     log = server.log.read_text()
     assert "Default sampling parameters have been overridden by the model's generation config" in log
-    assert "temperature=0.0, top_p=0.95, top_k=40, max_tokens=5" in log
-    assert "repetition_penalty=1.1, min_p=0.05, which this server does not implement: NOT applied" in log
+    assert "temperature=0.0, top_p=0.95, top_k=40, max_tokens=5, min_p=0.05" in log and "NOT applied" not in log
 
 
 def test_tokenize_detokenize_version_and_request_ids(server, tokenizer):
@@ -750,10 +802,11 @@ def test_serve_reads_generation_config_and_api_key_as_vllm(tmp_path, monkeypatch
     args = lambda *more: parser().parse_args(["serve", "--model", str(tmp_path), *more])
     monkeypatch.setattr(logging.getLogger("swiftkv_jax"), "propagate", True)  # main(["serve"...]) turned it off
     with caplog.at_level("INFO", logger="swiftkv_jax"):
-        assert _sampling_defaults(args()) == dict(temperature=0.6, top_p=0.9)
+        assert _sampling_defaults(args()) == dict(temperature=0.6, top_p=0.9, min_p=0.1)
     assert "overridden by the model's generation config" in caplog.text and "min_p=0.1" in caplog.text
     assert _sampling_defaults(args("--generation-config", "vllm")) == {}
-    assert _sampling_defaults(args("--generation-config", str(tmp_path))) == dict(temperature=0.6, top_p=0.9)
+    assert _sampling_defaults(args("--generation-config", str(tmp_path))) == dict(temperature=0.6, top_p=0.9,
+                                                                                 min_p=0.1)
     with pytest.raises(ValueError, match="--generation-config .*: no generation_config.json there"):
         _sampling_defaults(args("--generation-config", str(tmp_path / "nowhere")))
     (tmp_path / "generation_config.json").write_text(json.dumps(dict(top_p=2.0)))

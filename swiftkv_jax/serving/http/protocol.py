@@ -9,16 +9,17 @@ setting (`Job.param` maps it to this request's field). Every problem becomes a `
 
 Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument supplied: x"), so a misspelled
 option never silently does nothing. Fields of the OpenAI schema that this server does not implement are accepted
-only at their no-op values (`presence_penalty: 0`, `logit_bias: {}`, `best_of` = n, ...) and refused otherwise.
+only at their no-op values (`logit_bias: {}`, `best_of` = n, ...) and refused otherwise. `presence_penalty` and
+`frequency_penalty` are applied (the engine's), as are vLLM's `repetition_penalty` and `min_p`.
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
 completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
 computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generated).
 
-A request that omits temperature, top_p or top_k takes the server's sampling defaults (`sampling_defaults`: the
-model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off; chat's omitted max_tokens
-is the rest of the context, at most the file's max_new_tokens. `parse_tokenize` and `parse_detokenize` are vLLM's
-/tokenize and /detokenize bodies.
+A request that omits temperature, top_p, top_k, repetition_penalty or min_p takes the server's sampling defaults
+(`sampling_defaults`: the model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off;
+chat's omitted max_tokens is the rest of the context, at most the file's max_new_tokens. `parse_tokenize` and
+`parse_detokenize` are vLLM's /tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -90,8 +91,6 @@ class Job:
 
 # no-op values of OpenAI fields that are not implemented: field -> predicate on the value
 NO_OP = {
-    "presence_penalty": lambda v: v in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "logit_bias": lambda v: not v,
     "suffix": lambda v: v in (None, ""),
     "user": lambda v: True,
@@ -103,10 +102,13 @@ NO_OP = {
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "parallel_tool_calls": lambda v: True,
 }
-COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stream",
-          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {
-    "presence_penalty", "frequency_penalty", "logit_bias", "suffix", "user"}
+# the sampling options besides temperature and top_p: vLLM's extensions (top_k, min_p, repetition_penalty) and
+# OpenAI's penalties -> (the server's default when omitted, unless generation_config.json sets it)
+SAMPLING_OPTIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
+COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens"} | set(SAMPLING_OPTIONS)
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"logit_bias", "suffix", "user"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
 
 
@@ -150,9 +152,11 @@ def _check_fields(body: dict, allowed: set) -> None:
 
 
 # generation_config.json: the fields vLLM takes as request defaults (`--generation-config auto`) -> the request's
-GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
-# ... and those it takes that this server does not implement, with their no-op values (they are not applied)
-NOT_APPLIED = {"repetition_penalty": (1, 1.0), "min_p": (0, 0.0)}
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
+                     "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
+# ... and those it takes that this server does not implement, with their no-op values (they are not applied): none
+# since the engine applies repetition_penalty and min_p
+NOT_APPLIED: dict = {}
 # transformers' GenerationConfig defaults: vLLM reads the file through GenerationConfig.to_diff_dict(), so a value
 # equal to one of these is no override there (a file's top_k of 50 included), nor here
 HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
@@ -160,15 +164,16 @@ HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalt
 
 def sampling_defaults(generation_config: dict, source: str) -> tuple[dict, dict]:
     """(request defaults, not applied) of a generation_config.json's content: {request field: value} of the
-    temperature, top_p, top_k (-1 or 0: off) and max_new_tokens (chat's max_tokens) it sets, and {name: value} of
-    the parameters vLLM would also take from it that this server does not implement (repetition_penalty != 1,
-    min_p > 0). A value the engine would refuse raises ValueError naming `source` (else every request that omits
-    the field would be refused for a value it did not send)."""
+    temperature, top_p, top_k (-1 or 0: off), repetition_penalty, min_p and max_new_tokens (chat's max_tokens) it
+    sets, and {name: value} of the parameters vLLM would also take from it that this server does not implement
+    (`NOT_APPLIED`, none now). A value the engine would refuse raises ValueError naming `source` (else every
+    request that omits the field would be refused for a value it did not send)."""
     from swiftkv_jax.serving.errors import InvalidRequest
-    from swiftkv_jax.serving.sampling import SamplingParams
+    from swiftkv_jax.serving.sampling import SamplingParams, check_penalties
 
     given = {k: v for k, v in generation_config.items()
-             if v is not None and (isinstance(v, bool) or HF_DEFAULTS.get(k, object()) != v)}  # True == 1.0
+             if v is not None and (isinstance(v, bool) or HF_DEFAULTS.get(k, object()) != v)  # True == 1.0
+             and not (k == "min_p" and v == 0)}  # off (transformers' default is None)
     defaults, ignored = {}, {}
     for name, field in GENERATION_FIELDS.items():
         if name not in given:
@@ -181,7 +186,8 @@ def sampling_defaults(generation_config: dict, source: str) -> tuple[dict, dict]
             raise ValueError(f"{source}: {name} must be {what}, got {shown(value)}")
         defaults[field] = 0 if name == "top_k" and value == -1 else value
     try:
-        SamplingParams(**{k: defaults[k] for k in ("temperature", "top_k", "top_p") if k in defaults})
+        SamplingParams(**{k: defaults[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in defaults})
+        check_penalties(defaults.get("repetition_penalty", 1.0))
     except InvalidRequest as e:
         raise ValueError(f"{source}: {e}") from None
     for name, no_op in NOT_APPLIED.items():
@@ -199,10 +205,12 @@ def _sampling(body: dict, defaults: dict) -> dict:
                                  any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
         raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {shown(stop_ids)}",
                            "stop_token_ids")
+    options = {name: _number(body, name, defaults.get(name, off)) for name, off in SAMPLING_OPTIONS.items()
+               if name != "top_k"}
     return dict(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
                 top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
-                extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"))
+                extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"), **options)
 
 
 def _min_tokens(body: dict, sampling: dict, stop: list) -> None:

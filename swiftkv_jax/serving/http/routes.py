@@ -89,7 +89,8 @@ class Server:
         seed = job.seed if job.seed is None or choice == 0 else (job.seed + choice) % 2**31
         return dict(max_tokens=max(1, max_tokens), temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
                     seed=seed, stop_token_ids=stops, logprobs=job.logprobs, top_logprobs=job.top_logprobs,
-                    prompt_logprobs=job.prompt_logprobs)
+                    prompt_logprobs=job.prompt_logprobs, min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
+                    presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"])
 
     def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
         """Check the job against the limits and add its choices to the engine; all or none."""
@@ -227,10 +228,10 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
     its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `process.start_engine`'s figures,
-    shown in /metrics (swiftkv_startup_*). sampling_defaults: what a request that omits temperature, top_p, top_k
-    (chat: max_tokens) gets, `protocol.sampling_defaults` of a generation_config.json. api_key: every path but
-    /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401). app.state.server holds the
-    shared state (app.state.server.loop.stats: the engine's last stats)."""
+    shown in /metrics (swiftkv_startup_*). sampling_defaults: what a request that omits temperature, top_p, top_k,
+    repetition_penalty, min_p (chat: max_tokens) gets, `protocol.sampling_defaults` of a generation_config.json.
+    api_key: every path but /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401).
+    app.state.server holds the shared state (app.state.server.loop.stats: the engine's last stats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
