@@ -12,7 +12,8 @@ import pytest
 
 import swiftkv_jax as sk
 from swiftkv_jax.serving.errors import InvalidRequest
-from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, apply_penalties, count_tokens, sample_rows
+from swiftkv_jax.serving.ragged_step import (PROMPT_BIT, Sampled, apply_penalties, count_tokens,
+                                             sample_penalised, sample_rows)
 from swiftkv_jax.serving.sampling import SamplingParams, sample
 
 from test_continuous_engine import MAX_TOKENS, PROMPTS, alone, engine
@@ -66,9 +67,27 @@ def test_penalties_per_row_are_transformers_repetition_penalty_and_openais_formu
         output = np.bincount(outputs[i], minlength=V)
         want = want - frequency[i] * output - presence[i] * (output > 0)
         np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
-    # no row penalised: the logits as they are (the branch that skips the counts)
+    # no row penalised: the logits as they are
     np.testing.assert_array_equal(np.asarray(apply_penalties(jnp.asarray(logits), rows(n), jnp.asarray(table), slots)),
                                   logits)
+
+
+def test_sample_penalised_branches_give_tokens_not_logits():
+    """The engine step's sampling: the penalised rows' tokens are `sample_rows` of the penalised logits, the plain
+    ones' of the logits; the lax.cond that skips the penalties when no row has one returns only tokens [U], so its
+    plain branch does not copy the [U, V] logits (which the step keeps for the logprobs)."""
+    rng = np.random.default_rng(1)
+    n = 6
+    logits = jnp.asarray((rng.standard_normal((n, V)) * 3).astype(np.float32))
+    _, _, counts = random_history(rng, n)
+    slots = np.arange(n, dtype=np.int32)
+    for s in (rows(n), rows(n, repetition_penalty=[1.0, 3.0, 1.0, 0.5, 1.0, 1.0], frequency_penalty=[0.0] * 5 + [2.0])):
+        want = sample_rows(apply_penalties(logits, s, jnp.asarray(counts), slots), s)
+        got = jax.jit(sample_penalised)(logits, s, jnp.asarray(counts), slots)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    jaxpr = jax.make_jaxpr(sample_penalised)(logits, rows(n), jnp.asarray(counts), slots)
+    conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1 and [v.aval.shape for v in conds[0].outvars] == [(n,)]
 
 
 def test_count_tokens_adds_the_penalised_rows_tokens_only():

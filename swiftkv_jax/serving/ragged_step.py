@@ -63,17 +63,20 @@ def apply_penalties(logits, s: Sampled, counts, slots):
     """fp32 logits [U, V] with each row's penalties, as vLLM's (and transformers' repetition penalty): a token seen
     in the prompt or the output has a positive logit divided by repetition_penalty, a negative one multiplied; then
     logit -= frequency_penalty x its output count + presence_penalty x (count > 0) (OpenAI's formula). counts: the
-    engine's per-slot counts [S, V] (`PROMPT_BIT`), slots [U] each row's (-1: padding, whose settings are off). A
-    step where no row has a penalty runs none of it (not even the [U, V] gather of counts)."""
+    engine's per-slot counts [S, V] (`PROMPT_BIT`), slots [U] each row's (-1: padding, whose settings are off)."""
+    row = counts[jnp.maximum(slots, 0)]
+    output = row & (PROMPT_BIT - 1)
+    r = s.repetition_penalty[:, None]
+    out = jnp.where(row != 0, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return out - s.frequency_penalty[:, None] * output - s.presence_penalty[:, None] * (output > 0)
 
-    def penalise():
-        row = counts[jnp.maximum(slots, 0)]
-        output = row & (PROMPT_BIT - 1)
-        r = s.repetition_penalty[:, None]
-        out = jnp.where(row != 0, jnp.where(logits > 0, logits / r, logits * r), logits)
-        return out - s.frequency_penalty[:, None] * output - s.presence_penalty[:, None] * (output > 0)
 
-    return jax.lax.cond(jnp.any(penalised(s)), penalise, lambda: logits)
+def sample_penalised(logits, s: Sampled, counts, slots):
+    """tokens [U]: `sample_rows` of the logits with their penalties (`apply_penalties`). A step where no row has a
+    penalty runs none of it (not even the [U, V] gather of counts); the branches give tokens, not logits, so the
+    other branch does not copy the [U, V] logits either (the step still reads them for the logprobs)."""
+    return jax.lax.cond(jnp.any(penalised(s)), lambda: sample_rows(apply_penalties(logits, s, counts, slots), s),
+                        lambda: sample_rows(logits, s))
 
 
 def count_tokens(counts, s: Sampled, slots, tokens):
@@ -204,7 +207,7 @@ def _ragged_step(params, pool, tables, last_tokens, counts, step, want_top, conf
         h = h[:, upper_index]
     logits = head(params, config, h)[0]
     # penalties, then the temperature, min_p, top-k and top-p (vLLM's order); the logprobs are the model's own
-    token = sample_rows(apply_penalties(logits, sampling, counts, upper_slots), sampling)
+    token = sample_penalised(logits, sampling, counts, upper_slots)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     scored = step.targets >= 0  # a scored prompt token's row: the logprob of its target, and no token kept
     logprob = jnp.take_along_axis(log_probs, jnp.where(scored, step.targets, token)[:, None], axis=-1)[:, 0]
