@@ -280,6 +280,26 @@ def test_an_api_key_guards_every_path_but_health_metrics_and_version(server):
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
 
 
+def test_the_api_key_header_is_read_as_vllms(server):
+    """The Authorization header as vLLM's AuthenticationMiddleware reads it (Starlette's Headers.get: the first
+    header; the scheme case-insensitive, as RFC 7235 has it): `bearer KEY` is served (curl users write it so), and
+    two headers are not joined into a key (`Bearer s3` + `cret` passed as `Bearer s3cret`)."""
+    url, _, _, app = server
+    app.state.server.api_key = "s3cret"
+    try:
+        get = lambda *headers: httpx.get(f"{url}/v1/models", headers=list(headers), timeout=10).status_code
+        assert get(("Authorization", "Bearer s3cret")) == 200
+        assert get(("authorization", "bearer s3cret")) == 200
+        assert get(("Authorization", "BEARER s3cret")) == 200
+        assert get(("Authorization", "Bearer s3"), ("Authorization", "cret")) == 401
+        assert get(("Authorization", "Bearer s3cret"), ("Authorization", "Bearer wrong")) == 200  # the first
+        assert get(("Authorization", "Bearer wrong"), ("Authorization", "Bearer s3cret")) == 401
+        for wrong in ("Basic s3cret", "Bearers3cret", "Bearer  s3cret", "s3cret", "Bearer s3cretX"):
+            assert get(("Authorization", wrong)) == 401, wrong
+    finally:
+        app.state.server.api_key = None
+
+
 def test_shown_quotes_at_most_SHOWN_characters_of_the_repr():
     """An error quotes a refused value's repr whole up to SHOWN (80) characters, else exactly its first 80 and its
     length (the server test above only bounds the whole message at 400 characters: a cut at 3 x SHOWN, or a value of

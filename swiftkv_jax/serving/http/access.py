@@ -1,6 +1,7 @@
 """Who may call the server, and the X-Request-Id echo: two ASGI middlewares (pure ASGI, so streams pass through).
 
-`Authenticate`: with an API key (`--api-key`, vLLM's), every request needs `Authorization: Bearer KEY`, else 401
+`Authenticate`: with an API key (`--api-key`, vLLM's), every request needs `Authorization: Bearer KEY` (the first such
+header; the scheme in any case, as vLLM's), else 401
 with an OpenAI error object (code `invalid_api_key`, as OpenAI's). /health, /metrics and /version stay open (a load
 balancer's probe and Prometheus carry no key, as with vLLM); /tokenize and /detokenize need the key, unlike vLLM's
 (it guards /v1 only): they take the parser thread's time, which the /v1 requests wait for. The key is compared in
@@ -27,8 +28,12 @@ class Authenticate:
         key = self.server.api_key
         if key is None or scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = b"".join(v for k, v in scope["headers"] if k == b"authorization")
-        if hmac.compare_digest(given, b"Bearer " + key.encode("utf-8")):
+        # as vLLM's middleware reads it (Starlette's Headers.get): the first Authorization header, its scheme
+        # case-insensitive (RFC 7235: "bearer KEY" is a Bearer token); joining every such header let `Bearer s3` and
+        # `cret` pass as one key
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, key.encode("utf-8")):
             return await self.app(scope, receive, send)
         what = "no API key given" if not given else "an incorrect API key"
         body = {"error": {"message": f"{what}: send the server's key (--api-key) as `Authorization: Bearer KEY`",
