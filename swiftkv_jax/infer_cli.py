@@ -193,7 +193,7 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults of requests that omit temperature, top_p, top_k, repetition_penalty, "
-                        "min_p (chat: max_tokens): auto, "
+                        "min_p, and a cap on every request's max_tokens (max_new_tokens): auto, "
                         "the model folder's generation_config.json; vllm, none (temperature 1, top_p 1, top_k off); "
                         "DIR, that folder's generation_config.json (vLLM's flag; EOS ids always come from the model "
                         "folder's) (default: auto)")

@@ -51,8 +51,10 @@ PROMPTS = ["What is 4 + 5?", "Sort these words: fig apple pear", "Repeat 'owl' 2
 GENERATION = {"temperature": 0.0, "top_p": 0.95, "top_k": 40, "max_new_tokens": 5, "repetition_penalty": 1.1,
               "min_p": 0.05}
 # ... less its repetition_penalty, which the server would apply to every request that omits it (the references are
-# sk.generate's unpenalised greedy tokens; `test_generation_config_sets_what_an_omitted_field_gets` checks it)
-SERVED_GENERATION = {k: v for k, v in GENERATION.items() if k != "repetition_penalty"}
+# sk.generate's unpenalised greedy tokens; `test_generation_config_sets_what_an_omitted_field_gets` checks it), and
+# with a max_new_tokens of the whole context, as it caps every request (test_server_limits checks the cap)
+SERVED_GENERATION = {**{k: v for k, v in GENERATION.items() if k != "repetition_penalty"},
+                     "max_new_tokens": MAX_MODEL_LEN}
 
 
 @pytest.fixture(scope="module")
@@ -710,6 +712,7 @@ def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
             sampling_defaults(bad, "gen.json")
     job = parse_completion(dict(prompt="hi"), tokenizer, defaults)
     assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.0, 0.95, 40, 16)
+    assert job.max_tokens_cap == 5  # the file's max_new_tokens caps completions too (Server.engine_options)
     assert (job.engine["repetition_penalty"], job.engine["min_p"], job.engine["presence_penalty"]) == (1.1, 0.05, 0)
     job = parse_chat(dict(messages=[{"role": "user", "content": "hi"}], repetition_penalty=1, min_p=0,
                           presence_penalty=0.5), tokenizer, defaults)
@@ -718,30 +721,29 @@ def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
     assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens) == (0.7, 1.0, 0, 3)
     chat = dict(messages=[{"role": "user", "content": "hi"}])
     job = parse_chat(chat, tokenizer, defaults)
-    assert (job.engine["temperature"], job.max_tokens, job.default_max_tokens) == (0.0, None, 5)
+    assert (job.engine["temperature"], job.max_tokens, job.max_tokens_cap) == (0.0, None, 5)
     assert parse_chat(dict(chat, max_tokens=9, temperature=1), tokenizer, defaults).max_tokens == 9
     job = parse_chat(chat, tokenizer)  # no file: 1, 1, off, the rest of the context
-    assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.default_max_tokens) == \
+    assert (job.engine["temperature"], job.engine["top_p"], job.engine["top_k"], job.max_tokens_cap) == \
         (1.0, 1.0, 0, None)
 
 
 def test_the_servers_generation_config_is_the_default_of_omitted_fields(server, client, tokenizer, reference):
-    """The module's server runs with --generation-config DIR (GENERATION: temperature 0, max_new_tokens 5): an
-    omitted temperature is greedy, chat's omitted max_tokens is 5, completions' stays OpenAI's 16 (as vLLM's); a
-    request's own max_tokens wins (its own temperature: test_n_seed_and_logprobs samples at 1)."""
+    """The module's server runs with --generation-config DIR (SERVED_GENERATION: temperature 0, max_new_tokens the
+    whole context): an omitted temperature is greedy, completions' omitted max_tokens is OpenAI's 16 (as vLLM's), a
+    request's own max_tokens is kept (its own temperature: test_n_seed_and_logprobs samples at 1). The cap of a
+    smaller max_new_tokens: test_server_limits."""
     ids = tokenizer(PROMPTS[0])["input_ids"]
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0])
     assert out.choices[0].text == reference(ids)[2] and out.usage.completion_tokens == len(reference(ids)[0])
     chat_ids = _chat_ids(tokenizer, PROMPTS[1])
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    out = client.chat.completions.create(model=MODEL, messages=messages)
-    assert out.choices[0].message.content == reference(chat_ids, 5)[2]
-    assert out.usage.completion_tokens == len(reference(chat_ids, 5)[0])
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
     assert out.choices[0].message.content == reference(chat_ids, 8)[2]
     log = server.log.read_text()
     assert "Default sampling parameters have been overridden by the model's generation config" in log
-    assert "temperature=0.0, top_p=0.95, top_k=40, max_tokens=5, min_p=0.05" in log and "NOT applied" not in log
+    assert f"temperature=0.0, top_p=0.95, top_k=40, max_tokens={MAX_MODEL_LEN}, min_p=0.05" in log
+    assert "NOT applied" not in log
 
 
 def test_tokenize_detokenize_version_and_request_ids(server, tokenizer):

@@ -313,3 +313,27 @@ def test_shown_quotes_at_most_SHOWN_characters_of_the_repr():
     bias = {str(i): 1 for i in range(5000)}
     assert shown(bias) == f"{repr(bias)[:80]}... ({len(repr(bias))} characters)"
     assert shown(None) == "None" and shown([1, 2]) == "[1, 2]"
+
+
+def test_generation_configs_max_new_tokens_caps_every_request(server):
+    """vLLM's --generation-config max_new_tokens is a server limit: each request gets the least of the context's room,
+    its own max_tokens (completions' default 16) and the file's, on both endpoints; a request past the context is still
+    refused (vLLM checks it first). Set on the module's server's defaults (read per request) and reset."""
+    import openai
+
+    url, _, _, app = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    ask = dict(model="m", temperature=0, extra_body=dict(ignore_eos=True))
+    messages = [{"role": "user", "content": "hi"}]
+    app.state.server.sampling_defaults = dict(max_tokens=3)
+    try:
+        assert client.completions.create(prompt="hi", **ask).usage.completion_tokens == 3  # default 16, capped
+        assert client.completions.create(prompt="hi", max_tokens=10, **ask).usage.completion_tokens == 3
+        assert client.completions.create(prompt="hi", max_tokens=2, **ask).usage.completion_tokens == 2
+        assert client.chat.completions.create(messages=messages, max_tokens=10, **ask).usage.completion_tokens == 3
+        assert client.chat.completions.create(messages=messages, **ask).usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            client.completions.create(prompt="hi", max_tokens=MAX_MODEL_LEN, **ask)
+    finally:
+        app.state.server.sampling_defaults = {}
+    assert client.completions.create(prompt="hi", max_tokens=10, **ask).usage.completion_tokens == 10

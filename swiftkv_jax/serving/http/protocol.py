@@ -18,8 +18,9 @@ computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generat
 
 A request that omits temperature, top_p, top_k, repetition_penalty or min_p takes the server's sampling defaults
 (`sampling_defaults`: the model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off;
-chat's omitted max_tokens is the rest of the context, at most the file's max_new_tokens. `parse_tokenize` and
-`parse_detokenize` are vLLM's /tokenize and /detokenize bodies.
+the file's max_new_tokens caps every request's max_tokens, given or not, on both endpoints (vLLM takes the least of
+the context's room, the request's and this "server limit"). `parse_tokenize` and `parse_detokenize` are vLLM's
+/tokenize and /detokenize bodies.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
-    default_max_tokens: Optional[int] = None  # max_tokens None: at most this many (generation_config's max_new_tokens)
+    max_tokens_cap: Optional[int] = None  # generation_config's max_new_tokens: at most this many, whatever max_tokens
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -164,10 +165,10 @@ HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalt
 
 def sampling_defaults(generation_config: dict, source: str) -> tuple[dict, dict]:
     """(request defaults, not applied) of a generation_config.json's content: {request field: value} of the
-    temperature, top_p, top_k (-1 or 0: off), repetition_penalty, min_p and max_new_tokens (chat's max_tokens) it
-    sets, and {name: value} of the parameters vLLM would also take from it that this server does not implement
-    (`NOT_APPLIED`, none now). A value the engine would refuse raises ValueError naming `source` (else every
-    request that omits the field would be refused for a value it did not send)."""
+    temperature, top_p, top_k (-1 or 0: off), repetition_penalty, min_p and max_new_tokens (max_tokens: a cap on
+    every request's) it sets, and {name: value} of the parameters vLLM would also take from it that this server does
+    not implement (`NOT_APPLIED`, none now). A value the engine would refuse raises ValueError naming `source` (else
+    every request that omits the field would be refused for a value it did not send)."""
     from swiftkv_jax.serving.errors import InvalidRequest
     from swiftkv_jax.serving.sampling import SamplingParams, check_penalties
 
@@ -305,7 +306,7 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
 
 def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
     """A completion request; `defaults`: the server's sampling defaults (`sampling_defaults`). An omitted max_tokens
-    is OpenAI's 16, whatever generation_config.json says (as vLLM's completions)."""
+    is OpenAI's 16 (as vLLM's completions), capped by the file's max_new_tokens as any other."""
     _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
@@ -320,7 +321,7 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> 
     prompts, texts = _prompts(body["prompt"], tokenizer)
     return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
-               common["include_usage"], common["continuous_usage"], field)
+               common["include_usage"], common["continuous_usage"], field, (defaults or {}).get("max_tokens"))
 
 
 def _content(message: dict, i: int) -> str:

@@ -77,13 +77,14 @@ class Server:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens, but the "
                                f"{param} has {p} tokens: no room is left for a completion. Shorten the {param}.",
                                param, code="context_length_exceeded")
-        max_tokens = job.max_tokens if job.max_tokens is not None else \
-            min(room, self.capacity_tokens - p, job.default_max_tokens or room)
+        max_tokens = job.max_tokens if job.max_tokens is not None else min(room, self.capacity_tokens - p)
         if p + max_tokens > self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                f"requested {p + max_tokens} tokens ({p} in the {param}, {max_tokens} for the "
                                f"completion). Reduce the {param} or {job.max_tokens_field} (at most {room} here).",
                                job.max_tokens_field, code="context_length_exceeded")
+        if job.max_tokens_cap is not None:  # generation_config's max_new_tokens: vLLM's server limit, on every request
+            max_tokens = min(max_tokens, job.max_tokens_cap)
         s = job.engine
         stops = sorted(set(s["extra_stop_ids"]) | (set() if s["ignore_eos"] else set(self.stop_token_ids)))
         seed = job.seed if job.seed is None or choice == 0 else (job.seed + choice) % 2**31
@@ -229,7 +230,8 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
     its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `process.start_engine`'s figures,
     shown in /metrics (swiftkv_startup_*). sampling_defaults: what a request that omits temperature, top_p, top_k,
-    repetition_penalty, min_p (chat: max_tokens) gets, `protocol.sampling_defaults` of a generation_config.json.
+    repetition_penalty, min_p gets, and max_tokens, every request's cap; `protocol.sampling_defaults` of a
+    generation_config.json.
     api_key: every path but /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401).
     app.state.server holds the shared state (app.state.server.loop.stats: the engine's last stats)."""
     from fastapi import FastAPI
