@@ -162,12 +162,16 @@ def lone(prompt, **kw):
     return engine("swiftkv-g1").generate([prompt], max_tokens=MAX_TOKENS, stop_token_ids=[], **kw)[0].token_ids
 
 
-def run_mixed(num_pages: int):
+def run_mixed(num_pages: int, settings=None, reference=None):
     """8 requests over 4 slots (slots reused), plain ones between penalised ones, sampled ones too: the plain get
     the exact tokens of a run without penalties, the penalised those of their full-forward reference (greedy) or of
-    their run alone (sampled: a seed), whatever slot held which request before."""
+    their run alone (sampled: a seed), whatever slot held which request before. settings: the 8 requests' options
+    (default: the penalties'), reference(prompt, options): a greedy one's tokens (default: `penalised_reference`)."""
     sampled = dict(temperature=1.0, seed=5, min_p=0.05, repetition_penalty=1.3, presence_penalty=1.0)
-    settings = [PENALISED[0], {}, PENALISED[1], {}, sampled, PENALISED[2], {}, PENALISED[0]]
+    settings = settings or [PENALISED[0], {}, PENALISED[1], {}, sampled, PENALISED[2], {}, PENALISED[0]]
+    reference = reference or (lambda prompt, kw: penalised_reference(
+        "swiftkv-g1", prompt, MAX_TOKENS, repetition=kw.get("repetition_penalty", 1.0),
+        presence=kw.get("presence_penalty", 0.0), frequency=kw.get("frequency_penalty", 0.0)))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     eng = engine("swiftkv-g1", num_pages=num_pages)
     ids = [eng.add_request(p, max_tokens=MAX_TOKENS, stop_token_ids=[], **kw) for p, kw in zip(prompts, settings)]
@@ -180,10 +184,8 @@ def run_mixed(num_pages: int):
         elif "temperature" in kw:
             assert done[rid].token_ids == lone(prompt, **kw)
         else:
-            penalties = dict(repetition=kw.get("repetition_penalty", 1.0), presence=kw.get("presence_penalty", 0.0),
-                             frequency=kw.get("frequency_penalty", 0.0))
-            assert done[rid].token_ids == penalised_reference("swiftkv-g1", prompt, MAX_TOKENS, **penalties), kw
-        if kw:  # the penalties change what it says
+            assert done[rid].token_ids == reference(prompt, kw), kw
+        if kw:  # the settings change what it says
             assert done[rid].token_ids != alone("swiftkv-g1", tuple(prompt))[0] or "temperature" in kw
     return eng
 

@@ -47,6 +47,7 @@ from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, StepInput, ragged_step
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
+from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS
 from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,13 @@ def _reset_counts(counts, slot, marks):
     row = jnp.zeros(vocab, counts.dtype).at[jnp.where(prompt, marks, vocab)].set(PROMPT_BIT, mode="drop")
     row = row.at[jnp.where(prompt, vocab, marks - vocab)].add(1, mode="drop")
     return counts.at[slot].set(row, mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_bias(bias, slot, ids, values):
+    """The logit bias table (ids, values) [S, MAX_LOGIT_BIAS] with one slot's row replaced (in place: donated) by
+    ids [MAX_LOGIT_BIAS] (padding: V) and values. A slot out of range: no change."""
+    return bias[0].at[slot].set(ids, mode="drop"), bias[1].at[slot].set(values, mode="drop")
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -263,6 +271,11 @@ class Engine:
         zeros = functools.partial(jnp.zeros, shape, jnp.int32)
         self.counts = zeros() if mesh is None else jax.jit(
             zeros, out_shardings=NamedSharding(mesh, PartitionSpec()))()
+        # The logit bias of each slot, sparse: (ids, values) [max_num_seqs, MAX_LOGIT_BIAS], ids padded with V (0.6
+        # MB at 256 slots); a biased request's admission writes its slot's row, `_launch`
+        self.bias = replicated(mesh, (np.full((max_num_seqs, MAX_LOGIT_BIAS), cfg.vocab_size, np.int32),
+                                      np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)))
+        self._slot_biased = np.zeros(max_num_seqs, bool)  # the slots whose row holds a bias (to clear on reuse)
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
@@ -325,7 +338,8 @@ class Engine:
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
                     prompt_logprobs: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> str:
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    logit_bias: Optional[dict] = None) -> str:
         """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
@@ -336,7 +350,9 @@ class Engine:
         divided by it, a negative one multiplied; presence_penalty and frequency_penalty (in [-2, 2], 0 off): a
         token the request generated n > 0 times has its logit lowered by presence + frequency x n (OpenAI's). Greedy
         (temperature 0) takes the argmax of the penalised logits. min_p (in [0, 1], 0 off): tokens less likely than
-        min_p x the most likely one (after the temperature) are dropped. The logprobs stay the model's own."""
+        min_p x the most likely one (after the temperature) are dropped. logit_bias (OpenAI's): {token id: bias in
+        [-100, 100]}, at most MAX_LOGIT_BIAS (300) ids, each bias added to that token's logit before the penalties
+        (vLLM V1's order; -100 all but bans a token, +100 all but forces it). The logprobs stay the model's own."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -350,7 +366,8 @@ class Engine:
             stop_token_ids = token_ids("stop_token_ids", stop_token_ids, InvalidRequest)
         params = RequestParams(max_tokens, temperature, top_k, top_p, number % 2**31 if seed is None else seed,
                                tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs, min_p,
-                               repetition_penalty, presence_penalty, frequency_penalty).validate(vocab)
+                               repetition_penalty, presence_penalty, frequency_penalty,
+                               () if logit_bias is None else logit_bias).validate(vocab)
         max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
@@ -403,8 +420,9 @@ class Engine:
     @property
     def state_bytes(self) -> int:
         """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens and
-        the penalties' token counts."""
-        return self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes + self.counts.nbytes
+        the penalties' token counts and the logit bias table."""
+        return (self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes + self.counts.nbytes
+                + sum(a.nbytes for a in self.bias))
 
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty() or self._in_flight is not None
@@ -439,6 +457,8 @@ class Engine:
         for seq in schedule.admitted:  # penalised sequences given a slot: its counts row, from their tokens so far
             if seq.params.penalised:
                 self._reset_slot_counts(seq)
+            if seq.params.biased or self._slot_biased[seq.slot]:  # a biased one's row, or a former one's cleared
+                self._set_slot_bias(seq)
         key, step, want_top = self._build(schedule)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
@@ -462,6 +482,17 @@ class Engine:
         marks[:len(seq.prompt)] = seq.prompt
         marks[len(seq.prompt):n] = np.asarray(seq.output, np.int32) + vocab
         self.counts = _reset_counts(self.counts, np.int32(seq.slot), replicated(self.mesh, marks))
+
+    def _set_slot_bias(self, seq: Sequence) -> None:
+        """Write a sequence's logit bias to its new slot's row (none: the row cleared). Launched before the step,
+        after any step that read the slot for its previous sequence."""
+        ids = np.full(MAX_LOGIT_BIAS, self.config.vocab_size, np.int32)
+        values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+        n = len(seq.params.logit_bias)
+        if n:
+            ids[:n], values[:n] = zip(*seq.params.logit_bias)
+        self.bias = _set_bias(self.bias, np.int32(seq.slot), *replicated(self.mesh, (ids, values)))
+        self._slot_biased[seq.slot] = n > 0
 
     def _collect(self, flight: _InFlight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and hand them to their requests."""
@@ -587,7 +618,8 @@ class Engine:
         # one transfer each of the step's ints and floats (jnp.asarray would compile a conversion per shape), to
         # every device of a tensor-parallel mesh
         token, logprob, top, self.pool, self.tables, self.last_tokens, self.counts = ragged_step(
-            self.params, self.pool, self.tables, self.last_tokens, self.counts, replicated(self.mesh, step.pack()),
+            self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias,
+            replicated(self.mesh, step.pack()),
             np.bool_(want_top), sizes=step.sizes, **self._step_options(width))
         return token, logprob, top
 
@@ -601,6 +633,8 @@ class Engine:
             marks = np.full(n, 2 * self.config.vocab_size, np.int32)
             self.counts = _reset_counts(self.counts, np.int32(self.scheduler.max_num_seqs),
                                         replicated(self.mesh, marks))
+        no_bias = np.full(MAX_LOGIT_BIAS, self.config.vocab_size, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+        self.bias = _set_bias(self.bias, np.int32(self.scheduler.max_num_seqs), *replicated(self.mesh, no_bias))
         for key in self.programs():
             t0 = time.perf_counter()
             with count_compiles() as counts:
@@ -626,7 +660,7 @@ class Engine:
         """The program (d single tokens, r prompt tokens, tables `width` pages wide), lowered (`jax.stages.Lowered`):
         for its HLO, cost and memory analyses."""
         step = self._empty_step(d, r)
-        return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens, self.counts,
+        return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias,
                                  replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
                                  **self._step_options(width))
 

@@ -104,7 +104,8 @@ def padded_length(length: int, chunk: Optional[int]) -> int:
 def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str], str], max_new_tokens: int = 64,
              *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             stop_token_ids: Optional[Sequence[int]] = None, swiftkv: Optional[bool] = None,
+             logit_bias: Optional[dict] = None, stop_token_ids: Optional[Sequence[int]] = None,
+             swiftkv: Optional[bool] = None,
              cache_dtype="auto", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
              logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
              attention_impl: Optional[str] = None, on_token: Optional[Callable] = None,
@@ -114,7 +115,8 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     swiftkv=None serves a SwiftKV model in SwiftKV wiring and a plain model as is; swiftkv=False serves a
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
     min_p (vLLM's, 0 off) as `sk.Engine`'s; repetition_penalty, presence_penalty and frequency_penalty only off
-    (1, 0, 0): they need per-sequence token counts, which `sk.Engine` keeps (InvalidRequest otherwise).
+    (1, 0, 0): they need per-sequence token counts, which `sk.Engine` keeps (InvalidRequest otherwise); logit_bias
+    only None or {}: `sk.Engine` applies it.
     max_len: cache length (default: the longest prompt + max_new_tokens, at least the prompts' bucket,
     `padded_length`: a power of two >= 16, finer past 2048 tokens, or a multiple of prefill_chunk; a max_len that
     holds prompt + max_new_tokens takes the prompts as they are, unless chunked). decode_attention_impl: the
@@ -137,6 +139,9 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
                              "counts, which sk.generate does not keep: use sk.Engine (add_request takes them) or the "
                              "server", "repetition_penalty" if repetition_penalty != 1 else
                              "presence_penalty" if presence_penalty != 0 else "frequency_penalty")
+    if logit_bias:
+        raise InvalidRequest("logit_bias is applied by sk.Engine (add_request takes it) and the server, not by "
+                             "sk.generate: use sk.Engine", "logit_bias")
     if isinstance(prompts, str):
         prompts = [prompts]
     if not hasattr(prompts, "__iter__"):

@@ -71,11 +71,29 @@ def apply_penalties(logits, s: Sampled, counts, slots):
     return out - s.frequency_penalty[:, None] * output - s.presence_penalty[:, None] * (output > 0)
 
 
-def sample_penalised(logits, s: Sampled, counts, slots):
-    """tokens [U]: `sample_rows` of the logits with their penalties (`apply_penalties`). A step where no row has a
-    penalty runs none of it (not even the [U, V] gather of counts); the branches give tokens, not logits, so the
-    other branch does not copy the [U, V] logits either (the step still reads them for the logprobs)."""
-    return jax.lax.cond(jnp.any(penalised(s)), lambda: sample_rows(apply_penalties(logits, s, counts, slots), s),
+def biased(bias_ids, slots, vocab: int):
+    """[U] bool: the rows whose slot has a logit bias (its first id < vocab, `apply_bias`; slot -1: none)."""
+    return (slots >= 0) & (bias_ids[jnp.maximum(slots, 0), 0] < vocab)
+
+
+def apply_bias(logits, bias, slots):
+    """fp32 logits [U, V] plus each row's logit bias (OpenAI's logit_bias): bias = (ids [S, K] int32, values [S, K]
+    fp32), the engine's per-slot table (ids first, padded with ids >= V, which are dropped), slots [U] each row's.
+    Rows of slot -1 (padding) or of a slot with no bias: unchanged."""
+    ids, values = bias
+    vocab, row = logits.shape[-1], jnp.maximum(slots, 0)
+    ids = jnp.where(biased(ids, slots, vocab)[:, None], ids[row], vocab)
+    return logits.at[jnp.arange(logits.shape[0])[:, None], ids].add(values[row], mode="drop")
+
+
+def sample_penalised(logits, s: Sampled, counts, slots, bias=None):
+    """tokens [U]: `sample_rows` of the logits with their logit bias (`apply_bias`, bias None: none) then their
+    penalties (`apply_penalties`), vLLM V1's order. A step where no row has a penalty or a bias runs none of it (not
+    even the [U, V] gather of counts); the branches give tokens, not logits, so the other branch does not copy the
+    [U, V] logits either (the step still reads them for the logprobs)."""
+    on = penalised(s) if bias is None else penalised(s) | biased(bias[0], slots, logits.shape[-1])
+    adjust = lambda x: x if bias is None else apply_bias(x, bias, slots)  # noqa: E731
+    return jax.lax.cond(jnp.any(on), lambda: sample_rows(apply_penalties(adjust(logits), s, counts, slots), s),
                         lambda: sample_rows(logits, s))
 
 
@@ -160,7 +178,7 @@ class StepInput:
 
 @functools.partial(jax.jit, static_argnames=("sizes", "config", "swiftkv", "width", "xla_loop", "mesh"),
                    donate_argnames=("pool", "tables", "last_tokens", "counts"))
-def ragged_step(params, pool: PagePool, tables, last_tokens, counts, packed, want_top, *, sizes: tuple,
+def ragged_step(params, pool: PagePool, tables, last_tokens, counts, bias, packed, want_top, *, sizes: tuple,
                 config: ModelConfig, swiftkv: bool, width: int, xla_loop: str = "dynamic", mesh: Optional[Mesh] = None):
     """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens,
     counts).
@@ -169,17 +187,18 @@ def ragged_step(params, pool: PagePool, tables, last_tokens, counts, packed, wan
     The device keeps the engine's state between steps, donated and updated in place: the pool, the block tables
     [S, M] (a row per slot; this step writes its new entries) and last_tokens [S] (the token each slot's sequence
     sampled last, which a decode whose token is still on its way to the host reads) and counts [S, V] (the
-    penalties' token counts, `PROMPT_BIT`: a penalised row adds its sampled token). Attention reads the first
+    penalties' token counts, `PROMPT_BIT`: a penalised row adds its sampled token). bias: the per-slot logit bias
+    table (ids, values) [S, K] (`apply_bias`), read only. Attention reads the first
     `width` entries of each table (the engine's bucket of the step's longest sequence); `xla_loop` is the XLA
     paged path's form (`model.paged.default_xla_loop`). want_top []: whether any row asked for its top logprobs
     (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel mesh of params and pool, None for
     one device. packed: `StepInput.pack()` of the step's inputs, whose `sizes` are static."""
     with activation_sharding(config, mesh):
-        return _ragged_step(params, pool, tables, last_tokens, counts, StepInput.unpack(packed, sizes), want_top,
-                            config, swiftkv, width, xla_loop)
+        return _ragged_step(params, pool, tables, last_tokens, counts, bias, StepInput.unpack(packed, sizes),
+                            want_top, config, swiftkv, width, xla_loop)
 
 
-def _ragged_step(params, pool, tables, last_tokens, counts, step, want_top, config, swiftkv, width, xla_loop):
+def _ragged_step(params, pool, tables, last_tokens, counts, bias, step, want_top, config, swiftkv, width, xla_loop):
     num_slots, page_size = tables.shape[0], pool.lower[0][0].shape[2]
     tables = tables.at[step.table_slots, step.table_indices].set(step.table_pages, mode="drop")
     slots, positions = step.slots, step.positions
@@ -206,8 +225,9 @@ def _ragged_step(params, pool, tables, last_tokens, counts, step, want_top, conf
         h, upper_pool = cached_upper(params, config, h, positions, batch, pool.upper, swiftkv=False)
         h = h[:, upper_index]
     logits = head(params, config, h)[0]
-    # penalties, then the temperature, min_p, top-k and top-p (vLLM's order); the logprobs are the model's own
-    token = sample_penalised(logits, sampling, counts, upper_slots)
+    # logit bias, penalties, then the temperature, min_p, top-k and top-p (vLLM V1's order); the logprobs are the
+    # model's own
+    token = sample_penalised(logits, sampling, counts, upper_slots, bias)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     scored = step.targets >= 0  # a scored prompt token's row: the logprob of its target, and no token kept
     logprob = jnp.take_along_axis(log_probs, jnp.where(scored, step.targets, token)[:, None], axis=-1)[:, 0]

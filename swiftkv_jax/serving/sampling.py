@@ -1,5 +1,5 @@
 """Next-token choice: greedy, temperature, top-k, top-p (nucleus), min-p, from a seed; the range checks of the
-penalties the continuous engine applies (`ragged_step.apply_penalties`)."""
+penalties and the logit bias the continuous engine applies (`ragged_step.apply_penalties`, `apply_bias`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from swiftkv_jax.checks import integer, real
 from swiftkv_jax.serving.errors import InvalidRequest
@@ -50,6 +51,33 @@ def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_pena
             raise InvalidRequest(f"{name} must lie in [-2, 2] (0 = off), got {value}", name)
         out.append(value)
     return tuple(out)
+
+
+MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias, as the OpenAI API allows
+
+
+def check_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias {token id: bias} as ((id, bias), ...) sorted by id: ids integers in [0, vocab_size),
+    biases finite in [-100, 100], at most MAX_LOGIT_BIAS of them (None or {}: none); InvalidRequest naming it."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequest(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r:.80}", "logit_bias")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(logit_bias)}",
+                             "logit_bias")
+    out = {}
+    for token, bias in logit_bias.items():
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise InvalidRequest(f"logit_bias keys must be token ids (integers), got {token!r:.80}", "logit_bias")
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must lie in [0, {vocab_size}), got {token}", "logit_bias")
+        bias = real("logit_bias", bias, InvalidRequest)
+        if not -100 <= bias <= 100:
+            raise InvalidRequest(f"logit_bias values must lie in [-100, 100], got {bias} for token {token}",
+                                 "logit_bias")
+        out[int(token)] = bias
+    return tuple(sorted(out.items()))
 
 
 def sample(logits, rng, params: SamplingParams):

@@ -47,7 +47,7 @@ from swiftkv_jax.checks import flag, integer, real
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
-from swiftkv_jax.serving.sampling import SamplingParams, check_penalties
+from swiftkv_jax.serving.sampling import SamplingParams, check_logit_bias, check_penalties
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -75,11 +75,17 @@ class RequestParams:
     repetition_penalty: float = 1.0   # 1 off, > 0: on the prompt's and the output's tokens
     presence_penalty: float = 0.0     # 0 off, in [-2, 2]: on the output's tokens
     frequency_penalty: float = 0.0    # 0 off, in [-2, 2]: on the output's tokens, times their count
+    logit_bias: tuple = ()            # OpenAI's: {token id: bias in [-100, 100]}, validated to sorted (id, bias)
 
     @property
     def penalised(self) -> bool:
         """Whether a penalty is on (the engine then keeps this sequence's token counts)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def biased(self) -> bool:
+        """Whether a logit bias is set (the engine then writes it to this sequence's slot)."""
+        return bool(self.logit_bias)
 
     def validate(self, vocab_size: int) -> "RequestParams":
         """These params with numpy scalars as Python numbers; InvalidRequest naming the first bad setting."""
@@ -87,11 +93,12 @@ class RequestParams:
         whole = lambda name, value: integer(name, value, error=InvalidRequest)
         sampling = SamplingParams(number("temperature", self.temperature), self.top_k,
                                   number("top_p", self.top_p), number("min_p", self.min_p))  # its own range checks
+        bias = dict(self.logit_bias) if isinstance(self.logit_bias, tuple) else self.logit_bias  # () or a dict
         repetition, presence, frequency = check_penalties(self.repetition_penalty, self.presence_penalty,
                                                           self.frequency_penalty)
         changes = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                        min_p=sampling.min_p, repetition_penalty=repetition, presence_penalty=presence,
-                       frequency_penalty=frequency,
+                       frequency_penalty=frequency, logit_bias=check_logit_bias(bias, vocab_size),
                        max_tokens=whole("max_tokens", self.max_tokens), seed=whole("seed", self.seed),
                        top_logprobs=whole("top_logprobs", self.top_logprobs),
                        logprobs=flag("logprobs", self.logprobs, InvalidRequest))  # bool("false") is True
