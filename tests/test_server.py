@@ -399,13 +399,15 @@ def test_n_seed_and_logprobs(client, tokenizer, reference):
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == want
 
 
-def _penalised_greedy(model, ids, n, eos, repetition=1.0, presence=0.0, frequency=0.0) -> list:
-    """Greedy tokens (to eos or n), each the argmax of the full forward's last logits with vLLM's penalties in
-    numpy: repetition on the prompt's and the output's tokens (transformers' rule), then OpenAI's presence and
-    frequency on the output's."""
+def _penalised_greedy(model, ids, n, eos, repetition=1.0, presence=0.0, frequency=0.0, bias=None) -> list:
+    """Greedy tokens (to eos or n), each the argmax of the full forward's last logits with the logit bias ({id:
+    bias}) and vLLM's penalties in numpy: repetition on the prompt's and the output's tokens (transformers' rule),
+    then OpenAI's presence and frequency on the output's."""
     tokens, out = list(ids), []
     while len(out) < n and (not out or out[-1] != eos):
         logits = np.asarray(sk.logits(model, np.asarray([tokens])), np.float64)[0, -1]
+        for token, value in (bias or {}).items():
+            logits[token] += value
         seen = np.isin(np.arange(len(logits)), tokens)
         logits = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
         counts = np.bincount(out, minlength=len(logits))
@@ -432,6 +434,33 @@ def test_penalties_through_the_openai_client(client, student, tokenizer, referen
                                          extra_body={"min_p": 0.2, "repetition_penalty": 1.0})
     assert out.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
     assert want != list(reference(chat_ids, 12)[0])
+
+
+def test_logit_bias_through_the_openai_client(client, student, tokenizer, reference):
+    """OpenAI's logit_bias ({"id": bias}) on both endpoints, greedy: -100 on the plain answer's first token gives the
+    tokens of the full forward with the bias added in numpy; +100 on a token repeats it; logprobs stay the model's."""
+    model = sk.load(student / "student")
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    plain, logprobs, _ = reference(ids, 8)
+    want = _penalised_greedy(model, ids, 8, eos, bias={int(plain[0]): -100})
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=0,
+                                    logit_bias={str(plain[0]): -100})
+    assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True) and want[0] != plain[0]
+    forced = next(t for t in range(100, 200) if t != eos and t not in plain)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=0,
+                                    logit_bias={str(forced): 100})
+    raw = np.asarray(sk.logits(model, np.asarray([ids])), np.float64)[0, -1]
+    assert out.choices[0].text == tokenizer.decode([forced] * 3, skip_special_tokens=True)
+    assert abs(out.choices[0].logprobs.token_logprobs[0] - (raw[forced] - np.logaddexp.reduce(raw))) < 1e-3
+    chat_ids = _chat_ids(tokenizer, PROMPTS[3])
+    plain = reference(chat_ids, 8)[0]
+    bias = {int(plain[0]): -100, int(plain[1]): -5.5}
+    want = _penalised_greedy(model, chat_ids, 8, eos, bias=bias)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[3]}],
+                                         max_tokens=8, temperature=0, logit_bias={str(k): v for k, v in bias.items()})
+    assert out.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
+    assert want != list(plain)
 
 
 def test_stop_strings_cut_the_text(client, tokenizer, reference):
@@ -630,6 +659,17 @@ BAD = [  # (path, body, status, param, words in the message)
      "top_logprobs", "top_logprobs needs logprobs"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages[0].content", "only text parts"),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"1000000": 1}), 400, "logit_bias",
+     "logit_bias token ids must lie in [0, "),
+    ("/v1/completions", dict(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias",
+     "logit_bias values must lie in [-100, 100]"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], logit_bias={"five": 1}), 400,
+     "logit_bias", "logit_bias keys must be token ids"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], logit_bias={"5": "x"}), 400,
+     "logit_bias", "logit_bias values must be finite numbers"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
+                                  logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias",
+     "logit_bias takes at most 300 token ids"),
 ]
 
 

@@ -9,8 +9,9 @@ setting (`Job.param` maps it to this request's field). Every problem becomes a `
 
 Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument supplied: x"), so a misspelled
 option never silently does nothing. Fields of the OpenAI schema that this server does not implement are accepted
-only at their no-op values (`logit_bias: {}`, `best_of` = n, ...) and refused otherwise. `presence_penalty` and
-`frequency_penalty` are applied (the engine's), as are vLLM's `repetition_penalty` and `min_p`.
+only at their no-op values (`best_of` = n, `suffix: ""`, ...) and refused otherwise. `presence_penalty`,
+`frequency_penalty` and `logit_bias` ({"token id": bias in [-100, 100]}, at most 300) are applied (the engine's), as
+are vLLM's `repetition_penalty` and `min_p`.
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
 completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
@@ -92,7 +93,6 @@ class Job:
 
 # no-op values of OpenAI fields that are not implemented: field -> predicate on the value
 NO_OP = {
-    "logit_bias": lambda v: not v,
     "suffix": lambda v: v in (None, ""),
     "user": lambda v: True,
     "metadata": lambda v: True,
@@ -108,8 +108,9 @@ NO_OP = {
 SAMPLING_OPTIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens"} | set(SAMPLING_OPTIONS)
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"logit_bias", "suffix", "user"}
+          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias"} | set(
+              SAMPLING_OPTIONS)
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
 
 
@@ -211,7 +212,38 @@ def _sampling(body: dict, defaults: dict) -> dict:
     return dict(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
                 top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
-                extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"), **options)
+                extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"), logit_bias=_logit_bias(body),
+                **options)
+
+
+def _logit_bias(body: dict) -> Optional[dict]:
+    """OpenAI's logit_bias, a JSON object {"token id": bias}, as {int id: float bias} (None: omitted); the ids'
+    range and the biases' ([-100, 100]) are the engine's to check, the number of entries (MAX_LOGIT_BIAS) here."""
+    from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS
+
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object mapping token ids to biases, got {shown(bias)}",
+                           "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        text = key.strip() if isinstance(key, str) else ""
+        if not text.lstrip("-").isdigit() or not text.isascii():
+            raise RequestError(f"logit_bias keys must be token ids (integers as strings), got {shown(key)}",
+                               "logit_bias")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        try:
+            out[int(text)] = float(value) if number else math.nan
+        except OverflowError:  # an integer past float's range
+            out[int(text)] = math.inf
+        if not math.isfinite(out[int(text)]):
+            raise RequestError(f"logit_bias values must be finite numbers, got {shown(value)} for token {text}",
+                               "logit_bias")
+    return out
 
 
 def _min_tokens(body: dict, sampling: dict, stop: list) -> None:

@@ -91,7 +91,8 @@ class Server:
         return dict(max_tokens=max(1, max_tokens), temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
                     seed=seed, stop_token_ids=stops, logprobs=job.logprobs, top_logprobs=job.top_logprobs,
                     prompt_logprobs=job.prompt_logprobs, min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
-                    presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"])
+                    presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
+                    logit_bias=s["logit_bias"])
 
     def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
         """Check the job against the limits and add its choices to the engine; all or none."""
