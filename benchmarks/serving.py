@@ -26,7 +26,11 @@ Configurations (`--configs`), on the same weights:
   benchmarks/results/serving_fp8_cpu.json: GPU-only there, though --configs can name it), and SwiftKV with the budget in
   compute cost (a SwiftKV prompt token costs about l/L, so a step packs about twice as many). swiftkv-pages: SwiftKV
   (tokens) with every token read from the pages by the ragged Pallas kernel, prompt chunks included (the GPU default
-  reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where the kernel runs in interpret mode. Engine settings
+  reads a fresh chunk's own K/V by cuDNN); left out on a CPU, where the kernel runs in interpret mode.
+  swiftkv-penalised: swiftkv-tokens with every request at repetition_penalty 1.05 (Qwen2.5-Instruct's
+  generation_config.json default, which the server applies to every request), so every step takes the penalties'
+  branch (the counts gathered over the vocabulary; `ragged_step.sample_penalised`): its cost beside swiftkv-tokens in
+  one run; left out of the cpu preset's default (--configs names it). Engine settings
   are passed explicitly (`--max-num-seqs`, `--max-num-batched-tokens`, the buckets, `--page-size`); the pool is
   `--kv-cache-fraction` (0.9: 90% of the memory free beside the weights, on 8b) or, where the device reports no memory
   (a CPU), `--num-pages` (default: max-num-seqs requests of the longest length). Each configuration's programs are
@@ -141,6 +145,9 @@ CONFIGS = {  # name -> kind, wiring, budget unit, KV cache dtype (None: the mode
     # K/V by cuDNN): the GPU run decides which is the default
     "swiftkv-pages": dict(kind="engine", swiftkv=True, budget_unit="tokens", attention_impl="pallas",
                           decode_attention_impl="pallas"),
+    # every request penalised (Qwen2.5-Instruct's default repetition_penalty): the cost of the penalties' branch
+    "swiftkv-penalised": dict(kind="engine", swiftkv=True, budget_unit="tokens",
+                              sampling=dict(repetition_penalty=1.05)),
     "static-teacher": dict(kind="static", swiftkv=False),
     "static-swiftkv": dict(kind="static", swiftkv=True),
     "transformers": dict(kind="peer", swiftkv=False),
@@ -155,12 +162,15 @@ PART_DEADLINE_8B = 500.0
 # On a CPU the FP8 pool is a GPU configuration: XLA's CPU backend converts float8 element by element (the cpu preset's
 # rate-inf run takes 3.5x the bf16 pool's time, its compile 46 s); --configs can still name it (the quick preset
 # runs it)
-CPU_LEFT_OUT = ("swiftkv-fp8", "swiftkv-pages")  # swiftkv-pages: the Pallas kernel runs in interpret mode on a CPU
+# swiftkv-pages: the Pallas kernel runs in interpret mode on a CPU; swiftkv-penalised: a question for the GPU's
+# vocabulary and step times (benchmarks/results/serving_penalised_cpu.json has it beside swiftkv-tokens on the CPU)
+CPU_LEFT_OUT = ("swiftkv-fp8", "swiftkv-pages", "swiftkv-penalised")
 SUSTAIN_COMPLETION = 0.95  # completion rate / realised arrival rate, at least
 GPU_TARGETS = {"teacher_total_tokens_per_s": 19000.0, "teacher_roofline_share": 0.70, "swiftkv_vs_teacher": 1.35,
                "swiftkv_tpot_vs_teacher": 1.0, "engine_vs_static": 0.9, "engine_vs_transformers": 5.0,
                "fp8_vs_bf16": 1.0}
 CPU_TARGETS = {"ttft_p50": 0.6, "tpot_p50": 1.0, "throughput": 1.5}
+PENALISED_VS_PLAIN = 0.95  # ours: penalties on every request cost at most 5% of the throughput (any preset)
 INF = math.inf
 
 
@@ -369,7 +379,8 @@ def roofline(cfg, *, swiftkv: bool, prompt_lens, output_lens, kv_bytes_per_token
 
 # ---- runs -----------------------------------------------------------------------------------------------------------
 
-def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter, time_limit=None) -> dict:
+def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter, time_limit=None,
+          sampling: "dict | None" = None) -> dict:
     """Drive `engine` through one workload (arrivals in seconds from t = 0, sorted): per-request token times. Stops
     at `time_limit` seconds (cut_off) if given."""
     import jax
@@ -389,7 +400,7 @@ def serve(engine, prompts, output_lens, arrivals, compiles: CompileCounter, time
             break
         while following < n and arrivals[following] <= now:
             engine.add_request(prompts[following], request_id=str(following), max_tokens=int(output_lens[following]),
-                               temperature=0.0, stop_token_ids=[])
+                               temperature=0.0, stop_token_ids=[], **(sampling or {}))
             added[following] = time.perf_counter() - start
             following += 1
         if not engine.has_unfinished():
@@ -649,6 +660,11 @@ def targets(runs: dict, preset: str) -> list:
                 CPU_TARGETS["tpot_p50"])
             row(f"{n} / teacher, throughput at rate inf", at(n) and at(n)["ratios"].get("vs_teacher"), ">=",
                 CPU_TARGETS["throughput"])
+    penalised, plain = at("swiftkv-penalised"), at("swiftkv-tokens")
+    if penalised and plain:  # named by --configs: what a repetition penalty on every request costs
+        row("swiftkv-penalised / swiftkv-tokens, total tokens/s at rate inf",
+            penalised["total_tokens_per_s"] / plain["total_tokens_per_s"], ">=", PENALISED_VS_PLAIN,
+            "every request at repetition_penalty 1.05")
     return rows
 
 
@@ -1056,7 +1072,8 @@ def main(argv=None) -> int:
     for name in order:
         if CONFIGS[name]["kind"] == "engine":
             cost = prompt_token_cost(cfg, CONFIGS[name]["swiftkv"]) if CONFIGS[name]["budget_unit"] == "cost" else 1.0
-            info["engine"][name] = {**settings(name), "prompt_token_cost": cost}
+            info["engine"][name] = {**settings(name), "prompt_token_cost": cost,
+                                    "sampling": CONFIGS[name].get("sampling", {})}
         i = inputs[name]
         info["rooflines"][name] = roofline(cfg, swiftkv=i["swiftkv"], prompt_lens=p_all[:args.num_requests],
                                            output_lens=o_all[:args.num_requests],
@@ -1109,7 +1126,8 @@ def main(argv=None) -> int:
                   f"{stats['pages_total']} pages, {pool_bytes / 2**30:.2f} GiB", flush=True)
         arrivals = (np.zeros(n) if math.isinf(rate) else workload["unit_gaps"][:n] / rate).tolist()
         served = serve(engine, workload["prompts"][:n], o_all[:n], arrivals, compiles,
-                       time_limit=min(cap, left()) if math.isfinite(min(cap, left())) else None)
+                       time_limit=min(cap, left()) if math.isfinite(min(cap, left())) else None,
+                       sampling=CONFIGS[name].get("sampling"))
         del engine
         gc.collect()
         run = dict(status="ok", **summarise(rate, arrivals, p_all[:n], o_all[:n], served))

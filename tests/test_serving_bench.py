@@ -203,13 +203,41 @@ ISSUE_FIELDS = ("total_tokens_per_s", "output_tokens_per_s", "requests_per_s", "
                 "roofline_total_tokens_per_s")
 
 
+REPETITION_PENALTIES = []  # the repetition_penalty of every request the run below gave sk.Engine
+
+
 @pytest.fixture(scope="module")
 def serving_run(tmp_path_factory):
-    """The whole benchmark once, on the quick preset: every configuration (the transformers peer in its process)."""
+    """The whole benchmark once, on the quick preset: every configuration (the transformers peer in its process);
+    each request's repetition_penalty as sk.Engine received it (REPETITION_PENALTIES)."""
     out = tmp_path_factory.mktemp("serving") / "serving.json"
-    assert S.main(["--smoke", "--sweep", "0.5", "--out", str(out), "--plot", "none"]) == 0
+    add_request = sk.Engine.add_request
+
+    def seen(self, prompt, **options):
+        REPETITION_PENALTIES.append(options.get("repetition_penalty", 1.0))
+        return add_request(self, prompt, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sk.Engine, "add_request", seen)
+        assert S.main(["--smoke", "--sweep", "0.5", "--out", str(out), "--plot", "none"]) == 0
     data = json.loads(out.read_text())
     return data, {(r["config"], r["rate"]): r for r in data["runs"]}
+
+
+def test_the_penalised_configuration_penalises_every_request_and_no_other(serving_run):
+    """swiftkv-penalised: every request at repetition_penalty 1.05 (the penalties' branch in every step), the other
+    engine configurations none; its ratio to swiftkv-tokens is a target row."""
+    data, runs = serving_run
+    engine_requests = sum(r["num_requests"] for (name, _), r in runs.items() if S.CONFIGS[name]["kind"] == "engine")
+    assert len(REPETITION_PENALTIES) == engine_requests
+    penalised = sum(r["num_requests"] for (name, _), r in runs.items() if name == "swiftkv-penalised")
+    assert REPETITION_PENALTIES.count(1.05) == penalised >= 8  # rate inf, and the rate it is compared at
+    assert set(REPETITION_PENALTIES) == {1.0, 1.05}
+    assert data["engine"]["swiftkv-penalised"]["sampling"] == {"repetition_penalty": 1.05}
+    row, = [t for t in data["targets"] if t["target"].startswith("swiftkv-penalised / swiftkv-tokens")]
+    rate = lambda name: runs[(name, "inf")]["total_tokens_per_s"]  # noqa: E731
+    want = rate("swiftkv-penalised") / rate("swiftkv-tokens")
+    assert row["value"] == pytest.approx(want) and row["goal"] == S.PENALISED_VS_PLAIN
 
 
 def test_every_configuration_ran_at_rate_inf_with_the_issues_fields(serving_run):
