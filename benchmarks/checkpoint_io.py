@@ -36,33 +36,46 @@ def _rss_anon_bytes() -> int:
     raise RuntimeError("RssAnon not in /proc/self/status (Linux only)")
 
 
-def _child_load(path: str, dtype: str) -> None:
-    import jax
-
-    import swiftkv_jax as sk
-
-    jax.numpy.zeros(1).block_until_ready()  # backend up before the baseline
+def peak_rss_anon_above(fn, period: float = 0.005):
+    """(fn(), the peak of this process's anonymous resident memory while fn ran, less its value before), RssAnon
+    sampled every `period` seconds on a thread (Linux). tests/test_training_memory.py's child measures with it too."""
     baseline = _rss_anon_bytes()
     peak, done = [baseline], threading.Event()
 
     def sample():
         while not done.is_set():
             peak[0] = max(peak[0], _rss_anon_bytes())
-            time.sleep(0.005)
+            time.sleep(period)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    start = time.perf_counter()
-    model = sk.load(path, dtype=None if dtype == "stored" else dtype)
-    jax.block_until_ready(model.params)
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return result, max(peak[0], _rss_anon_bytes()) - baseline
+
+
+def _child_load(path: str, dtype: str) -> None:
+    import jax
+
+    import swiftkv_jax as sk
+
+    jax.numpy.zeros(1).block_until_ready()  # backend up before the baseline
+
+    def load():
+        start = time.perf_counter()
+        model = sk.load(path, dtype=None if dtype == "stored" else dtype)
+        jax.block_until_ready(model.params)
+        return model, time.perf_counter() - start
+
+    (model, seconds), peak = peak_rss_anon_above(load)
     leaves = jax.tree.leaves(model.params)
     param_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     largest = max(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    print(json.dumps({"seconds": seconds, "peak_above_baseline": max(peak[0], _rss_anon_bytes()) - baseline,
-                      "param_bytes": param_bytes, "largest_param_bytes": largest}))
+    print(json.dumps({"seconds": seconds, "peak_above_baseline": peak, "param_bytes": param_bytes,
+                      "largest_param_bytes": largest}))
 
 
 def _measure_load(path: Path, dtype: str) -> dict:

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -144,30 +145,20 @@ def test_fsdp_step_gathers_weights_not_the_batch():
 
 
 LOAD_STUDENT_PEAK = """
-import sys, threading, time
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])  # benchmarks/: the checkpoint I/O benchmark's RssAnon sampler
 import jax
+from checkpoint_io import peak_rss_anon_above
 from swiftkv_jax import sharding
 from swiftkv_jax.distill.config import ModelSection
 from swiftkv_jax.distill.student import load_student
 
-def anon():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-
 mesh = sharding.make_mesh(1, -1, 1)
 jax.numpy.zeros(1).block_until_ready()  # the backend up before the baseline
 section = ModelSection(teacher=sys.argv[1], num_key_value_layers=4, attention_impl="xla_chunked")
-base, peak, done = anon(), [anon()], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.001)
-sampler = threading.Thread(target=sample, daemon=True)
-sampler.start()
-jax.block_until_ready(load_student(section, mesh)[1:])
-done.set()
-sampler.join()
-print(max(peak[0], anon()) - base)
+_, peak = peak_rss_anon_above(lambda: jax.block_until_ready(load_student(section, mesh)[1:]), period=0.001)
+print(peak)
 """
 
 
@@ -185,8 +176,9 @@ def test_load_student_holds_the_weights_about_once(tmp_path):
     sk.save(teacher, tmp_path / "teacher", "hf")
     del teacher
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    proc = subprocess.run([sys.executable, "-c", LOAD_STUDENT_PEAK, str(tmp_path / "teacher")], capture_output=True,
-                          text=True, timeout=300, env=env)
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    proc = subprocess.run([sys.executable, "-c", LOAD_STUDENT_PEAK, str(tmp_path / "teacher"), str(benchmarks)],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     peak = int(proc.stdout.split()[-1])
     assert peak < 2.0 * weights, f"load_student peaked at {peak / weights:.2f}x the teacher's {weights / 1e6:.0f} MB"
