@@ -245,3 +245,25 @@ def test_a_stop_token_that_is_also_the_last_allowed_ends_as_a_stop():
     sched.add(b)
     finish_step(sched, sched.schedule(), token=5)
     assert finish_step(sched, sched.schedule(), token=4) == [(b, "length")]
+
+
+def test_the_inter_token_histogram_buckets_as_prometheus_client_does():
+    """The engine's host-side latency histogram, exposed under vLLM's name, gives the buckets (inclusive upper
+    bounds, cumulative), count and sum that prometheus_client's own Histogram gives for the same values."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Histogram as Reference
+
+    from swiftkv_jax.serving.http.metrics import _inter_token_histograms
+    from swiftkv_jax.serving.scheduler import INTER_TOKEN_BUCKETS, Histogram
+
+    values = [0.0, 0.01, 0.0100001, 0.05, 0.3, 0.99, 1.0, 80.0, 80.5, 1e4]
+    ours, reference = Histogram(INTER_TOKEN_BUCKETS), Reference("x", "x", buckets=INTER_TOKEN_BUCKETS,
+                                                                registry=CollectorRegistry())
+    for v in values:
+        ours.observe(v)
+        reference.observe(v)
+    samples = lambda family: {(s.name.rsplit("_", 1)[-1], s.labels.get("le")): s.value for s in family.samples
+                              if not s.name.endswith("_created")}
+    expected = samples(next(iter(reference.collect())))
+    for family in _inter_token_histograms(ours.snapshot(), dict(model_name="m", engine="0")):
+        assert samples(family) == pytest.approx(expected)

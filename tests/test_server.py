@@ -731,6 +731,46 @@ def test_metrics_count_what_was_sent(server):
     assert queries > hits >= 16, (queries, hits)
 
 
+def test_vllm_dashboards_read_the_metrics_under_vllms_names(server):
+    """Every metric vLLM's example Grafana dashboard queries (its PromQL, tests/data) is here, labelled with the
+    served model as vLLM labels it, and says what vLLM's does: the same counts as ours, one finish per request by
+    reason, one inter-token interval per token after a request's first, each request's prompt and output lengths."""
+    import re
+
+    queries = json.loads((Path(__file__).parent / "data" / "vllm_grafana_queries.json").read_text())["exprs"]
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for q in queries for n in re.findall(r"vllm:[a-z0-9_]+", q)}
+    _wait_idle(server.url)
+    before = _metrics(server.url)
+    lengths = [(body, httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["usage"])
+               for body in (dict(prompt="hi there", max_tokens=4, ignore_eos=True),
+                            dict(prompt="one two three", max_tokens=2, ignore_eos=True))]
+    after = _wait_idle(server.url)
+    vllm = {(name, dict(labels).get("model_name")) for name, labels in after if name.startswith("vllm:")}
+    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", name) for name, _ in vllm}
+    missing = {n for n in names if re.sub(r"_total$", "", n) not in families}
+    assert not missing, missing
+    assert {model for _, model in vllm} == {MODEL}  # the dashboard's model_name variable: label_values(vllm:.*)
+
+    label = (("engine", "0"), ("model_name", MODEL))
+    delta = lambda name, labels=label: after.get((name, labels), 0) - before.get((name, labels), 0)
+    for ours, theirs in (("swiftkv_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("swiftkv_num_preemptions_total", "vllm:num_preemptions_total"),
+                         ("swiftkv_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")):
+        assert after[(theirs, label)] == after[(ours, ())], theirs
+    prompt = sum(usage["prompt_tokens"] for _, usage in lengths)
+    generated = sum(usage["completion_tokens"] for _, usage in lengths)
+    assert (generated, delta("vllm:generation_tokens_total"), delta("vllm:prompt_tokens_total")) == (6, 6, prompt)
+    assert delta("vllm:request_success_total", (*label[:1], ("finished_reason", "length"), *label[1:])) == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == delta("vllm:time_per_output_token_seconds_count") == 4
+    assert delta("vllm:request_prompt_tokens_sum") == prompt
+    assert delta("vllm:request_generation_tokens_sum") == delta("vllm:request_max_num_generation_tokens_sum") == 6
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count"):
+        assert delta(name) == 2, name
+    assert after[("vllm:gpu_cache_usage_perc", label)] == after[("vllm:kv_cache_usage_perc", label)] == \
+        after[("swiftkv_kv_cache_usage", ())]
+
+
 # ---- generation_config.json's defaults, vLLM's /tokenize, /detokenize, /version and X-Request-Id --------------------
 def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
     """vLLM's --generation-config: the file's temperature, top_p, top_k (-1: off) and max_new_tokens (chat's

@@ -65,7 +65,7 @@ class RequestOutput:
     finish_reason: Optional[str] = None        # "stop" | "length" | "abort"
     token_ids: Optional[list[int]] = None      # all generated tokens, when finished
     logprobs: Optional[list[float]] = None
-    metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, e2e_s, preemptions, when finished
+    metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, prefill_s, decode_s, ... when finished
     new_top_logprobs: list[dict] = dataclasses.field(default_factory=list)  # {token id: logprob}, when asked
     top_logprobs: Optional[list[dict]] = None  # per generated token, when finished and asked
     # with prompt_logprobs, on the first token's output and the finished one: per prompt token its logprob (None
@@ -526,11 +526,15 @@ class Engine:
             self._live_ids.discard(seq.request_id)
         self.counters["finished"] += reason != "abort"
         first, last, n = seq.first_token_time, seq.last_token_time, len(seq.output)
-        metrics = dict(queue_s=(seq.first_scheduled_time or time.perf_counter()) - seq.arrival_time,
+        scheduled = seq.first_scheduled_time
+        metrics = dict(queue_s=(scheduled or time.perf_counter()) - seq.arrival_time,
                        ttft_s=first - seq.arrival_time if n else None,
                        tpot_s=(last - first) / (n - 1) if n > 1 else None,
+                       prefill_s=first - scheduled if n else None, decode_s=last - first if n else None,
+                       inference_s=last - scheduled if n else None,
                        e2e_s=time.perf_counter() - seq.arrival_time, preemptions=seq.num_preemptions,
-                       prompt_tokens=len(seq.prompt), generated_tokens=len(seq.output))
+                       prompt_tokens=len(seq.prompt), generated_tokens=len(seq.output),
+                       max_tokens=seq.params.max_tokens)
         prompt_lp, prompt_top = seq.prompt_logprobs, seq.prompt_top_logprobs
         return RequestOutput(seq.request_id, [], [], True, reason, list(seq.output),
                              list(seq.logprobs) if seq.params.logprobs else None, metrics,
@@ -682,7 +686,9 @@ class Engine:
         return [done[i] for i in ids]
 
     def stats(self) -> dict:
-        """Engine counters: running, waiting, page use, preemptions, tokens and tokens/s of busy time."""
+        """Engine counters: running, waiting, page use, preemptions, tokens and tokens/s of busy time, the prefix
+        cache's, and the inter-token latency's histogram ({bounds, counts, sum}: seconds between a request's
+        successive tokens, timed on the host as each step's tokens arrive)."""
         busy = self.counters["busy_s"]
         return dict(self.counters, running=len(self.scheduler.active), waiting=len(self.scheduler.waiting),
                     pages_total=self.allocator.capacity, pages_free=self.allocator.num_free,
@@ -691,4 +697,6 @@ class Engine:
                     compiled_buckets=len(self._compiled),
                     prefix_cache_queries=self.scheduler.prefix_cache_queries,
                     prefix_cache_hits=self.scheduler.prefix_cache_hits,
-                    prefix_cache_pages=self.allocator.num_cached, prefix_cache_evictions=self.allocator.num_evicted)
+                    prompt_tokens_answered=self.scheduler.prompt_tokens_answered,
+                    prefix_cache_pages=self.allocator.num_cached, prefix_cache_evictions=self.allocator.num_evicted,
+                    inter_token_latency=self.scheduler.inter_token.snapshot())

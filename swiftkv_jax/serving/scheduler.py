@@ -52,6 +52,26 @@ from swiftkv_jax.serving.sampling import SamplingParams, check_logit_bias, check
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
 
+# inter-token latency buckets, seconds (vLLM's, of `vllm:inter_token_latency_seconds`)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                       40.0, 80.0)
+
+
+class Histogram:
+    """A latency's counts per bucket (`bounds`: inclusive upper bounds, then +Inf) and their sum, kept as tokens
+    arrive: a bisect and an increment a token, cheap enough for every token of every step."""
+
+    def __init__(self, bounds: tuple):
+        self.bounds, self.counts, self.total = tuple(bounds), [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> dict:
+        return dict(bounds=self.bounds, counts=list(self.counts), sum=self.total)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"    # no pages (new, or preempted)
     ACTIVE = "active"      # holds a sequence slot and pages: being prefilled or decoding
@@ -249,6 +269,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_caching, self.cache_salt = prefix_caching, cache_salt
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens admitted, and found cached
+        self.inter_token = Histogram(INTER_TOKEN_BUCKETS)  # seconds between a request's successive tokens
+        self.prompt_tokens_answered = 0  # prompt tokens of the requests given a first token (cached ones too)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -484,6 +506,9 @@ class Scheduler:
                 seq.top_logprobs.append(dict(zip(ids[row, :k].tolist(), values[row, :k].tolist())))
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                self.prompt_tokens_answered += len(seq.prompt)
+            else:
+                self.inter_token.observe(now - seq.last_token_time)
             seq.last_token_time = now
             reason = None
             if token in seq.stop_ids:
