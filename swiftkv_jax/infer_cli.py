@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=fraction, default=1.0, help="1: off")
+    g.add_argument("--min-p", type=fraction, default=0.0,
+                   help="0: off; drops tokens less likely than min_p x the most likely one (after the temperature)")
     g.add_argument("--seed", type=int, default=0, help="sampling (with --temperature > 0)")
     g.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch (--prompts-file)")
     g.add_argument("--max-len", type=positive_int, default=None,
@@ -402,7 +404,7 @@ def _generate(args) -> int:
     mesh = _mesh(args)
     model = _load_model(args.model, args, mesh)
     stops = sorted(set(model.config.eos_token_id or ()) | ({tokenizer.eos_token_id} - {None}))
-    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                    stop_token_ids=stops, swiftkv=False if args.teacher_mode else None, cache_dtype=_cache_format(args),
                    max_len=args.max_len, tokenizer=tokenizer, mesh=mesh, **_named_impls(args))
     if len(ids) == 1:

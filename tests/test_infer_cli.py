@@ -117,6 +117,16 @@ def test_generate_from_a_prompts_file_with_the_chat_template(checkpoints, capsys
     assert "=== 0: Sort these words: fig apple" in out and "=== 1: Repeat 'owl' 2 times." in out
 
 
+def test_min_p_one_samples_what_greedy_takes(checkpoints, capsys):
+    """--min-p 1 keeps only the most likely token, so sampling at temperature 1 gives greedy's text."""
+    common = ("generate", "--model", checkpoints / "student", "--prompt", "Hello", "--max-new-tokens", 8)
+    greedy = run(capsys, *common)
+    sampled = run(capsys, *common, "--temperature", 1.0, "--min-p", 1.0, "--seed", 3)
+    plain = run(capsys, *common, "--temperature", 1.0, "--seed", 3)
+    assert greedy[0] == sampled[0] == plain[0] == 0
+    assert sampled[1] == greedy[1] != plain[1]
+
+
 def test_prompt_longer_than_the_cache_is_a_clear_error(checkpoints, capsys):
     """The command names its flags (the library's message named max_len and max_new_tokens, its parameters)."""
     code, _, err = run(capsys, "generate", "--model", checkpoints / "student", "--prompt", "apple " * 40,
