@@ -202,6 +202,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="every request but /health, /metrics and /version needs `Authorization: Bearer KEY` "
                         "(default: $SWIFTKV_API_KEY, else $VLLM_API_KEY, else none: open to all)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools (tool_choice auto, their default) get the model's tool calls back "
+                        "as message.tool_calls, found by --tool-call-parser (vLLM's flags)")
+    s.add_argument("--tool-call-parser", choices=("llama3_json", "hermes"), default=None,
+                   help="how the model writes tool calls: llama3_json (Llama 3.1/3.2: JSON objects, `;`-separated), "
+                        "hermes (Qwen2.5: <tool_call>{json}</tool_call>); needs --enable-auto-tool-choice")
     _model_options(s)
     _compilation_cache_option(s)
     return p
@@ -679,6 +685,15 @@ def _api_key(args) -> Optional[str]:
     return None
 
 
+def _tool_parser(args) -> Optional[str]:
+    """--tool-call-parser, which --enable-auto-tool-choice needs (as vLLM's); a parser without the flag is not used
+    (tool_choice "auto" is refused then, as vLLM's)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (llama3_json for Llama 3.1/3.2, hermes "
+                         "for Qwen2.5)")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
 def _serve(args) -> int:
     import logging
 
@@ -698,6 +713,7 @@ def _serve(args) -> int:
     tokenizer = _tokenizer(args)
     sampling = _sampling_defaults(args)
     api_key = _api_key(args)
+    tool_parser = _tool_parser(args)
     pool, pool_tokens = _kv_pool(args, config)
     if args.max_model_len is not None:  # the engine checks a fraction's pool once the weights are loaded
         check_max_model_len(args.max_model_len, config.max_position_embeddings, pool_tokens, name="--max-model-len",
@@ -720,7 +736,7 @@ def _serve(args) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
                  max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock,
-                 sampling_defaults=sampling, api_key=api_key)
+                 sampling_defaults=sampling, api_key=api_key, tool_parser=tool_parser)
 
 
 def _write_json(path: str, data) -> None:

@@ -612,6 +612,7 @@ def test_overload_gets_503_with_retry_after(server, tokenizer):
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------------
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 BAD = [  # (path, body, status, param, words in the message)
     ("/v1/completions", b"{not json", 400, None, "could not parse the JSON body"),
     ("/v1/completions", b"[1, 2]", 400, None, "must be an object"),
@@ -670,6 +671,10 @@ BAD = [  # (path, body, status, param, words in the message)
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}],
                                   logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias",
      "logit_bias takes at most 300 token ids"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tools=[TOOL]), 400, "tools",
+     "requires --enable-auto-tool-choice and --tool-call-parser"),  # a server started without them, as vLLM's
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tools=[TOOL], tool_choice="required"),
+     400, "tool_choice", "needs guided decoding"),
 ]
 
 

@@ -16,6 +16,8 @@ vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accep
 `ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
 completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
 computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generated).
+Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and the messages' `tool_calls`
+and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`; `tool_calls.py` parses).
 
 A request that omits temperature, top_p, top_k, repetition_penalty or min_p takes the server's sampling defaults
 (`sampling_defaults`: the model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off;
@@ -27,6 +29,7 @@ the context's room, the request's and this "server limit"). `parse_tokenize` and
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Optional
 
@@ -74,6 +77,7 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
     max_tokens_cap: Optional[int] = None  # generation_config's max_new_tokens: at most this many, whatever max_tokens
+    tool_parser: Optional[str] = None  # chat with tools and tool_choice "auto": the parser its outputs go through
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -99,9 +103,6 @@ NO_OP = {
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: True,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
-    "parallel_tool_calls": lambda v: True,
 }
 # the sampling options besides temperature and top_p: vLLM's extensions (top_k, min_p, repetition_penalty) and
 # OpenAI's penalties -> (the server's default when omitted, unless generation_config.json sets it)
@@ -111,7 +112,8 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias"} | set(
               SAMPLING_OPTIONS)
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs"} | set(NO_OP) - {"suffix"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"} | set(
+    NO_OP) - {"suffix"}
 
 
 def _number(body: dict, name: str, default, integer: bool = False):
@@ -374,45 +376,175 @@ def _content(message: dict, i: int) -> str:
                        f"messages[{i}].content")
 
 
-def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> tuple[list[int], str]:
-    """The conversation through the tokenizer's chat template, with the assistant's header unless not
-    `add_generation_prompt`: (token ids, text). The template writes the special tokens (a BOS) itself."""
+# fields of a message besides role, content and name, by role; any other is refused unless null (the openai client's
+# model_dump of a response's message carries audio, function_call, annotations: None)
+MESSAGE_FIELDS = {"assistant": {"tool_calls", "refusal"}, "tool": {"tool_call_id"}}
+TOOL_PARSER_FLAGS = "--enable-auto-tool-choice --tool-call-parser llama3_json|hermes"
+
+
+def _object(value, param: str, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise RequestError(f"{param} must be {what}, got {shown(value)}", param)
+    return value
+
+
+def _string(value, param: str, optional: bool = False) -> Optional[str]:
+    if (value is None and optional) or (isinstance(value, str) and value):
+        return value
+    raise RequestError(f"{param} must be a non-empty string, got {shown(value)}", param)
+
+
+def _arguments(value, param: str) -> dict:
+    """A tool call's arguments as the chat templates take them: a dict (OpenAI sends a JSON string). As vLLM's, a
+    string that is not a JSON object becomes {} (failing it would fail every later turn of the conversation)."""
+    if isinstance(value, dict):
+        return value
+    if value is None or isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value else {}
+        except ValueError:
+            parsed = None
+        return parsed if isinstance(parsed, dict) else {}
+    raise RequestError(f"{param} must be a JSON string (or an object), got {shown(value)}", param)
+
+
+def _tool_calls(value, param: str) -> list:
+    """An assistant message's tool_calls, checked, with arguments as dicts (as vLLM hands them to the template)."""
+    if not isinstance(value, list):
+        raise RequestError(f"{param} must be a list of tool calls, got {shown(value)}", param)
+    calls = []
+    for j, call in enumerate(value):
+        call = _object(call, f"{param}[{j}]", "an object {'id', 'type': 'function', 'function'}")
+        if call.get("type", "function") != "function":
+            raise RequestError(f"{param}[{j}].type must be 'function', got {shown(call['type'])}", f"{param}[{j}].type")
+        function = _object(call.get("function"), f"{param}[{j}].function", "an object {'name', 'arguments'}")
+        name = _string(function.get("name"), f"{param}[{j}].function.name")
+        out = dict(type="function", function=dict(
+            name=name, arguments=_arguments(function.get("arguments"), f"{param}[{j}].function.arguments")))
+        if call.get("id") is not None:
+            out["id"] = _string(call["id"], f"{param}[{j}].id")
+        calls.append(out)
+    return calls
+
+
+def parse_tools(value) -> Optional[list]:
+    """The request's tools, [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}],
+    checked, as the chat template gets them (None: none)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(f"tools must be a list of {{'type': 'function', 'function': ...}}, got {shown(value)}",
+                           "tools")
+    for i, tool in enumerate(value):
+        tool = _object(tool, f"tools[{i}]", "an object {'type': 'function', 'function': {...}}")
+        if tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise RequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}} (only function tools "
+                               f"are supported), got {shown(tool)}", f"tools[{i}].type")
+        function = _object(tool.get("function"), f"tools[{i}].function", "an object {'name', 'description', "
+                                                                           "'parameters'}")
+        extra = sorted(set(function) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise RequestError(f"tools[{i}].function has unknown fields: {', '.join(map(str, extra))[:SHOWN]}",
+                               f"tools[{i}].function")
+        _string(function.get("name"), f"tools[{i}].function.name")
+        if not isinstance(function.get("description", ""), str):
+            raise RequestError(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description")
+        if function.get("parameters") is not None:
+            _object(function["parameters"], f"tools[{i}].function.parameters", "a JSON Schema object")
+    return value or None
+
+
+def _tool_parser(body: dict, tools: Optional[list], server_parser: Optional[str]) -> Optional[str]:
+    """The parser this request's outputs go through, from tool_choice (default "auto" with tools, as vLLM's):
+    "none", the tools are still in the prompt (vLLM's default) and the output is plain content; "auto", the server's
+    parser (a server started without one refuses, as vLLM's). "required" and a named function are refused: they need
+    guided decoding, which this server does not have. Without tools "none" and "auto" do nothing."""
+    choice = body.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        raise RequestError(f"tool_choice={shown(choice)} is not supported: forcing a tool call needs guided decoding, "
+                           f"which this server does not have. Use 'auto' (or 'none')", "tool_choice",
+                           code="unsupported_parameter")
+    if choice not in (None, "none", "auto"):
+        raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {shown(choice)}",
+                           "tool_choice")
+    if not tools or choice == "none":
+        return None
+    if server_parser is None:
+        raise RequestError(f'"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set: '
+                           f"start the server with `infer.py serve ... {TOOL_PARSER_FLAGS}`",
+                           "tools" if choice is None else "tool_choice")
+    return server_parser
+
+
+def _clean_message(message, i: int) -> dict:
+    """The message as the chat template gets it: role, content (a string) and, by role, tool_calls or tool_call_id."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise RequestError(f"messages[{i}] must be an object with a 'role' and a 'content'", f"messages[{i}]")
+    role = message["role"]
+    if role not in ROLES:
+        raise RequestError(f"messages[{i}].role {shown(role)} is not a chat role: use one of {', '.join(ROLES)}",
+                           f"messages[{i}].role")
+    allowed = {"role", "content", "name"} | MESSAGE_FIELDS.get(role, set())
+    extra = {k for k, v in message.items() if v is not None} - allowed
+    if extra:
+        raise RequestError(f"messages[{i}] has fields this server does not support: {', '.join(sorted(extra))}",
+                           f"messages[{i}]")
+    clean = {"role": role, "content": _content(message, i)}
+    if message.get("tool_calls"):  # [] is dropped, as vLLM's: the template takes the plain path
+        clean["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")
+    if message.get("tool_call_id") is not None:
+        clean["tool_call_id"] = _string(message["tool_call_id"], f"messages[{i}].tool_call_id")
+    return clean
+
+
+def _escaped(text: str) -> list[str]:
+    """`text` as it stands in the rendered prompt: as is, or inside a JSON string (a template's tojson)."""
+    return [text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]]
+
+
+def _check_rendered(text: str, messages: list) -> None:
+    """Refuse messages the template left out (a template that ignores a role drops its content): each message's
+    content, or each of its tool calls' names, must appear in order, as is or JSON-escaped (Llama 3.1's template
+    writes a tool result as {"output": content}, and drops the content of an assistant turn of tool calls)."""
+    cursor = 0
+    for i, message in enumerate(messages):
+        if "tool_calls" in message:
+            wanted, field, unknown = [c["function"]["name"] for c in message["tool_calls"]], "tool_calls", "tool calls"
+        else:
+            content = message["content"].strip()
+            wanted, field, unknown = [content] if content else [], "role", "that role"
+        for item in wanted:
+            found = [(at, len(form)) for form in _escaped(item) for at in [text.find(form, cursor)] if at >= 0]
+            if not found:
+                raise RequestError(f"the chat template does not render messages[{i}] (role {message['role']!r}): "
+                                   f"this model's template does not know {unknown}", f"messages[{i}].{field}")
+            at, length = min(found)
+            cursor = at + length
+
+
+def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                    tools: Optional[list] = None) -> tuple[list[int], str]:
+    """The conversation (and `tools`, as `parse_tools` checks them) through the tokenizer's chat template, with the
+    assistant's header unless not `add_generation_prompt`: (token ids, text). The template writes the special tokens
+    (a BOS) itself."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template: use /v1/completions with a plain prompt",
                            "messages")
-    clean = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message:
-            raise RequestError(f"messages[{i}] must be an object with a 'role' and a 'content'", f"messages[{i}]")
-        role = message["role"]
-        if role not in ROLES:
-            raise RequestError(f"messages[{i}].role {shown(role)} is not a chat role: use one of {', '.join(ROLES)}",
-                               f"messages[{i}].role")
-        extra = set(message) - {"role", "content", "name"}
-        if extra:
-            raise RequestError(f"messages[{i}] has fields this server does not support: {', '.join(sorted(extra))}",
-                               f"messages[{i}]")
-        clean.append({"role": role, "content": _content(message, i)})
+    clean = [_clean_message(message, i) for i, message in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(clean, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2's TemplateError, raise_exception() in the template: the messages are refused
         raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
-    cursor = 0
-    for i, message in enumerate(clean):  # a template that ignores a role drops its content: say so
-        content = message["content"].strip()
-        found = text.find(content, cursor) if content else cursor
-        if found < 0:
-            raise RequestError(f"the chat template does not render messages[{i}] (role {message['role']!r}): "
-                               f"this model's template does not know that role", f"messages[{i}].role")
-        cursor = found + len(content)
+    _check_rendered(text, clean)
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], text
 
 
-def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
-    """A chat request; `defaults`: the server's sampling defaults (`sampling_defaults`), max_tokens among them."""
+def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_parser: Optional[str] = None) -> Job:
+    """A chat request; `defaults`: the server's sampling defaults (`sampling_defaults`), max_tokens among them;
+    `tool_parser`: the server's (--tool-call-parser), which tool_choice "auto" needs."""
     defaults = defaults or {}
     _check_fields(body, CHAT_FIELDS)
     if "messages" not in body:
@@ -423,15 +555,19 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
     if top and not logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens, field = _max_tokens(body, "max_completion_tokens")
-    ids, text = render_messages(body["messages"], tokenizer)
+    tools = parse_tools(body.get("tools"))
+    parser = _tool_parser(body, tools, tool_parser)
+    _bool(body, "parallel_tool_calls")  # accepted and ignored, as vLLM's: the model decides how many calls it makes
+    ids, text = render_messages(body["messages"], tokenizer, tools=tools)
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
-               defaults.get("max_tokens"))
+               defaults.get("max_tokens"), parser)
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs",
+                        "tools"}
 
 
 def _token_ids(value: Any, name: str, tokenizer) -> list:
@@ -452,7 +588,8 @@ def parse_tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     _check_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_FIELDS)
     special = _bool(body, "add_special_tokens", not chat)
     if chat:
-        ids, _ = render_messages(body["messages"], tokenizer, _bool(body, "add_generation_prompt", True), special)
+        ids, _ = render_messages(body["messages"], tokenizer, _bool(body, "add_generation_prompt", True), special,
+                                 parse_tools(body.get("tools")))
     elif isinstance(body.get("prompt"), str):
         ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
     else:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from swiftkv_jax.serving.http.protocol import Job
 from swiftkv_jax.serving.http.text import ChoiceText
+from swiftkv_jax.serving.http.tool_calls import ToolText
 
 
 def _gpt2_byte_decoder() -> dict:
@@ -71,9 +72,13 @@ class TokenStrings:
 class Choice:
     """One choice of a request: its engine request, text, tokens and logprob rows as they arrive."""
 
-    def __init__(self, index: int, prompt_index: int, prompt_ids, tokenizer, stop, keep_output: bool = True):
+    def __init__(self, index: int, prompt_index: int, prompt_ids, tokenizer, stop, keep_output: bool = True,
+                 tool_parser: Optional[str] = None):
         self.index, self.prompt_index, self.prompt_ids = index, prompt_index, list(prompt_ids)
         self.text = ChoiceText(tokenizer, prompt_ids, stop)
+        self.tools = ToolText(tool_parser) if tool_parser else None  # the text after stop strings, through a parser
+        self.content: Optional[str] = None  # with a parser, once done: the message's content and tool calls
+        self.tool_calls: list = []
         self.keep_output = keep_output      # False: max_tokens 0 with echo, the prompt scored and nothing kept
         self.request_id: Optional[str] = None
         self.tokens: list[int] = []
@@ -82,6 +87,19 @@ class Choice:
         self.prompt_rows: Optional[list] = None  # with prompt logprobs: (token id, logprob or None, {id: logprob})
         self.finish_reason: Optional[str] = None
         self.done = False
+
+    def to_send(self, delta: str) -> str:
+        """What to send of `delta` (new text, after stop strings): all of it without a tool-call parser; with one,
+        what cannot be part of a call, and once the choice is done the rest, with the message's content and tool
+        calls set (finish_reason "tool_calls" when it made any)."""
+        if self.tools is None:
+            return delta
+        delta = self.tools.add(delta)
+        if self.done:
+            rest, self.content, self.tool_calls = self.tools.finish()
+            delta += rest
+            self.finish_reason = "tool_calls" if self.tool_calls else self.finish_reason
+        return delta
 
 
 def prompt_rows(prompt_ids, logprobs, tops) -> list:
@@ -138,7 +156,10 @@ def whole(job: Job, choices, head: dict, strings: TokenStrings) -> dict:
             lp = completion_logprobs(strings, c.logprobs, c.prompt_rows, len(echo)) if job.logprobs else None
             out.append(dict(index=c.index, text=echo + c.text.text, logprobs=lp, finish_reason=c.finish_reason))
         else:
-            out.append(dict(index=c.index, message=dict(role="assistant", content=c.text.text, refusal=None),
+            message = dict(role="assistant", content=c.content if c.tools else c.text.text, refusal=None)
+            if c.tools:
+                message["tool_calls"] = c.tool_calls
+            out.append(dict(index=c.index, message=message,
                             logprobs=chat_logprobs(strings, c.logprobs) if job.logprobs else None,
                             finish_reason=c.finish_reason))
     obj = "text_completion" if job.kind == "completion" else "chat.completion"
@@ -181,11 +202,15 @@ class Chunks:
         return self._event(dict(index=choice.index, text=self.job.prompt_texts[choice.prompt_index], logprobs=lp,
                                 finish_reason=None))
 
-    def piece(self, choice: Choice, text: str, rows, finish) -> str:
+    def piece(self, choice: Choice, text: str, rows, finish, tool_calls=()) -> str:
+        """A choice's new text and logprob rows; chat's tool calls too (all at once, at the end: each whole, with
+        its index, as the openai client's stream helpers accumulate them)."""
         if self.chat:
             lp = chat_logprobs(self.strings, rows) if self.job.logprobs and rows else None
-            entry = dict(index=choice.index, delta={"content": text} if text else {}, logprobs=lp,
-                         finish_reason=finish)
+            delta = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(tool_calls)]
+            entry = dict(index=choice.index, delta=delta, logprobs=lp, finish_reason=finish)
         else:
             echo_len = len(self.job.prompt_texts[choice.prompt_index]) if self.job.echo else 0
             lp = completion_logprobs(self.strings, rows, echo_len=echo_len) if self.job.logprobs and rows else None

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import json
 import time
 import uuid
@@ -36,6 +37,7 @@ from swiftkv_jax.serving.http.metrics import CountRequests, Metrics
 from swiftkv_jax.serving.http.protocol import (Job, RequestError, parse_chat, parse_completion, parse_detokenize,
                                                parse_tokenize, shown)
 from swiftkv_jax.serving.http.responses import Choice, Chunks, TokenStrings, prompt_rows, sse, whole
+from swiftkv_jax.serving.http.tool_calls import PARSERS
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
              "/health", "/metrics")
@@ -47,8 +49,9 @@ class Server:
     """What the handlers share: the engine loop, the tokenizer and the limits."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None,
-                 sampling_defaults=None, api_key: Optional[str] = None):
+                 sampling_defaults=None, api_key: Optional[str] = None, tool_parser: Optional[str] = None):
         self.engine, self.tokenizer, self.model_name, self.startup = engine, tokenizer, model_name, startup
+        self.tool_parser = tool_parser  # --tool-call-parser (with --enable-auto-tool-choice): tool_choice "auto"
         self.sampling_defaults = dict(sampling_defaults or {})  # protocol.sampling_defaults' (generation_config.json)
         self.api_key = api_key  # None: open to all (access.Authenticate reads it on every request)
         self.created = int(time.time())
@@ -110,8 +113,8 @@ class Server:
         plans = []
         for i, ids in enumerate(job.prompts):
             for j in range(job.n):
-                plans.append((Choice(i * job.n + j, i, ids, self.tokenizer, job.stop, job.max_tokens != 0), ids,
-                              self.engine_options(job, ids, j)))
+                plans.append((Choice(i * job.n + j, i, ids, self.tokenizer, job.stop, job.max_tokens != 0,
+                                     job.tool_parser), ids, self.engine_options(job, ids, j)))
         loop = asyncio.get_running_loop()
         try:
             for choice, ids, options in plans:
@@ -176,7 +179,7 @@ class Server:
             if choice.finish_reason is not None:
                 choice.done = True
                 left -= 1
-            yield choice, delta, rows
+            yield choice, choice.to_send(delta), rows
 
 
 class _ClientGone(Exception):
@@ -225,7 +228,8 @@ def _error_response(error: RequestError):
 
 # ---- the app -----------------------------------------------------------------------------------------------------
 def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None,
-             startup: Optional[dict] = None, sampling_defaults: Optional[dict] = None, api_key: Optional[str] = None):
+             startup: Optional[dict] = None, sampling_defaults: Optional[dict] = None, api_key: Optional[str] = None,
+             tool_parser: Optional[str] = None):
     """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
 
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
@@ -234,6 +238,8 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
     repetition_penalty, min_p gets, and max_tokens, every request's cap; `protocol.sampling_defaults` of a
     generation_config.json.
     api_key: every path but /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401).
+    tool_parser: vLLM's --tool-call-parser (`tool_calls.PARSERS`: llama3_json, hermes), which chat requests with
+    tools and tool_choice "auto" need; their outputs come back as tool calls where they parse as ones.
     app.state.server holds the shared state (app.state.server.loop.stats: the engine's last stats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -243,7 +249,10 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
         raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string (or None: no key)")
-    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup, sampling_defaults, api_key)
+    if tool_parser is not None and tool_parser not in PARSERS:
+        raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)} (or None), got {tool_parser!r}")
+    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup, sampling_defaults, api_key,
+                    tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -331,7 +340,7 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
                     echoed.add(c.index)
                     yield chunks.echo(c)
                 if text or (job.logprobs and rows) or c.done:
-                    yield chunks.piece(c, text, rows, c.finish_reason if c.done else None)
+                    yield chunks.piece(c, text, rows, c.finish_reason if c.done else None, c.tool_calls)
         except RequestError as e:
             yield sse(e.body())
             yield "data: [DONE]\n\n"
@@ -359,7 +368,7 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, parse_chat, "chat")
+        return await run(request, functools.partial(parse_chat, tool_parser=server.tool_parser), "chat")
 
     @app.get("/v1/models")
     async def models():

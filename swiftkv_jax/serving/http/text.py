@@ -103,13 +103,17 @@ class ChoiceText:
         return min(found) if found else None
 
     def _hold_back(self, text: str) -> int:
-        """Length of the longest tail of `text` that begins some stop string (and so must not be sent yet)."""
-        best, end = 0, len(text)
-        for s in self.stop:  # a tail can begin only where s's first character is: its only candidates, longest first
-            i = text.find(s[0], end - min(len(s) - 1, end))
-            while 0 <= i < end - best:
-                if s.startswith(text[i:]):
-                    best = end - i
-                    break
-                i = text.find(s[0], i + 1)
-        return best
+        return held_back(text, self.stop)
+
+
+def held_back(text: str, strings: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that begins one of `strings` (and so must not be sent yet)."""
+    best, end = 0, len(text)
+    for s in strings:  # a tail can begin only where s's first character is: its only candidates, longest first
+        i = text.find(s[0], end - min(len(s) - 1, end))
+        while 0 <= i < end - best:
+            if s.startswith(text[i:]):
+                best = end - i
+                break
+            i = text.find(s[0], i + 1)
+    return best
