@@ -388,8 +388,9 @@ def test_kv_cache_fraction_is_of_the_memory_left_once_the_engine_holds_its_weigh
     monkeypatch.setattr(paged_cache, "free_memory", lambda devices: limit - live_bytes())
     eng = engine("swiftkv-g2", model=model, consume_weights=consume, num_pages=None, kv_cache_fraction=0.9)
     per_page = eng.pool.nbytes // eng.allocator.num_pages
-    # the penalties' counts and the logit bias table exist before the pool is sized: what is free then is without them
-    before_pool = eng.counts.nbytes + sum(a.nbytes for a in eng.bias)
+    # the penalties' counts, the logit bias and the min_tokens stop-id tables exist before the pool is sized: what is
+    # free then is without them
+    before_pool = eng.counts.nbytes + sum(a.nbytes for a in eng.bias) + eng.stops.nbytes
     free_after_weights = limit - (live_bytes() - eng.state_bytes + before_pool)
     assert eng.allocator.num_pages == int(0.9 * free_after_weights) // per_page
     assert live_bytes() <= limit
@@ -421,11 +422,14 @@ def test_warmup_compiles_every_bucket_and_serving_compiles_nothing():
     eng = engine("swiftkv-g1", single_buckets=(2, 4), prompt_buckets=(16, 64))
     eng.warmup()  # decodes only: 2 and 4 singles; with prompt tokens: 16 or 64 of them x 2 or 4 singles; one width
     assert sorted(eng._compiled) == sorted(eng.programs()) and len(eng.programs()) == 2 + 2 * 2
-    before = ragged_step._cache_size(), continuous._set_bias._cache_size()
+    programs = lambda: (ragged_step._cache_size(), continuous._set_bias._cache_size(),  # noqa: E731
+                        continuous._set_stops._cache_size())
+    before = programs()
     done = run(eng, PROMPTS[:5], arrivals=[0, 0, 2, 2, 5])
     eng.generate([PROMPTS[0]], max_tokens=2, logit_bias={5: 1.0})  # a biased slot's row, and its clearing after
     eng.generate([PROMPTS[0]], max_tokens=2)
-    assert (ragged_step._cache_size(), continuous._set_bias._cache_size()) == before
+    eng.generate([PROMPTS[0]], max_tokens=3, min_tokens=2, stop_token_ids=[7])  # a min_tokens slot's stop ids
+    assert programs() == before
     assert_matches_alone("swiftkv-g1", PROMPTS[:5], done)
 
 
@@ -695,7 +699,7 @@ def test_gpu_programs_have_no_loop_whose_trip_count_depends_on_the_data(decode):
             inputs = eng._empty_step(d, r)
             step = functools.partial(ragged_step, sizes=inputs.sizes, **eng._step_options(w))
             jaxpr = jax.make_jaxpr(step)(eng.params, eng.pool, eng.tables, eng.last_tokens, eng.counts, eng.bias,
-                                         inputs.pack(), np.bool_(False))
+                                         eng.stops, inputs.pack(), np.bool_(False))
             found += loop_primitives(jaxpr.jaxpr)
         return found
 

@@ -47,7 +47,7 @@ from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.pages import PageAllocator, pages_for
 from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, StepInput, ragged_step
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
-from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS
+from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS, MAX_MASKED_STOP_IDS
 from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,13 @@ def _set_bias(bias, slot, ids, values):
     """The logit bias table (ids, values) [S, MAX_LOGIT_BIAS] with one slot's row replaced (in place: donated) by
     ids [MAX_LOGIT_BIAS] (padding: V) and values. A slot out of range: no change."""
     return bias[0].at[slot].set(ids, mode="drop"), bias[1].at[slot].set(values, mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_stops(stops, slot, ids):
+    """The min_tokens stop-id table [S, MAX_MASKED_STOP_IDS] with one slot's row replaced (in place: donated) by ids
+    [MAX_MASKED_STOP_IDS] (padding: V). A slot out of range: no change."""
+    return stops.at[slot].set(ids, mode="drop")
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -276,6 +283,13 @@ class Engine:
         self.bias = replicated(mesh, (np.full((max_num_seqs, MAX_LOGIT_BIAS), cfg.vocab_size, np.int32),
                                       np.zeros((max_num_seqs, MAX_LOGIT_BIAS), np.float32)))
         self._slot_biased = np.zeros(max_num_seqs, bool)  # the slots whose row holds a bias (to clear on reuse)
+        # vLLM's min_tokens: each slot's stop ids [max_num_seqs, MAX_MASKED_STOP_IDS] padded with V (128 KB at 256
+        # slots), written at the admission of a request with min_tokens (`_launch`); a step masks them (logit -inf) in
+        # the rows whose request has generated fewer than min_tokens, a per-row flag of the step's packed settings
+        # that the host computes from the sequence's count of tokens (`_build`). So a request without min_tokens,
+        # or past it, costs nothing (the rows' flag is off: the step's `sample_penalised` gate stays shut, and a
+        # stale row of a reused slot is never read), and a step moves no more than its per-row settings.
+        self.stops = replicated(mesh, np.full((max_num_seqs, MAX_MASKED_STOP_IDS), cfg.vocab_size, np.int32))
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
@@ -305,8 +319,8 @@ class Engine:
                                                           np.zeros(max_num_seqs, np.int32)))
         self.max_prompt_seqs = options.max_prompt_seqs
         # per slot: temperature, top_p, top_k, seed, top_logprobs, min_p, repetition, presence and frequency
-        # penalties of the sequence that holds it
-        self._slot_settings = np.zeros((max_num_seqs, 9), np.float64)
+        # penalties, and min_tokens (0 where it has no stop id to mask) of the sequence that holds it
+        self._slot_settings = np.zeros((max_num_seqs, 10), np.float64)
         # rebuilding a penalised sequence's counts row (`_reset_counts`): its tokens padded to one of these
         self.count_buckets = _growing(min(64, self.max_model_len), self.max_model_len)
         self.scheduler = Scheduler(self.allocator, page_size=page_size, max_num_seqs=max_num_seqs,
@@ -339,7 +353,7 @@ class Engine:
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
                     prompt_logprobs: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    logit_bias: Optional[dict] = None) -> str:
+                    logit_bias: Optional[dict] = None, min_tokens: int = 0) -> str:
         """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
@@ -352,7 +366,10 @@ class Engine:
         (temperature 0) takes the argmax of the penalised logits. min_p (in [0, 1], 0 off): tokens less likely than
         min_p x the most likely one (after the temperature) are dropped. logit_bias (OpenAI's): {token id: bias in
         [-100, 100]}, at most MAX_LOGIT_BIAS (300) ids, each bias added to that token's logit before the penalties
-        (vLLM V1's order; -100 all but bans a token, +100 all but forces it). The logprobs stay the model's own."""
+        (vLLM V1's order; -100 all but bans a token, +100 all but forces it). min_tokens (vLLM's, in [0,
+        max_tokens]): while the request has generated fewer tokens, its stop ids (stop_token_ids, else the config's
+        EOS ids; at most MAX_MASKED_STOP_IDS of them) get logit -inf before all of that, so that no sampling picks
+        one. The logprobs stay the model's own."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -367,7 +384,7 @@ class Engine:
         params = RequestParams(max_tokens, temperature, top_k, top_p, number % 2**31 if seed is None else seed,
                                tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs, min_p,
                                repetition_penalty, presence_penalty, frequency_penalty,
-                               () if logit_bias is None else logit_bias).validate(vocab)
+                               () if logit_bias is None else logit_bias, min_tokens).validate(vocab)
         max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
@@ -391,6 +408,9 @@ class Engine:
             request_id = str(number) if request_id is None else str(request_id)
             self._live_ids.add(request_id)
         stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
+        if params.min_tokens and len(stops) > MAX_MASKED_STOP_IDS:
+            raise InvalidRequest(f"min_tokens masks at most {MAX_MASKED_STOP_IDS} stop token ids, but this request "
+                                 f"has {len(stops)}: give fewer stop_token_ids", "min_tokens")
         self._inbox.put(("add", Sequence(request_id, -1, prompt, params, stops)))
         return request_id
 
@@ -420,9 +440,9 @@ class Engine:
     @property
     def state_bytes(self) -> int:
         """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens and
-        the penalties' token counts and the logit bias table."""
+        the penalties' token counts, the logit bias table and the min_tokens stop-id table."""
         return (self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes + self.counts.nbytes
-                + sum(a.nbytes for a in self.bias))
+                + sum(a.nbytes for a in self.bias) + self.stops.nbytes)
 
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty() or self._in_flight is not None
@@ -459,6 +479,10 @@ class Engine:
                 self._reset_slot_counts(seq)
             if seq.params.biased or self._slot_biased[seq.slot]:  # a biased one's row, or a former one's cleared
                 self._set_slot_bias(seq)
+            if seq.params.min_tokens and seq.stop_ids:  # its stop ids to mask (a former one's row: never read)
+                ids = np.full(MAX_MASKED_STOP_IDS, self.config.vocab_size, np.int32)
+                ids[:len(seq.stop_ids)] = sorted(seq.stop_ids)
+                self.stops = _set_stops(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
         key, step, want_top = self._build(schedule)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
@@ -568,7 +592,8 @@ class Engine:
         for seq in schedule.admitted:
             p = seq.params
             self._slot_settings[seq.slot] = (p.temperature, p.top_p, p.top_k, p.seed, p.top_logprobs, p.min_p,
-                                             p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+                                             p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                                             p.min_tokens if seq.stop_ids else 0)
         num_prompt = sum(c.length for c in prompts)
         widest = max(max([len(c.seq.pages) for c in singles], default=0), max([len(c.seq.pages) for c in prompts],
                                                                                default=0))
@@ -596,14 +621,17 @@ class Engine:
                 upper_index[rows] = end - 1
                 rows += 1
             offset = end
-        settings = np.zeros((u, 9), np.float64)
+        settings = np.zeros((u, 10), np.float64)
         settings[:, [1, 6]] = 1.0  # padding rows: greedy, top_p and the repetition penalty off
         settings[:rows] = self._slot_settings[slots[upper_index[:rows]]]
         count = np.zeros(u, np.int32)
         count[:rows] = [c.count for c in sampling_chunks]
         floats = settings.astype(np.float32)
+        # min_tokens: a row masks its stop ids while its request has generated fewer (a scored prompt token's row
+        # keeps no token: never)
+        masked = ((count < settings[:, 9]) & (targets < 0)).astype(np.int32)
         sampling = Sampled(floats[:, 0], settings[:, 2].astype(np.int32), floats[:, 1],
-                           settings[:, 3].astype(np.int32), count, *floats[:, 5:].T)
+                           settings[:, 3].astype(np.int32), count, *floats[:, 5:9].T, masked)
         new = schedule.new_pages
         assert len(new) <= a, (len(new), a)
         table = np.zeros((3, a), np.int32)
@@ -622,7 +650,7 @@ class Engine:
         # one transfer each of the step's ints and floats (jnp.asarray would compile a conversion per shape), to
         # every device of a tensor-parallel mesh
         token, logprob, top, self.pool, self.tables, self.last_tokens, self.counts = ragged_step(
-            self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias,
+            self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias, self.stops,
             replicated(self.mesh, step.pack()),
             np.bool_(want_top), sizes=step.sizes, **self._step_options(width))
         return token, logprob, top
@@ -639,6 +667,8 @@ class Engine:
                                         replicated(self.mesh, marks))
         no_bias = np.full(MAX_LOGIT_BIAS, self.config.vocab_size, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
         self.bias = _set_bias(self.bias, np.int32(self.scheduler.max_num_seqs), *replicated(self.mesh, no_bias))
+        no_stops = np.full(MAX_MASKED_STOP_IDS, self.config.vocab_size, np.int32)
+        self.stops = _set_stops(self.stops, np.int32(self.scheduler.max_num_seqs), replicated(self.mesh, no_stops))
         for key in self.programs():
             t0 = time.perf_counter()
             with count_compiles() as counts:
@@ -665,7 +695,7 @@ class Engine:
         for its HLO, cost and memory analyses."""
         step = self._empty_step(d, r)
         return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias,
-                                 replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
+                                 self.stops, replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
                                  **self._step_options(width))
 
     def _run_empty(self, d: int, r: int, width: int) -> None:

@@ -19,7 +19,7 @@ from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.errors import InvalidRequest
-from swiftkv_jax.serving.sampling import SamplingParams, check_penalties, sample
+from swiftkv_jax.serving.sampling import SamplingParams, check_min_tokens, check_penalties, sample
 from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
@@ -104,7 +104,7 @@ def padded_length(length: int, chunk: Optional[int]) -> int:
 def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str], str], max_new_tokens: int = 64,
              *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             logit_bias: Optional[dict] = None, stop_token_ids: Optional[Sequence[int]] = None,
+             logit_bias: Optional[dict] = None, min_tokens: int = 0, stop_token_ids: Optional[Sequence[int]] = None,
              swiftkv: Optional[bool] = None,
              cache_dtype="auto", max_len: Optional[int] = None, prefill_chunk: Optional[int] = None,
              logprobs: bool = False, tokenizer=None, decode_attention_impl: Optional[str] = None,
@@ -116,7 +116,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     SwiftKV model as its teacher. Stops at `stop_token_ids` (default: the config's EOS ids).
     min_p (vLLM's, 0 off) as `sk.Engine`'s; repetition_penalty, presence_penalty and frequency_penalty only off
     (1, 0, 0): they need per-sequence token counts, which `sk.Engine` keeps (InvalidRequest otherwise); logit_bias
-    only None or {}: `sk.Engine` applies it.
+    only None or {} and min_tokens (vLLM's) only 0: `sk.Engine` applies them.
     max_len: cache length (default: the longest prompt + max_new_tokens, at least the prompts' bucket,
     `padded_length`: a power of two >= 16, finer past 2048 tokens, or a multiple of prefill_chunk; a max_len that
     holds prompt + max_new_tokens takes the prompts as they are, unless chunked). decode_attention_impl: the
@@ -158,6 +158,9 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     max_new_tokens = integer("max_new_tokens", max_new_tokens, 1)
+    if check_min_tokens(min_tokens, max_new_tokens):  # the range checked first: a bad value names its range
+        raise InvalidRequest("min_tokens is applied by sk.Engine (add_request takes it) and the server, not by "
+                             "sk.generate: use sk.Engine", "min_tokens")
     seed = integer("seed", seed)
     logprobs = flag("logprobs", logprobs)
     max_len = None if max_len is None else integer("max_len", max_len, 1, optional=True)

@@ -1,5 +1,6 @@
 """Next-token choice: greedy, temperature, top-k, top-p (nucleus), min-p, from a seed; the range checks of the
-penalties and the logit bias the continuous engine applies (`ragged_step.apply_penalties`, `apply_bias`)."""
+penalties, the logit bias and min_tokens the continuous engine applies (`ragged_step.apply_penalties`,
+`apply_bias`, `mask_stops`)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_pena
 
 
 MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias, as the OpenAI API allows
+MAX_MASKED_STOP_IDS = 128  # stop ids a request with min_tokens may have (the width of the engine's per-slot table)
+
+
+def check_min_tokens(min_tokens, max_tokens: int) -> int:
+    """vLLM's min_tokens (no stop before that many generated tokens) as an int in [0, max_tokens], with vLLM's
+    messages; InvalidRequest naming it."""
+    min_tokens = integer("min_tokens", min_tokens, error=InvalidRequest)
+    if min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be greater than or equal to 0, got {min_tokens}", "min_tokens")
+    if min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}",
+                             "min_tokens")
+    return min_tokens
 
 
 def check_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -47,7 +47,7 @@ from swiftkv_jax.checks import flag, integer, real
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
-from swiftkv_jax.serving.sampling import SamplingParams, check_logit_bias, check_penalties
+from swiftkv_jax.serving.sampling import SamplingParams, check_logit_bias, check_min_tokens, check_penalties
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -96,6 +96,7 @@ class RequestParams:
     presence_penalty: float = 0.0     # 0 off, in [-2, 2]: on the output's tokens
     frequency_penalty: float = 0.0    # 0 off, in [-2, 2]: on the output's tokens, times their count
     logit_bias: tuple = ()            # OpenAI's: {token id: bias in [-100, 100]}, validated to sorted (id, bias)
+    min_tokens: int = 0               # vLLM's: in [0, max_tokens], no stop id sampled before that many tokens
 
     @property
     def penalised(self) -> bool:
@@ -124,6 +125,7 @@ class RequestParams:
                        logprobs=flag("logprobs", self.logprobs, InvalidRequest))  # bool("false") is True
         if changes["max_tokens"] < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        changes["min_tokens"] = check_min_tokens(self.min_tokens, changes["max_tokens"])
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                  "top_logprobs")
@@ -511,7 +513,7 @@ class Scheduler:
                 self.inter_token.observe(now - seq.last_token_time)
             seq.last_token_time = now
             reason = None
-            if token in seq.stop_ids:
+            if token in seq.stop_ids and len(seq.output) > seq.params.min_tokens:  # vLLM's: none before min_tokens
                 reason = "stop"
             elif len(seq.output) >= seq.params.max_tokens or len(seq.prompt) + len(seq.output) >= max_model_len:
                 reason = "length"
