@@ -1,7 +1,8 @@
 """vLLM's min_tokens in the continuous engine (`sk.Engine`) and the server's text: per row against transformers'
 MinNewTokensLengthLogitsProcessor; no masked stop id ever drawn (greedy, temperature, top-k, top-p, min_p); end to
 end against full forwards (`sk.logits`) with the stop ids masked, the request then stopping at its stop id, the
-logprobs the model's own; per-row isolation in mixed batches, preemption, slot reuse, the prefix cache."""
+logprobs the model's own; per-row isolation in mixed batches, preemption, slot reuse, the prefix cache; stop strings
+that end in the text of the first min_tokens tokens do not stop it (vLLM's detokenizer)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import swiftkv_jax as sk
 from swiftkv_jax.serving import continuous
 from swiftkv_jax.serving.errors import InvalidRequest
+from swiftkv_jax.serving.http.text import ChoiceText
 from swiftkv_jax.serving.ragged_step import mask_stops, sample_penalised, sample_rows
 from swiftkv_jax.serving.sampling import MAX_MASKED_STOP_IDS
 
@@ -260,3 +262,30 @@ def test_sk_generate_refuses_min_tokens_naming_the_engine():
         sk.generate(model, [PROMPTS[0]], 2, swiftkv=swiftkv, min_tokens=3)
     assert list(sk.generate(model, [PROMPTS[0]], MAX_TOKENS, swiftkv=swiftkv, cache_dtype="float32", min_tokens=0,
                             stop_token_ids=[], max_len=80).tokens[0]) == list(alone("swiftkv-g1", tuple(PROMPTS[0]))[0])
+
+
+# ---- stop strings (the server's text) ----------------------------------------------------------------------------
+class _Words:
+    """A tokenizer whose token i is WORDS[i]."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(WORDS[i] for i in ids)
+
+
+# vLLM's own case (tests/detokenizer/test_min_tokens.py): " is Lee, and I'm a student in the college of engineering"
+WORDS = [" is", " Lee", ",", " and", " I", "'m", " a", " stud", "ent", " in", " the", " college", " of", " engineering"]
+
+
+@pytest.mark.parametrize("min_tokens, stop, want", [
+    (0, "e", " is L"),
+    (5, "e", " is Lee, and I'm a stud"),   # the e's of " Lee" are in the first 5 tokens' text
+    (2, "Lee,", " is "),                   # begins in that text, ends past it: it stops
+    (2, "Lee", " is Lee, and I'm a student in the college of engineering"),
+    (14, "e", " is Lee, and I'm a student in the college of engineering"),
+])
+def test_a_stop_string_in_the_first_min_tokens_tokens_text_does_not_stop(min_tokens, stop, want):
+    """As vLLM's detokenizer: token by token and all at once, streamed pieces adding up to the text."""
+    for pieces in ([[i] for i in range(len(WORDS))], [list(range(len(WORDS)))], [[0, 1, 2], list(range(3, 14))]):
+        text = ChoiceText(_Words(), [], [stop, "\u2603never"], min_tokens)
+        sent = "".join(text.add(p) for p in pieces) + text.finish()
+        assert sent == text.text == want and text.stopped == (want != "".join(WORDS)), pieces

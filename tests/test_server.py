@@ -463,6 +463,67 @@ def test_logit_bias_through_the_openai_client(client, student, tokenizer, refere
     assert want != list(plain)
 
 
+def _min_tokens_greedy(model, ids, n, stops, min_tokens) -> tuple[list, list]:
+    """(greedy tokens to a stop id or n, their logprobs): each the argmax of the full forward's last logits with the
+    stop ids at -inf while fewer than min_tokens are generated (vLLM's min_tokens); logprobs the model's own."""
+    tokens, out, logprobs = list(ids), [], []
+    while len(out) < n and not (out and out[-1] in stops):
+        raw = np.asarray(sk.logits(model, np.asarray([tokens])), np.float64)[0, -1]
+        logits = raw.copy()
+        if len(out) < min_tokens:
+            logits[sorted(stops)] = -np.inf
+        out.append(int(np.argmax(logits)))
+        logprobs.append(raw[out[-1]] - np.logaddexp.reduce(raw))
+        tokens.append(out[-1])
+    return out, logprobs
+
+
+def test_min_tokens_through_the_openai_client(client, student, tokenizer, reference):
+    """vLLM's min_tokens (extra_body), greedy: a stop id that plain greedy samples first (so it stops at once) is
+    masked for the first min_tokens tokens, then stops it: the tokens of the masked full forward, the logprobs the
+    model's own; chat's EOS is masked too; a stop string that ends in the first min_tokens tokens' text does not
+    stop the request, one past it does (vLLM's), whole and streamed."""
+    model = sk.load(student / "student")
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    stop_id = int(reference(ids)[0][0])
+    body = dict(model=MODEL, prompt=ids, max_tokens=12, temperature=0, logprobs=0)
+    assert client.completions.create(**body, extra_body={"stop_token_ids": [stop_id]}).usage.completion_tokens == 1
+    want, logprobs = _min_tokens_greedy(model, ids, 12, {stop_id, eos}, 4)
+    out = client.completions.create(**body, extra_body={"stop_token_ids": [stop_id], "min_tokens": 4})
+    stopped = want[-1] in (stop_id, eos)
+    assert len(want) > 4 and out.usage.completion_tokens == len(want)
+    assert out.choices[0].finish_reason == ("stop" if stopped else "length")
+    assert out.choices[0].text == tokenizer.decode(want[:-1] if stopped else want, skip_special_tokens=True)
+    np.testing.assert_allclose(out.choices[0].logprobs.token_logprobs, logprobs, atol=2e-3)
+    # chat: the EOS and a stop id masked, with n = 2 and a seed beside (each choice its own request)
+    chat_ids = _chat_ids(tokenizer, PROMPTS[0])
+    stop_id = int(reference(chat_ids)[0][0])
+    want, _ = _min_tokens_greedy(model, chat_ids, 8, {stop_id, eos}, 3)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                         max_tokens=8, temperature=0, n=2,
+                                         extra_body={"stop_token_ids": [stop_id], "min_tokens": 3})
+    stopped = want[-1] in (stop_id, eos)
+    assert [c.message.content for c in out.choices] == [tokenizer.decode(want[:-1] if stopped else want,
+                                                                         skip_special_tokens=True)] * 2
+    # stop strings: one found in the first 4 tokens' text is passed over
+    want, _ = _min_tokens_greedy(model, ids, 12, {eos}, 4)
+    full = tokenizer.decode(want, skip_special_tokens=True)
+    head = len(tokenizer.decode(want[:4], skip_special_tokens=True))
+    start = next(i for i in range(head - 1) if full[i:i + 2].isascii() and full[i:i + 2].strip())
+    stop = full[start:start + 2]
+    cut = full.find(stop, head - 1)
+    text = full[:cut] if cut >= 0 else full
+    body = dict(model=MODEL, prompt=ids, max_tokens=12, temperature=0, stop=[stop])
+    plain = reference(ids, 12)[2]  # without min_tokens: cut at the first one (in the text of the first 4 tokens)
+    assert client.completions.create(**body).choices[0].text == (plain[:plain.find(stop)] if stop in plain else plain)
+    assert not plain.startswith(full[:head]) or plain.find(stop) < head - 1
+    out = client.completions.create(**body, extra_body={"min_tokens": 4})
+    assert out.choices[0].text == text and len(text) >= head
+    chunks = list(client.completions.create(**body, stream=True, extra_body={"min_tokens": 4}))
+    assert "".join(c.choices[0].text for c in chunks) == text
+
+
 def test_stop_strings_cut_the_text(client, tokenizer, reference):
     ids = tokenizer(PROMPTS[3])["input_ids"]
     text = reference(ids)[2]
@@ -645,7 +706,15 @@ BAD = [  # (path, body, status, param, words in the message)
      "min_p must lie in [0, 1]"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], frequency_penalty=-2.5), 400,
      "frequency_penalty", "frequency_penalty must lie in [-2, 2]"),
-    ("/v1/completions", dict(prompt="hi", min_tokens=3), 400, "min_tokens", "with ignore_eos: true"),
+    ("/v1/completions", dict(prompt="hi", min_tokens=-1), 400, "min_tokens",
+     "min_tokens must be greater than or equal to 0, got -1"),
+    ("/v1/completions", dict(prompt="hi", min_tokens="3"), 400, "min_tokens", "min_tokens must be an integer"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=4, min_tokens=5), 400, "min_tokens",
+     "min_tokens must be less than or equal to max_tokens=4, got 5"),
+    ("/v1/completions", dict(prompt="hi", min_tokens=17), 400, "min_tokens",  # the omitted max_tokens: 16
+     "min_tokens must be less than or equal to max_tokens=16, got 17"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2,
+                                  min_tokens=3), 400, "min_tokens", "less than or equal to max_tokens=2, got 3"),
     ("/v1/completions", dict(prompt="hi", stop_token_ids=[10**6]), 400, "stop_token_ids", "stop_token_ids must lie"),
     ("/v1/completions", dict(prompt="hi", stream=True, stream_options=dict(include_usage="yes")), 400,
      "stream_options", "stream_options takes"),

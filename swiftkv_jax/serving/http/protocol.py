@@ -13,9 +13,10 @@ only at their no-op values (`best_of` = n, `suffix: ""`, ...) and refused otherw
 `frequency_penalty` and `logit_bias` ({"token id": bias in [-100, 100]}, at most 300) are applied (the engine's), as
 are vLLM's `repetition_penalty` and `min_p`.
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
-`ignore_eos`, `min_tokens` (only where it changes nothing, see `_min_tokens`), `max_completion_tokens` on
-completions too, `stream_options.continuous_usage_stats`, and echo with logprobs (the prompt's own logprobs,
-computed at full depth) with `max_tokens: 0` (the prompt scored, nothing generated).
+`ignore_eos`, `min_tokens` (no stop id sampled and no stop string ending in the text of the first min_tokens tokens,
+as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
+and echo with logprobs (the prompt's own logprobs, computed at full depth) with `max_tokens: 0` (the prompt scored,
+nothing generated).
 Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and the messages' `tool_calls`
 and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`; `tool_calls.py` parses).
 
@@ -215,7 +216,7 @@ def _sampling(body: dict, defaults: dict) -> dict:
                 top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
                 extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"), logit_bias=_logit_bias(body),
-                **options)
+                min_tokens=_min_tokens(body), **options)
 
 
 def _logit_bias(body: dict) -> Optional[dict]:
@@ -248,17 +249,20 @@ def _logit_bias(body: dict) -> Optional[dict]:
     return out
 
 
-def _min_tokens(body: dict, sampling: dict, stop: list) -> None:
-    """vLLM's min_tokens: no stop before that many tokens. Accepted where nothing could stop the request earlier
-    (0, or ignore_eos with no stop_token_ids and no stop strings: guidellm's and vLLM's benchmark requests);
-    otherwise refused, since this engine does not mask stop tokens."""
+def _min_tokens(body: dict) -> int:
+    """vLLM's min_tokens (0: off): no stop before that many generated tokens. The engine masks the request's stop
+    ids (the EOS ids unless ignore_eos, and stop_token_ids) while it has generated fewer (`sk.Engine.add_request`),
+    and a stop string that ends in the text of those first tokens does not stop it (`text.ChoiceText`), as vLLM's.
+    An integer >= 0, at most the max_tokens (or max_completion_tokens) given (vLLM's messages); the engine checks it
+    against the max_tokens the request runs with (the context's room, generation_config's cap)."""
     min_tokens = _number(body, "min_tokens", 0, integer=True)
     if min_tokens < 0:
-        raise RequestError(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
-    if min_tokens and not (sampling["ignore_eos"] and not sampling["extra_stop_ids"] and not stop):
-        raise RequestError("min_tokens > 0 is supported only where nothing could stop the request earlier: with "
-                           "ignore_eos: true and no stop or stop_token_ids (this server does not mask stop tokens)",
-                           "min_tokens", code="unsupported_parameter")
+        raise RequestError(f"min_tokens must be greater than or equal to 0, got {min_tokens}", "min_tokens")
+    given = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    if isinstance(given, int) and not isinstance(given, bool) and min_tokens > given:  # a bad one: its own 400
+        raise RequestError(f"min_tokens must be less than or equal to max_tokens={given}, got {min_tokens}",
+                           "min_tokens")
+    return min_tokens
 
 
 def _stop_strings(body: dict) -> list:
@@ -293,7 +297,6 @@ def _common(body: dict, defaults: dict) -> dict:
                                f"{shown(options)}", "stream_options")
     options = options or {}
     sampling, stop = _sampling(body, defaults), _stop_strings(body)
-    _min_tokens(body, sampling, stop)
     return dict(n=n, seed=seed, stream=stream, include_usage=options.get("include_usage", False),
                 continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop)
 

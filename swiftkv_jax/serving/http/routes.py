@@ -95,7 +95,7 @@ class Server:
                     seed=seed, stop_token_ids=stops, logprobs=job.logprobs, top_logprobs=job.top_logprobs,
                     prompt_logprobs=job.prompt_logprobs, min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
                     presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
-                    logit_bias=s["logit_bias"])
+                    logit_bias=s["logit_bias"], min_tokens=s["min_tokens"])
 
     def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
         """Check the job against the limits and add its choices to the engine; all or none."""
@@ -114,7 +114,8 @@ class Server:
         for i, ids in enumerate(job.prompts):
             for j in range(job.n):
                 plans.append((Choice(i * job.n + j, i, ids, self.tokenizer, job.stop, job.max_tokens != 0,
-                                     job.tool_parser), ids, self.engine_options(job, ids, j)))
+                                     job.tool_parser, job.engine["min_tokens"]), ids,
+                              self.engine_options(job, ids, j)))
         loop = asyncio.get_running_loop()
         try:
             for choice, ids, options in plans:

@@ -6,7 +6,8 @@ character is ever sent in pieces. The window starts on the prompt's last tokens,
 leading space of a decoded sequence (SentencePiece) still gives the first output token its space.
 
 `ChoiceText` is one choice's text: the detokenizer, the stop strings (the text is cut before the first one found
-and the choice ends with finish_reason "stop"), and a hold-back of any tail that could still become a stop string.
+and the choice ends with finish_reason "stop"; with vLLM's min_tokens, one that ends in the text of the first
+min_tokens tokens does not count), and a hold-back of any tail that could still become a stop string.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class Detokenizer:
 
 class ChoiceText:
     """One choice's text as its tokens arrive. `add` returns the text that may be sent now; `stopped` is set once a
-    stop string appears (the text ends before it, and later tokens are ignored)."""
+    stop string appears (the text ends before it, and later tokens are ignored). min_tokens: a stop string must end
+    past the text of the first min_tokens tokens (vLLM's detokenizer checks none before; one may begin there)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0):
         self.detokenizer = Detokenizer(tokenizer, prompt_ids)
         self.stop = [s for s in stop if s]
         self.longest = max((len(s) for s in self.stop), default=0)
@@ -63,6 +65,9 @@ class ChoiceText:
         self.window = ""
         self.sent = 0        # characters of `window` given out
         self.stopped = False
+        self.min_tokens, self.tokens = min_tokens, 0
+        self._base = 0       # characters in `_parts`
+        self._unchecked = 0  # characters of the text (from its start) in which no stop string may end
 
     @property
     def text(self) -> str:
@@ -72,18 +77,25 @@ class ChoiceText:
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        return self._extend(self.detokenizer.push(token_ids), final=False)
+        head = max(0, min(len(token_ids), self.min_tokens - self.tokens))  # of the first min_tokens: unchecked
+        self.tokens += len(token_ids)
+        out = self._extend(self.detokenizer.push(token_ids[:head]), final=False, checked=False) if head else ""
+        if head < len(token_ids) or not head:
+            out += self._extend(self.detokenizer.push(token_ids[head:]), final=False)
+        return out
 
     def finish(self) -> str:
         """The rest of the text, once the engine has finished the request."""
         if self.stopped:
             return ""
-        return self._extend(self.detokenizer.flush(), final=True)
+        return self._extend(self.detokenizer.flush(), final=True, checked=self.tokens > self.min_tokens)
 
-    def _extend(self, delta: str, final: bool) -> str:
+    def _extend(self, delta: str, final: bool, checked: bool = True) -> str:
         window = self.window
         start = max(0, len(window) - self.longest + 1)  # where a stop string could first end in the new text
         window += delta
+        if not checked:  # the text of the first min_tokens tokens
+            self._unchecked = self._base + len(window)
         cut = self._find_stop(window, start)
         if cut is not None:
             window, self.stopped = window[:cut], True
@@ -94,12 +106,13 @@ class ChoiceText:
         done = max(0, self.sent - max(self.longest - 1, 0))  # given out, and out of every stop string's reach
         if done:
             self._parts.append(window[:done])
-            window, self.sent = window[done:], self.sent - done
+            window, self.sent, self._base = window[done:], self.sent - done, self._base + done
         self.window = window
         return out
 
     def _find_stop(self, text: str, start: int) -> Optional[int]:
-        found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        floor = self._unchecked - self._base  # a stop string ends past it: begins at floor - len + 1 or later
+        found = [i for i in (text.find(s, max(start, floor - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
     def _hold_back(self, text: str) -> int:
