@@ -103,7 +103,7 @@ def host(student, counts=(32, 128, 256), steps: int = 60) -> list[dict]:
     from swiftkv_jax.serving import continuous
     from swiftkv_jax.serving.scheduler import MAX_TOP_LOGPROBS
 
-    def no_op(params, pool, tables, last_tokens, counts, packed, want_top, sizes, **_):
+    def no_op(params, pool, tables, last_tokens, counts, *_, sizes, **__):  # the step's other inputs: unread
         u = sizes[2]
         top = (np.zeros((u, MAX_TOP_LOGPROBS), np.float32), np.zeros((u, MAX_TOP_LOGPROBS), np.int32))
         return np.ones(u, np.int32), np.zeros(u, np.float32), top, pool, tables, last_tokens, counts
