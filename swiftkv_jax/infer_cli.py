@@ -163,7 +163,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=port, default=8000, help="TCP port (0: any free one, logged)")
-    s.add_argument("--served-model-name", default=None, help="the `model` clients name (default: the directory's name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the `model` clients name (default: the directory's name); several (vLLM's): a request may "
+                        "name any, the first is the default and /metrics' model_name")
     # None: sk.EngineConfig's defaults, sized for one 80 GB GPU (vLLM's on an H100); a small CPU wants fewer
     s.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences running at once (default 256)")
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
@@ -714,6 +716,9 @@ def _serve(args) -> int:
     sampling = _sampling_defaults(args)
     api_key = _api_key(args)
     tool_parser = _tool_parser(args)
+    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model))]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--served-model-name takes distinct names, got {' '.join(names)}")
     pool, pool_tokens = _kv_pool(args, config)
     if args.max_model_len is not None:  # the engine checks a fraction's pool once the weights are loaded
         check_max_model_len(args.max_model_len, config.max_position_embeddings, pool_tokens, name="--max-model-len",
@@ -733,8 +738,7 @@ def _serve(args) -> int:
                    mesh=mesh, consume_weights=True,  # the model is the engine's alone: its weights in memory once
                    **_named_impls(args),
                    **buckets, **{k: v for k, v in given.items() if v is not None})
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    return serve(model, tokenizer, name, host=args.host, port=args.port, engine_options=options,
+    return serve(model, tokenizer, names, host=args.host, port=args.port, engine_options=options,
                  max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock,
                  sampling_defaults=sampling, api_key=api_key, tool_parser=tool_parser)
 

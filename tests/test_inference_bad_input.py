@@ -77,6 +77,11 @@ def test_serve_refuses_a_max_model_len_beyond_the_positions_or_the_pool(weightle
     assert "--num-pages, --kv-cache-bytes or --kv-cache-fraction" in err
 
 
+def test_serve_refuses_a_served_model_name_given_twice(weightless, capsys):
+    code, _, err = run(capsys, "serve", "--model", weightless, "--served-model-name", "a", "b", "a")
+    assert code == 2 and "--served-model-name takes distinct names, got a b a" in err
+
+
 def test_serves_pool_check_counts_the_kv_heads_tensor_parallelism_copies(weightless, capsys):
     """4 devices over 2 KV heads hold each twice (as the engine's pool will): the early check sizes the pool so,
     and refuses a max_model_len that only the uncopied heads would hold, before any weight is read."""

@@ -43,6 +43,7 @@ from server_process import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-swiftkv"
+ALIAS = "gpt-3.5-turbo"  # a second --served-model-name, as deployments alias a model to the name their clients use
 MAX_MODEL_LEN, MAX_SEQS, MAX_WAITING, GRACE = 128, 16, 64, 8
 REF_TOKENS = 16   # every reference is 16 greedy tokens; a shorter request gets a prefix of it
 PROMPTS = ["What is 4 + 5?", "Sort these words: fig apple pear", "Repeat 'owl' 2 times.", "Count from 3 to 9."]
@@ -81,7 +82,7 @@ def server(student, tokenizer, reference, tmp_path_factory):
     (generation / "generation_config.json").write_text(json.dumps(SERVED_GENERATION))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
-            "--served-model-name", MODEL, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
+            "--served-model-name", MODEL, ALIAS, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
             "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--single-buckets", str(MAX_SEQS),
             "--prompt-buckets", "64", "--max-model-len", str(MAX_MODEL_LEN), "--max-waiting", str(MAX_WAITING),
             "--shutdown-grace", str(GRACE), "--tensor-parallel", "2", "--generation-config", str(generation)]
@@ -564,7 +565,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_models_health_and_an_idle_server_does_not_spin(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     if not Path(f"/proc/{server.proc.pid}/stat").exists():
         pytest.skip("no /proc here")
@@ -572,6 +573,21 @@ def test_models_health_and_an_idle_server_does_not_spin(server, client):
     before = _cpu_seconds(server.proc.pid)
     time.sleep(1.5)
     assert _cpu_seconds(server.proc.pid) - before < 0.3, "the idle server keeps a core busy"
+
+
+def test_every_served_name_is_a_model_and_a_response_carries_the_name_it_was_asked_by(server, client):
+    """vLLM's --served-model-name A B: a request may name either (its response says which), one that names none gets
+    the first, another name is a 404 listing both."""
+    for model, want in ((ALIAS, ALIAS), (MODEL, MODEL)):
+        assert client.completions.create(model=model, prompt="hi", max_tokens=1).model == want
+        assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1).model == want
+    reply = httpx.post(f"{server.url}/v1/completions", json=dict(prompt="hi", max_tokens=1), timeout=60)
+    assert reply.json()["model"] == MODEL
+    with client.completions.create(model=ALIAS, prompt="hi", max_tokens=2, stream=True) as stream:
+        assert {chunk.model for chunk in stream} == {ALIAS}
+    with pytest.raises(openai.NotFoundError, match=f"`gpt-9` does not exist: this server serves `{MODEL}`, `{ALIAS}`"):
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=1)
 
 
 # ---- load: 64 concurrent streams, a quarter hung up ------------------------------------------------------------------

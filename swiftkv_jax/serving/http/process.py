@@ -111,7 +111,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+def serve(model, tokenizer, model_name, *, host: str = "127.0.0.1", port: int = 8000,
           engine_options: Optional[dict] = None, max_waiting: int = 256, shutdown_grace: float = 10.0,
           stop_token_ids=None, sock: Optional[socket.socket] = None, sampling_defaults: Optional[dict] = None,
           api_key: Optional[str] = None, tool_parser: Optional[str] = None) -> int:
@@ -140,7 +140,8 @@ def serve(model, tokenizer, model_name: str, *, host: str = "127.0.0.1", port: i
             raise ValueError(f"--port {port}: another process began listening on {host}:{port} while this server "
                              f"was starting ({e.strerror}; e.g. a second `infer.py serve` that was loading): stop "
                              f"it or choose another --port") from None
-        log.info("serving %s on %s (ready %.1f s after the engine build began)", model_name, url,
+        log.info("serving %s on %s (ready %.1f s after the engine build began)",
+                 model_name if isinstance(model_name, str) else ", ".join(model_name), url,
                  time.perf_counter() - began)
         engine_loop = app.state.server.loop
         _uvicorn_server(config, engine_loop, shutdown_grace).run(sockets=[sock])

@@ -48,9 +48,11 @@ DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its cl
 class Server:
     """What the handlers share: the engine loop, the tokenizer and the limits."""
 
-    def __init__(self, engine, tokenizer, model_name: str, max_waiting: int, stop_token_ids, startup=None,
+    def __init__(self, engine, tokenizer, model_names: tuple, max_waiting: int, stop_token_ids, startup=None,
                  sampling_defaults=None, api_key: Optional[str] = None, tool_parser: Optional[str] = None):
-        self.engine, self.tokenizer, self.model_name, self.startup = engine, tokenizer, model_name, startup
+        self.engine, self.tokenizer, self.startup = engine, tokenizer, startup
+        # vLLM's --served-model-name A B ...: a request may name any; the first is the default and the metrics' label
+        self.model_names, self.model_name = model_names, model_names[0]
         self.tool_parser = tool_parser  # --tool-call-parser (with --enable-auto-tool-choice): tool_choice "auto"
         self.sampling_defaults = dict(sampling_defaults or {})  # protocol.sampling_defaults' (generation_config.json)
         self.api_key = api_key  # None: open to all (access.Authenticate reads it on every request)
@@ -228,11 +230,13 @@ def _error_response(error: RequestError):
 
 
 # ---- the app -----------------------------------------------------------------------------------------------------
-def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop_token_ids=None,
+def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_token_ids=None,
              startup: Optional[dict] = None, sampling_defaults: Optional[dict] = None, api_key: Optional[str] = None,
              tool_parser: Optional[str] = None):
     """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
 
+    model_name: the name clients give as `model`, or several (vLLM's `--served-model-name A B`): a request may name
+    any, and its response carries the name it gave; the first is the default and /metrics' `model_name` label.
     stop_token_ids: the default stop tokens (default: the config's EOS ids and the tokenizer's EOS); a request adds
     its own `stop_token_ids` and drops the defaults with `ignore_eos`. startup: `process.start_engine`'s figures,
     shown in /metrics (swiftkv_startup_*). sampling_defaults: what a request that omits temperature, top_p, top_k,
@@ -252,7 +256,10 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
         raise ValueError("api_key must be a non-empty string (or None: no key)")
     if tool_parser is not None and tool_parser not in PARSERS:
         raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)} (or None), got {tool_parser!r}")
-    server = Server(engine, tokenizer, model_name, max_waiting, stop_token_ids, startup, sampling_defaults, api_key,
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if not names or any(not isinstance(n, str) or not n for n in names) or len(set(names)) < len(names):
+        raise ValueError(f"model_name must be a non-empty name, or a list of distinct ones, got {model_name!r}")
+    server = Server(engine, tokenizer, names, max_waiting, stop_token_ids, startup, sampling_defaults, api_key,
                     tool_parser)
 
     @contextlib.asynccontextmanager
@@ -292,9 +299,10 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
                 raise RequestError(f"{name} holds a string that is not valid Unicode (a lone surrogate such as "
                                    f"\\ud800): send UTF-8 text", name, code="invalid_json") from None
         model = body.get("model")
-        if model is not None and model != server.model_name:
+        if model is not None and model not in server.model_names:
             model = model if isinstance(model, str) and len(model) <= 200 else shown(model)
-            raise RequestError(f"The model `{model}` does not exist: this server serves `{server.model_name}`",
+            served = ", ".join(f"`{name}`" for name in server.model_names)
+            raise RequestError(f"The model `{model}` does not exist: this server serves {served}",
                                "model", 404, code="model_not_found")
         return body
 
@@ -308,13 +316,14 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     async def run(request: Request, parse, kind: str):
         try:
-            job = await parsed(request, lambda body, tokenizer: parse(body, tokenizer, server.sampling_defaults))
+            model, job = await parsed(request, lambda body, tokenizer: (
+                body.get("model") or server.model_name, parse(body, tokenizer, server.sampling_defaults)))
             queue = asyncio.Queue()
             choices = server.start(job, queue)
         except RequestError as e:
             return _error_response(e)
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-        head = dict(id=rid, created=int(time.time()), model=server.model_name)
+        head = dict(id=rid, created=int(time.time()), model=model)  # the name the request used, as vLLM's
         if job.stream:
             return _Stream(stream(job, choices, queue, head), server, choices, media_type="text/event-stream")
         try:
@@ -373,8 +382,9 @@ def make_app(engine, tokenizer, model_name: str, *, max_waiting: int = 256, stop
 
     @app.get("/v1/models")
     async def models():
-        return dict(object="list", data=[dict(id=server.model_name, object="model", created=server.created,
-                                              owned_by="swiftkv-jax", max_model_len=server.max_model_len)])
+        return dict(object="list", data=[dict(id=name, object="model", created=server.created, owned_by="swiftkv-jax",
+                                              root=server.model_name, max_model_len=server.max_model_len)
+                                         for name in server.model_names])
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
