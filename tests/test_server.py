@@ -34,7 +34,7 @@ from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
 from swiftkv_jax.data.chat import load_tokenizer
 from swiftkv_jax.evaluation.harness import render_context
 from swiftkv_jax.infer_cli import main
-from swiftkv_jax.serving.http.protocol import parse_chat, parse_completion, sampling_defaults
+from swiftkv_jax.serving.http.protocol import RequestError, parse_chat, parse_completion, sampling_defaults
 from swiftkv_jax.serving.http.responses import TokenStrings
 from swiftkv_jax.serving.http.text import ChoiceText
 from swiftkv_jax.tiny_assets import make_tiny_assets
@@ -862,6 +862,39 @@ def test_vllm_dashboards_read_the_metrics_under_vllms_names(server):
 
 
 # ---- generation_config.json's defaults, vLLM's /tokenize, /detokenize, /version and X-Request-Id --------------------
+def test_vllms_template_fields_render_as_transformers_renders_them(tokenizer):
+    """vLLM's chat extensions add_generation_prompt, continue_final_message (a prefilled answer the model continues)
+    and chat_template_kwargs give the ids transformers' apply_chat_template gives with the same arguments; bad
+    combinations are 400s naming the field."""
+    import copy
+
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My answer is"}]
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = "{% if greeting %}{{ greeting }}{% endif %}" + tokenizer.chat_template
+    cases = [(tokenizer, messages[:1], dict(add_generation_prompt=False), {}),
+             (tokenizer, messages, dict(continue_final_message=True), dict(add_generation_prompt=False)),
+             (tokenizer, messages, dict(continue_final_message=True, add_generation_prompt=False), {}),
+             (templated, messages[:1], dict(chat_template_kwargs={"greeting": "Hello there. "}),
+              dict(add_generation_prompt=True))]
+    for tok, msgs, fields, implied in cases:
+        job = parse_chat(dict(messages=msgs, **fields), tok)
+        kwargs = dict(fields.pop("chat_template_kwargs", {}), **fields, **implied)
+        want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False, **kwargs)
+        assert job.prompts[0] == want, fields
+    continued = parse_chat(dict(messages=messages, continue_final_message=True), tokenizer).prompt_texts[0]
+    assert continued.endswith("My answer is") and "Hello there" in parse_chat(
+        dict(messages=messages[:1], chat_template_kwargs={"greeting": "Hello there. "}), templated).prompt_texts[0]
+    for body, param, words in (
+            (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "cannot both"),
+            (dict(chat_template_kwargs=["x"]), "chat_template_kwargs", "must be an object"),
+            (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs", "may not set tools"),
+            (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs", "may not set messages"),
+            (dict(add_generation_prompt="yes"), "add_generation_prompt", "true or false")):
+        with pytest.raises(RequestError, match=words) as e:
+            parse_chat(dict(messages=messages, **body), tokenizer)
+        assert e.value.param == param
+
+
 def test_generation_config_sets_what_an_omitted_field_gets(tokenizer):
     """vLLM's --generation-config: the file's temperature, top_p, top_k (-1: off) and max_new_tokens (chat's
     max_tokens) are the defaults; values equal to transformers' defaults are none (vLLM reads the file's diff from

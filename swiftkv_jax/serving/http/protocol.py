@@ -17,8 +17,10 @@ vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accep
 as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
 and echo with logprobs (the prompt's own logprobs, computed at full depth) with `max_tokens: 0` (the prompt scored,
 nothing generated).
-Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and the messages' `tool_calls`
-and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`; `tool_calls.py` parses).
+Chat takes vLLM's template fields too (`template_options`: add_generation_prompt, continue_final_message,
+chat_template_kwargs). Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and
+the messages' `tool_calls` and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`;
+`tool_calls.py` parses).
 
 A request that omits temperature, top_p, top_k, repetition_penalty or min_p takes the server's sampling defaults
 (`sampling_defaults`: the model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off;
@@ -30,6 +32,7 @@ the context's room, the request's and this "server limit"). `parse_tokenize` and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 from typing import Any, Optional
@@ -113,8 +116,10 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias"} | set(
               SAMPLING_OPTIONS)
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
+# vLLM's chat extensions that shape the prompt (`TEMPLATE_OPTIONS`)
+TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"} | set(
-    NO_OP) - {"suffix"}
+    NO_OP) - {"suffix"} | TEMPLATE_FIELDS
 
 
 def _number(body: dict, name: str, default, integer: bool = False):
@@ -525,11 +530,35 @@ def _check_rendered(text: str, messages: list) -> None:
             cursor = at + length
 
 
+def template_options(body: dict, tokenizer) -> dict:
+    """vLLM's chat extensions that shape the prompt: `add_generation_prompt` (default true: the assistant's header
+    ends the prompt, unless continue_final_message), `continue_final_message` (the prompt ends inside the last
+    message, an assistant's, which the model continues: a prefilled answer; not with add_generation_prompt) and
+    `chat_template_kwargs` (more variables for the template, e.g. a date or Qwen3's enable_thinking)."""
+    cont = _bool(body, "continue_final_message")
+    add = _bool(body, "add_generation_prompt", not cont)  # omitted with continue_final_message: false (vLLM: a 400)
+    if add and cont:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                           "add_generation_prompt: false to continue the last message", "continue_final_message")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"chat_template_kwargs must be an object, got {shown(kwargs)}", "chat_template_kwargs")
+    # apply_chat_template's own arguments (and the messages) are set by the request's fields, not as template variables
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"self", "kwargs"}
+    reserved = sorted(set(kwargs) & (own | {"messages"}))
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: use the request's own field",
+                           "chat_template_kwargs")
+    return dict(add_generation_prompt=add, continue_final_message=cont, template_kwargs=kwargs)
+
+
 def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                    tools: Optional[list] = None) -> tuple[list[int], str]:
+                    tools: Optional[list] = None, continue_final_message: bool = False,
+                    template_kwargs: Optional[dict] = None) -> tuple[list[int], str]:
     """The conversation (and `tools`, as `parse_tools` checks them) through the tokenizer's chat template, with the
-    assistant's header unless not `add_generation_prompt`: (token ids, text). The template writes the special tokens
-    (a BOS) itself."""
+    assistant's header unless not `add_generation_prompt`, or ending inside the last message with
+    `continue_final_message`; `template_kwargs`: the template's other variables (`template_options`): (token ids,
+    text). The template writes the special tokens (a BOS) itself."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -538,7 +567,8 @@ def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True
     clean = [_clean_message(message, i) for i, message in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(clean, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as e:  # jinja2's TemplateError, raise_exception() in the template: the messages are refused
         raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
     _check_rendered(text, clean)
@@ -561,7 +591,7 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     tools = parse_tools(body.get("tools"))
     parser = _tool_parser(body, tools, tool_parser)
     _bool(body, "parallel_tool_calls")  # accepted and ignored, as vLLM's: the model decides how many calls it makes
-    ids, text = render_messages(body["messages"], tokenizer, tools=tools)
+    ids, text = render_messages(body["messages"], tokenizer, tools=tools, **template_options(body, tokenizer))
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
                defaults.get("max_tokens"), parser)
@@ -569,8 +599,7 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------
 TOKENIZE_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs",
-                        "tools"}
+TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_special_tokens", "return_token_strs", "tools"} | TEMPLATE_FIELDS
 
 
 def _token_ids(value: Any, name: str, tokenizer) -> list:
@@ -591,8 +620,8 @@ def parse_tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     _check_fields(body, TOKENIZE_CHAT_FIELDS if chat else TOKENIZE_FIELDS)
     special = _bool(body, "add_special_tokens", not chat)
     if chat:
-        ids, _ = render_messages(body["messages"], tokenizer, _bool(body, "add_generation_prompt", True), special,
-                                 parse_tools(body.get("tools")))
+        ids, _ = render_messages(body["messages"], tokenizer, add_special_tokens=special,
+                                 tools=parse_tools(body.get("tools")), **template_options(body, tokenizer))
     elif isinstance(body.get("prompt"), str):
         ids = tokenizer(body["prompt"], add_special_tokens=special)["input_ids"]
     else:
