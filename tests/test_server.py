@@ -821,6 +821,28 @@ def test_metrics_count_what_was_sent(server):
     assert queries > hits >= 16, (queries, hits)
 
 
+def test_vllm_max_num_generation_tokens_is_a_requests_longest_choice():
+    """vLLM's `request_max_num_generation_tokens` is the most tokens any of a request's n choices generated, once per
+    request (its ParentRequest), not the max_tokens parameter (`request_params_max_tokens`, per choice)."""
+    from types import SimpleNamespace
+
+    from swiftkv_jax.serving.continuous import RequestOutput
+    from swiftkv_jax.serving.http.metrics import Metrics
+
+    metrics = Metrics(SimpleNamespace(model_name=MODEL, max_model_len=MAX_MODEL_LEN))
+    for generated in (3, 7):  # the two choices of one request with n = 2
+        metrics.on_finish(RequestOutput("r", [], [], True, "stop", [0] * generated, metrics=dict(
+            max_tokens=100, generated_tokens=generated, prompt_tokens=4)))
+    metrics.on_request([3, 7])
+    sample = lambda name, kind: next(s.value for family in metrics.registry.collect() if family.name == name
+                                     for s in family.samples if s.name == f"{name}_{kind}")
+    assert (sample("vllm:request_params_max_tokens", "sum"), sample("vllm:request_params_max_tokens", "count")) == (
+        200, 2)
+    assert (sample("vllm:request_max_num_generation_tokens", "sum"),
+            sample("vllm:request_max_num_generation_tokens", "count")) == (7, 1)
+    assert (sample("vllm:request_params_n", "sum"), sample("vllm:request_params_n", "count")) == (2, 1)
+
+
 def test_vllm_dashboards_read_the_metrics_under_vllms_names(server):
     """Every metric vLLM's example Grafana dashboard queries (its PromQL, tests/data) is here, labelled with the
     served model as vLLM labels it, and says what vLLM's does: the same counts as ours, one finish per request by

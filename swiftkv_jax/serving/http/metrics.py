@@ -45,8 +45,7 @@ REQUEST_HISTOGRAMS = {
     "max_tokens": (None, "vllm:request_params_max_tokens", "a request's max_tokens", None),
 }
 # vLLM's current name -> its older one, which dashboards in use still read (its example Grafana dashboard)
-VLLM_ALIASES = {"vllm:request_params_max_tokens": "vllm:request_max_num_generation_tokens",
-                "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}
+VLLM_ALIASES = {"vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}
 # engine stats key -> vLLM's name, for the gauges and counters that mean the same
 VLLM_GAUGES = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
                "page_usage": "vllm:kv_cache_usage_perc"}
@@ -95,6 +94,13 @@ class Metrics:
             for name in _with_alias(vllm):
                 histogram = Histogram(name, text, list(labels), buckets=buckets or tokens, registry=r)
                 self.histograms.append((key, histogram.labels(*labels.values())))
+        # per request (vLLM's ParentRequest: its n choices together), once all of its choices have finished
+        tokens_family = Histogram("vllm:request_max_num_generation_tokens", "the most tokens any of a request's "
+                                  "choices generated", list(labels), buckets=tokens, registry=r)
+        self.max_generated = tokens_family.labels(*labels.values())
+        n_family = Histogram("vllm:request_params_n", "a request's n", list(labels), buckets=(1, 2, 5, 10, 20),
+                             registry=r)  # vLLM's buckets
+        self.n = n_family.labels(*labels.values())
         r.register(_EngineCollector(server, labels))
 
     def on_finish(self, out) -> None:  # the loop thread; prometheus_client is thread-safe
@@ -106,6 +112,12 @@ class Metrics:
         for key, histogram in self.histograms:
             if m.get(key) is not None:
                 histogram.observe(m[key])
+
+    def on_request(self, generated: list) -> None:
+        """A request (one prompt's n choices, `generated`: the tokens each generated) has finished: vLLM's
+        `request_max_num_generation_tokens` and `request_params_n`."""
+        self.max_generated.observe(max(generated))
+        self.n.observe(len(generated))
 
     def text(self) -> bytes:
         from prometheus_client import generate_latest

@@ -19,6 +19,7 @@ object (`protocol.RequestError`); a bad value the engine refuses (`InvalidReques
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -143,6 +144,7 @@ class Server:
         response) check every DISCONNECT_POLL_S that the client is still there."""
         by_id = {c.request_id: c for c in choices}
         left, poll = len(choices), [0.0]
+        unfinished = collections.Counter(c.prompt_index for c in choices)  # per prompt: a request of n choices
         while left:
             if request is None:
                 item = await queue.get()
@@ -182,6 +184,9 @@ class Server:
             if choice.finish_reason is not None:
                 choice.done = True
                 left -= 1
+                unfinished[choice.prompt_index] -= 1
+                if not unfinished[choice.prompt_index]:  # its n choices all finished (vLLM's ParentRequest)
+                    self.metrics.on_request([len(c.tokens) for c in choices if c.prompt_index == choice.prompt_index])
             yield choice, choice.to_send(delta), rows
 
 
