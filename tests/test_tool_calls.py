@@ -190,6 +190,18 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(tokenizer):
                                              ).prompt_texts[0]
 
 
+def test_content_parts_join_as_vllm_joins_them(tokenizer):
+    """A message's list of text parts (a tool result, a user turn) is one string of the parts joined by newlines, as
+    vLLM hands it to the template."""
+    parts = lambda *texts: [{"type": "text", "text": t} for t in texts]  # noqa: E731
+    joined = [dict(CONVERSATION[0], content="What's the weather\nlike in Boston?"), CONVERSATION[1],
+              dict(CONVERSATION[2], content="22 C\nsunny")]
+    split = [dict(CONVERSATION[0], content=parts("What's the weather", "like in Boston?")), CONVERSATION[1],
+             dict(CONVERSATION[2], content=parts("22 C", "sunny"))]
+    job = parse_chat(dict(messages=split, tools=TOOLS), tokenizer, tool_parser="llama3_json")
+    assert job.prompts == [_template_ids(tokenizer, joined)]
+
+
 def test_a_template_without_tool_calls_is_refused_not_silently_dropped(assets):
     plain = load_tokenizer(str(assets / "teacher"))  # Llama 3's plain chat format: no tool_calls in it
     with pytest.raises(RequestError, match=r"does not render messages\[1\].*tool calls") as e:

@@ -379,7 +379,7 @@ def _content(message: dict, i: int) -> str:
                 raise RequestError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
                                    f"supported, got {str(part)[:80]!r}", f"messages[{i}].content")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # vLLM's: the parts one per line
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {shown(content)}",
                        f"messages[{i}].content")
 
