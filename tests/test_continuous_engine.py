@@ -423,14 +423,37 @@ def test_warmup_compiles_every_bucket_and_serving_compiles_nothing():
     eng.warmup()  # decodes only: 2 and 4 singles; with prompt tokens: 16 or 64 of them x 2 or 4 singles; one width
     assert sorted(eng._compiled) == sorted(eng.programs()) and len(eng.programs()) == 2 + 2 * 2
     programs = lambda: (ragged_step._cache_size(), continuous._set_bias._cache_size(),  # noqa: E731
-                        continuous._set_stops._cache_size())
+                        continuous._set_stops._cache_size(), continuous._set_masks._cache_size())
     before = programs()
     done = run(eng, PROMPTS[:5], arrivals=[0, 0, 2, 2, 5])
     eng.generate([PROMPTS[0]], max_tokens=2, logit_bias={5: 1.0})  # a biased slot's row, and its clearing after
     eng.generate([PROMPTS[0]], max_tokens=2)
     eng.generate([PROMPTS[0]], max_tokens=3, min_tokens=2, stop_token_ids=[7])  # a min_tokens slot's stop ids
+    # guided requests (structured outputs), one and several in a step, beside unguided ones: the grammar bitmasks'
+    # writes were compiled by warmup too
+    guided = [eng.add_request(p, max_tokens=3, grammar=_EvenIds()) for p in PROMPTS[:3]]
+    eng.add_request(PROMPTS[3], max_tokens=4)
+    outs = [o for o in iter_outputs(eng) if o.finished]
+    assert all(t % 2 == 0 for o in outs if o.request_id in guided for t in o.token_ids)
     assert programs() == before
     assert_matches_alone("swiftkv-g1", PROMPTS[:5], done)
+
+
+class _EvenIds:
+    """A grammar (`structured.Grammar`'s interface) that allows the even token ids, for ever."""
+
+    done = False
+
+    def fill(self, row):
+        row[:] = np.int32(0x55555555)
+
+    def accept(self, token):
+        assert token % 2 == 0, token
+
+
+def iter_outputs(eng):
+    while eng.has_unfinished():
+        yield from eng.step()
 
 
 def test_requests_from_other_threads():

@@ -12,6 +12,9 @@ Each `step` schedules (`scheduler.Scheduler`), builds the host arrays of one rag
 scheduling): while the device runs step N + 1 the host hands out step N's tokens, and the step after is scheduled
 before they are back. Sampled tokens stay on the device and feed the next step; the block tables live there too and
 change only where a page was added. So `step` returns the outputs of the step launched by the call before it.
+A request with a grammar (structured outputs, `add_request(grammar=...)`) is the exception: its next mask needs
+its last token, so it runs every other step (never scheduled while its token is pending); the others keep the
+pipeline.
 `add_request` and `abort` may be called from any thread: they only enqueue, and `step` (one thread) applies them
 first.
 """
@@ -49,6 +52,7 @@ from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, StepInput, ragg
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
 from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS, MAX_MASKED_STOP_IDS
 from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
+from swiftkv_jax.serving.structured import words
 
 log = logging.getLogger(__name__)
 BUDGET_UNITS = ("tokens", "cost")
@@ -72,6 +76,8 @@ class RequestOutput:
     # for the first) and the most likely tokens there ({id: logprob}, prompt_logprobs of them)
     prompt_logprobs: Optional[list] = None
     prompt_top_logprobs: Optional[list] = None
+    # finished ("stop") because its grammar was complete (structured outputs): its last token is text, not a stop id
+    grammar_done: bool = False
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -103,6 +109,13 @@ def _set_stops(stops, slot, ids):
     """The min_tokens stop-id table [S, MAX_MASKED_STOP_IDS] with one slot's row replaced (in place: donated) by ids
     [MAX_MASKED_STOP_IDS] (padding: V). A slot out of range: no change."""
     return stops.at[slot].set(ids, mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_masks(masks, slots, rows):
+    """The grammar bitmask table [S, W] with the rows of slots [G] replaced (in place: donated) by rows [G, W]
+    (padding: a slot out of range, no change)."""
+    return masks.at[slots].set(rows, mode="drop")
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -290,6 +303,12 @@ class Engine:
         # or past it, costs nothing (the rows' flag is off: the step's `sample_penalised` gate stays shut, and a
         # stale row of a reused slot is never read), and a step moves no more than its per-row settings.
         self.stops = replicated(mesh, np.full((max_num_seqs, MAX_MASKED_STOP_IDS), cfg.vocab_size, np.int32))
+        # structured outputs: each slot's grammar bitmask [max_num_seqs, ceil(V / 32)] int32 (4 MB at 256 x 128K),
+        # the guided rows' written before each step that has any (`_set_masks`, their count padded to one of
+        # mask_buckets); a step applies a row's only where its packed `guided` flag is on, so unguided steps pay
+        # nothing and a stale row of a reused slot is never read
+        self.masks = replicated(mesh, np.zeros((max_num_seqs, words(cfg.vocab_size)), np.int32))
+        self.mask_buckets = _growing(min(8, max_num_seqs), max_num_seqs)
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         # default: what the model and the pool can hold; work follows each sequence's length, not this limit
         # (a given one may exceed the pool: requests that do not fit are refused, small pools test preemption; the
@@ -353,7 +372,7 @@ class Engine:
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
                     prompt_logprobs: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    logit_bias: Optional[dict] = None, min_tokens: int = 0) -> str:
+                    logit_bias: Optional[dict] = None, min_tokens: int = 0, grammar=None) -> str:
         """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
@@ -369,7 +388,14 @@ class Engine:
         (vLLM V1's order; -100 all but bans a token, +100 all but forces it). min_tokens (vLLM's, in [0,
         max_tokens]): while the request has generated fewer tokens, its stop ids (stop_token_ids, else the config's
         EOS ids; at most MAX_MASKED_STOP_IDS of them) get logit -inf before all of that, so that no sampling picks
-        one. The logprobs stay the model's own."""
+        one. The logprobs stay the model's own.
+
+        grammar (structured outputs): an object with `fill(row)` (the allowed next tokens into an int32 bitmask row of
+        ceil(vocab_size / 32) words), `accept(token)` and `done`, such as `structured.json_schema(tokenizer,
+        schema)`; one per request, not shared. Every token the request samples is masked by it first (before
+        min_tokens' mask, the bias and the penalties), accepted by it once back on the host, and the request
+        finishes ("stop") when it is `done` (or on a stop id it allows, EOS once complete). Such a request runs every
+        other step (see the module docstring)."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -409,9 +435,26 @@ class Engine:
             self._live_ids.add(request_id)
         stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
         if params.min_tokens and len(stops) > MAX_MASKED_STOP_IDS:
+            with self._id_lock:
+                self._live_ids.discard(request_id)
             raise InvalidRequest(f"min_tokens masks at most {MAX_MASKED_STOP_IDS} stop token ids, but this request "
                                  f"has {len(stops)}: give fewer stop_token_ids", "min_tokens")
-        self._inbox.put(("add", Sequence(request_id, -1, prompt, params, stops)))
+        if grammar is not None:
+            problem = None
+            if not all(callable(getattr(grammar, name, None)) for name in ("fill", "accept")) or not hasattr(
+                    grammar, "done"):
+                problem = (f"grammar must have fill(row), accept(token) and done (structured.Grammar), got "
+                           f"{type(grammar).__name__}")
+            elif getattr(grammar, "tokenizer_vocab", 0) > vocab:
+                problem = (f"the grammar's tokenizer has {grammar.tokenizer_vocab} tokens, more than the model's "
+                           f"vocab_size {vocab}")
+            if problem:
+                with self._id_lock:
+                    self._live_ids.discard(request_id)
+                raise InvalidRequest(problem, "grammar")
+        seq = Sequence(request_id, -1, prompt, params, stops)
+        seq.grammar = grammar
+        self._inbox.put(("add", seq))
         return request_id
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -440,9 +483,9 @@ class Engine:
     @property
     def state_bytes(self) -> int:
         """Bytes the engine keeps on its devices besides the weights: the pool, the block tables, the last tokens and
-        the penalties' token counts, the logit bias table and the min_tokens stop-id table."""
+        the penalties' token counts, the logit bias table, the min_tokens stop-id table and the grammar bitmasks."""
         return (self.pool.nbytes + self.tables.nbytes + self.last_tokens.nbytes + self.counts.nbytes
-                + sum(a.nbytes for a in self.bias) + self.stops.nbytes)
+                + sum(a.nbytes for a in self.bias) + self.stops.nbytes + self.masks.nbytes)
 
     def has_unfinished(self) -> bool:
         return bool(self._sequences) or not self._inbox.empty() or self._in_flight is not None
@@ -484,6 +527,8 @@ class Engine:
                 ids[:len(seq.stop_ids)] = sorted(seq.stop_ids)
                 self.stops = _set_stops(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
         key, step, want_top = self._build(schedule)
+        if step.sampling.guided is not None:
+            self._write_masks(schedule, step.sampling.guided)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
                      "warmed up)", *key)
@@ -494,6 +539,20 @@ class Engine:
         self.counters["prompt_tokens"] += (sum(c.length for c in schedule.prompts)
                                            + sum(c.start < len(c.seq.prompt) for c in schedule.singles))
         return _InFlight(schedule, token, logprob, top if want_top else None)
+
+    def _write_masks(self, schedule: Schedule, guided: np.ndarray) -> None:
+        """The grammar bitmask of each guided row's slot, from its grammar's state (its last token accepted: a guided
+        sequence is never scheduled with a token pending), written before the step is launched."""
+        chunks = schedule.sampling
+        rows = np.flatnonzero(guided)
+        n = _bucket(len(rows), self.mask_buckets)
+        slots = np.full(n, self.scheduler.max_num_seqs, np.int32)
+        table = np.zeros((n, self.masks.shape[1]), np.int32)
+        for i, row in enumerate(rows):
+            seq = chunks[row].seq
+            slots[i] = seq.slot
+            seq.grammar.fill(table[i])
+        self.masks = _set_masks(self.masks, slots, replicated(self.mesh, table))
 
     def _reset_slot_counts(self, seq: Sequence) -> None:
         """Rebuild the counts row of a penalised sequence's new slot from the host: its whole prompt (pages found in
@@ -525,10 +584,17 @@ class Engine:
         joined = self.scheduler.update(flight.schedule, token, logprob, top)
         self.counters["generated_tokens"] += len(joined)
         for seq, reason in joined:
+            stopped_by_grammar = False
+            if seq.grammar is not None:  # a token outside its mask raises: a bug
+                seq.grammar.accept(seq.output[-1])
+                if reason is None and seq.grammar.done:  # nothing but EOS may follow: over
+                    self.scheduler.finish(seq, "stop")
+                    reason, stopped_by_grammar = "stop", True
             lp = [seq.logprobs[-1]] if seq.params.logprobs else []
             top_lp = seq.top_logprobs[-1:]
             if reason:
                 done = self._finished(seq)
+                done.grammar_done = stopped_by_grammar
                 done.new_token_ids, done.new_logprobs, done.new_top_logprobs = [seq.output[-1]], lp, top_lp
                 outputs.append(done)
             else:
@@ -630,8 +696,14 @@ class Engine:
         # min_tokens: a row masks its stop ids while its request has generated fewer (a scored prompt token's row
         # keeps no token: never)
         masked = ((count < settings[:, 9]) & (targets < 0)).astype(np.int32)
+        # structured outputs: the rows whose request has a grammar (None: no such row, nothing to write)
+        guided = None
+        if any(c.seq.grammar is not None for c in sampling_chunks):
+            guided = np.zeros(u, np.int32)
+            guided[:rows] = [c.seq.grammar is not None for c in sampling_chunks]
+            guided &= targets < 0
         sampling = Sampled(floats[:, 0], settings[:, 2].astype(np.int32), floats[:, 1],
-                           settings[:, 3].astype(np.int32), count, *floats[:, 5:9].T, masked)
+                           settings[:, 3].astype(np.int32), count, *floats[:, 5:9].T, masked, guided)
         new = schedule.new_pages
         assert len(new) <= a, (len(new), a)
         table = np.zeros((3, a), np.int32)
@@ -650,7 +722,7 @@ class Engine:
         # one transfer each of the step's ints and floats (jnp.asarray would compile a conversion per shape), to
         # every device of a tensor-parallel mesh
         token, logprob, top, self.pool, self.tables, self.last_tokens, self.counts = ragged_step(
-            self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias, self.stops,
+            self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias, self.stops, self.masks,
             replicated(self.mesh, step.pack()),
             np.bool_(want_top), sizes=step.sizes, **self._step_options(width))
         return token, logprob, top
@@ -669,6 +741,9 @@ class Engine:
         self.bias = _set_bias(self.bias, np.int32(self.scheduler.max_num_seqs), *replicated(self.mesh, no_bias))
         no_stops = np.full(MAX_MASKED_STOP_IDS, self.config.vocab_size, np.int32)
         self.stops = _set_stops(self.stops, np.int32(self.scheduler.max_num_seqs), replicated(self.mesh, no_stops))
+        for n in self.mask_buckets:  # the grammar bitmasks of n guided rows (no slot: no change)
+            self.masks = _set_masks(self.masks, np.full(n, self.scheduler.max_num_seqs, np.int32),
+                                    replicated(self.mesh, np.zeros((n, self.masks.shape[1]), np.int32)))
         for key in self.programs():
             t0 = time.perf_counter()
             with count_compiles() as counts:
@@ -695,8 +770,8 @@ class Engine:
         for its HLO, cost and memory analyses."""
         step = self._empty_step(d, r)
         return ragged_step.lower(self.params, self.pool, self.tables, self.last_tokens, self.counts, self.bias,
-                                 self.stops, replicated(self.mesh, step.pack()), np.bool_(False), sizes=step.sizes,
-                                 **self._step_options(width))
+                                 self.stops, self.masks, replicated(self.mesh, step.pack()), np.bool_(False),
+                                 sizes=step.sizes, **self._step_options(width))
 
     def _run_empty(self, d: int, r: int, width: int) -> None:
         """Run a step of padding only: compiles the program, changes nothing."""

@@ -37,7 +37,8 @@ class Sampled:
     request generated before (the key is fold_in(key(seed), count): the same draw whatever else is in the batch);
     vLLM's min_p (0 off) and penalties (`apply_penalties`): repetition (1 off), presence and frequency (0 off);
     masked (int32, 0 off): the row's request has generated fewer than its min_tokens, so its slot's stop ids are
-    masked (`mask_stops`). None: off for every row."""
+    masked (`mask_stops`); guided (int32, 0 off): the row's request has a grammar, whose allowed tokens are its
+    slot's row of the bitmask table (`apply_grammar`). None: off for every row."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -49,6 +50,7 @@ class Sampled:
     presence_penalty: Optional[jax.Array] = None
     frequency_penalty: Optional[jax.Array] = None
     masked: Optional[jax.Array] = None
+    guided: Optional[jax.Array] = None
 
 
 # The engine's per-slot token counts for the penalties, [max_num_seqs, V] int32 on the device (256 x 128,256 =
@@ -102,20 +104,42 @@ def mask_stops(logits, stops, s: Sampled, slots):
     return logits.at[jnp.arange(logits.shape[0])[:, None], ids].set(-jnp.inf, mode="drop")
 
 
-def sample_penalised(logits, s: Sampled, counts, slots, bias=None, stops=None):
-    """tokens [U]: `sample_rows` of the logits with their stop ids masked (`mask_stops`, stops None or s.masked None:
-    none), their logit bias (`apply_bias`, bias None: none), then their penalties (`apply_penalties`), vLLM V1's
-    order. A step where no row has a penalty, a bias or a mask runs none of it (not even the [U, V] gather of
-    counts); the branches give tokens, not logits, so the other branch does not copy the [U, V] logits either (the
-    step still reads them for the logprobs)."""
+def guiding(s: Sampled, slots):
+    """[U] bool: the rows under a grammar (structured outputs; slot -1: none)."""
+    return (slots >= 0) & (s.guided != 0)
+
+
+def apply_grammar(logits, masks, s: Sampled, slots):
+    """fp32 logits [U, V] with each guided row's (`guiding`) disallowed tokens at -inf: masks [S, ceil(V / 32)] int32,
+    the engine's per-slot grammar bitmasks (token i allowed where bit i % 32 of word i // 32 is set: llguidance's and
+    vLLM's layout), slots [U] each row's. Other rows: unchanged."""
+    vocab = logits.shape[-1]
+    words = masks[jnp.maximum(slots, 0)]  # [U, W]
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(words.shape[0], -1)[:, :vocab] != 0
+    return jnp.where(guiding(s, slots)[:, None] & ~allowed, -jnp.inf, logits)
+
+
+def sample_penalised(logits, s: Sampled, counts, slots, bias=None, stops=None, masks=None):
+    """tokens [U]: `sample_rows` of the logits with their grammar's disallowed tokens masked (`apply_grammar`, masks
+    None or s.guided None: none), their stop ids masked (`mask_stops`, stops None or s.masked None: none), their
+    logit bias (`apply_bias`, bias None: none), then their penalties (`apply_penalties`), vLLM V1's order (its
+    model runner applies the grammar bitmask to the logits before its sampler; a masked token stays at -inf through
+    the bias and the penalties). A step where no row has a grammar, a penalty, a bias or a mask runs none of it (not
+    even the [U, V] gather of counts); the branches give tokens, not logits, so the other branch does not copy the
+    [U, V] logits either (the step still reads them for the logprobs)."""
     stops = None if s.masked is None else stops
+    masks = None if s.guided is None else masks
     on = penalised(s)
     if bias is not None:
         on |= biased(bias[0], slots, logits.shape[-1])
     if stops is not None:
         on |= masking(s, slots)
+    if masks is not None:
+        on |= guiding(s, slots)
 
     def adjust(x):
+        x = x if masks is None else apply_grammar(x, masks, s, slots)
         x = x if stops is None else mask_stops(x, stops, s, slots)
         return x if bias is None else apply_bias(x, bias, slots)
 
@@ -177,8 +201,8 @@ class StepInput:
         s, u = self.sampling, self.upper_index.shape[0]
         off = lambda x, value: np.full(u, value) if x is None else x  # noqa: E731 (a setting None: off)
         ints = [self.tokens, self.positions, self.slots, self.segments, self.upper_index, self.targets,
-                self.sampling.top_k, self.sampling.seed, self.sampling.count, off(s.masked, 0), self.table_slots,
-                self.table_indices, self.table_pages]
+                self.sampling.top_k, self.sampling.seed, self.sampling.count, off(s.masked, 0), off(s.guided, 0),
+                self.table_slots, self.table_indices, self.table_pages]
         floats = [np.asarray(x, np.float32).view(np.int32) for x in (
             s.temperature, s.top_p, off(s.min_p, 0), off(s.repetition_penalty, 1), off(s.presence_penalty, 0),
             off(s.frequency_penalty, 0))]
@@ -188,12 +212,13 @@ class StepInput:
     def unpack(cls, packed, sizes: tuple) -> "StepInput":
         """The inverse of `pack` for a step of sizes (D + R tokens, R prompt tokens, U rows, A table entries)."""
         t, r, u, a = sizes
-        parts = np.cumsum([0, t, t, t, r, u, u, u, u, u, u, a, a, a] + [u] * 6)
-        (tokens, positions, slots, segments, upper_index, targets, top_k, seed, count, masked, table_slots,
+        parts = np.cumsum([0, t, t, t, r, u, u, u, u, u, u, u, a, a, a] + [u] * 6)
+        (tokens, positions, slots, segments, upper_index, targets, top_k, seed, count, masked, guided, table_slots,
          table_indices, table_pages, *floats) = (packed[parts[i]:parts[i + 1]] for i in range(len(parts) - 1))
         temperature, top_p, min_p, repetition, presence, frequency = (
             jax.lax.bitcast_convert_type(x, jnp.float32) for x in floats)
-        sampling = Sampled(temperature, top_k, top_p, seed, count, min_p, repetition, presence, frequency, masked)
+        sampling = Sampled(temperature, top_k, top_p, seed, count, min_p, repetition, presence, frequency, masked,
+                           guided)
         return cls(tokens, positions, slots, segments, upper_index, targets, sampling, table_slots, table_indices,
                    table_pages)
 
@@ -204,7 +229,8 @@ class StepInput:
 
 @functools.partial(jax.jit, static_argnames=("sizes", "config", "swiftkv", "width", "xla_loop", "mesh"),
                    donate_argnames=("pool", "tables", "last_tokens", "counts"))
-def ragged_step(params, pool: PagePool, tables, last_tokens, counts, bias, stops, packed, want_top, *, sizes: tuple,
+def ragged_step(params, pool: PagePool, tables, last_tokens, counts, bias, stops, masks, packed, want_top, *,
+                sizes: tuple,
                 config: ModelConfig, swiftkv: bool, width: int, xla_loop: str = "dynamic", mesh: Optional[Mesh] = None):
     """(tokens [U], logprobs [U] fp32, (top logprobs, top ids) [U, MAX_TOP_LOGPROBS], pool, tables, last_tokens,
     counts).
@@ -215,17 +241,18 @@ def ragged_step(params, pool: PagePool, tables, last_tokens, counts, bias, stops
     sampled last, which a decode whose token is still on its way to the host reads) and counts [S, V] (the
     penalties' token counts, `PROMPT_BIT`: a penalised row adds its sampled token). bias: the per-slot logit bias
     table (ids, values) [S, K] (`apply_bias`) and stops the per-slot stop ids [S, MAX_MASKED_STOP_IDS] that rows
-    under their min_tokens mask (`mask_stops`), both read only. Attention reads the first
+    under their min_tokens mask (`mask_stops`), and masks the per-slot grammar bitmasks [S, ceil(V / 32)] int32 that
+    guided rows apply (`apply_grammar`), all read only. Attention reads the first
     `width` entries of each table (the engine's bucket of the step's longest sequence); `xla_loop` is the XLA
     paged path's form (`model.paged.default_xla_loop`). want_top []: whether any row asked for its top logprobs
     (else zeros, and no top-k over the vocabulary). mesh: the tensor-parallel mesh of params and pool, None for
     one device. packed: `StepInput.pack()` of the step's inputs, whose `sizes` are static."""
     with activation_sharding(config, mesh):
-        return _ragged_step(params, pool, tables, last_tokens, counts, bias, stops, StepInput.unpack(packed, sizes),
-                            want_top, config, swiftkv, width, xla_loop)
+        return _ragged_step(params, pool, tables, last_tokens, counts, bias, stops, masks,
+                            StepInput.unpack(packed, sizes), want_top, config, swiftkv, width, xla_loop)
 
 
-def _ragged_step(params, pool, tables, last_tokens, counts, bias, stops, step, want_top, config, swiftkv, width,
+def _ragged_step(params, pool, tables, last_tokens, counts, bias, stops, masks, step, want_top, config, swiftkv, width,
                  xla_loop):
     num_slots, page_size = tables.shape[0], pool.lower[0][0].shape[2]
     tables = tables.at[step.table_slots, step.table_indices].set(step.table_pages, mode="drop")
@@ -253,9 +280,9 @@ def _ragged_step(params, pool, tables, last_tokens, counts, bias, stops, step, w
         h, upper_pool = cached_upper(params, config, h, positions, batch, pool.upper, swiftkv=False)
         h = h[:, upper_index]
     logits = head(params, config, h)[0]
-    # the min_tokens mask of stop ids, logit bias, penalties, then the temperature, min_p, top-k and top-p (vLLM V1's
-    # order); the logprobs are the model's own
-    token = sample_penalised(logits, sampling, counts, upper_slots, bias, stops)
+    # the grammar's mask, the min_tokens mask of stop ids, logit bias, penalties, then the temperature, min_p, top-k
+    # and top-p (vLLM V1's order); the logprobs are the model's own
+    token = sample_penalised(logits, sampling, counts, upper_slots, bias, stops, masks)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     scored = step.targets >= 0  # a scored prompt token's row: the logprob of its target, and no token kept
     logprob = jnp.take_along_axis(log_probs, jnp.where(scored, step.targets, token)[:, None], axis=-1)[:, 0]

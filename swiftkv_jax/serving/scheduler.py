@@ -16,7 +16,9 @@ Asynchronous steps: `schedule` counts what it schedules as computed at once (as 
 samples adds a *pending* token, which the device holds until `update` hands it over. So step N + 1 is scheduled while
 step N runs: a decode whose input token is still pending reads it on the device. A sequence that will finish on its
 pending token (max_tokens, max_model_len) is not scheduled again; one that stops on a stop id gets one decode too many,
-whose token `update` drops. Each active sequence holds a slot (its row of the device's block table).
+whose token `update` drops. A sequence with a grammar (structured outputs) is not scheduled while its token is
+pending: its mask follows from that token, so it runs every other step (the others keep the pipeline). Each
+active sequence holds a slot (its row of the device's block table).
 
 Prompt logprobs (`RequestParams.prompt_logprobs`): such a prompt runs as single tokens, each through every layer
 in the engine's wiring (in SwiftKV wiring: the layers < l, the owners' K/V, then the layers >= l over the group
@@ -178,6 +180,9 @@ class Sequence:
     # with params.prompt_logprobs: per prompt position (None at 0) the prompt token's logprob, and the top ones
     prompt_logprobs: Optional[list] = None
     prompt_top_logprobs: Optional[list] = None
+    # structured outputs: the request's grammar (`structured.Grammar`: fill, accept, done), None without. Its mask
+    # needs the previous token, so such a sequence is never scheduled while a token is pending
+    grammar: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:
@@ -364,8 +369,9 @@ class Scheduler:
                 if num_tokens - position > 1:
                     continuing.append(seq)
                 continue
-            if budget < 1 or pending and (generated + pending >= seq.params.max_tokens or num_tokens >= max_model_len):
-                continue  # no budget left, or its pending token will end it
+            if budget < 1 or pending and (generated + pending >= seq.params.max_tokens or num_tokens >= max_model_len
+                                          or seq.grammar is not None):
+                continue  # no budget left, its pending token will end it, or its grammar's mask needs that token
             if position >= len(seq.pages) * page_size:  # its next token starts a page
                 while not self.allocator.num_free:
                     victims = [s for s in self.active if s not in scheduled]

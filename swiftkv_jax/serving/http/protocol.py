@@ -11,7 +11,8 @@ Unknown fields are refused, as OpenAI's API does ("Unrecognized request argument
 option never silently does nothing. Fields of the OpenAI schema that this server does not implement are accepted
 only at their no-op values (`best_of` = n, `suffix: ""`, ...) and refused otherwise. `presence_penalty`,
 `frequency_penalty` and `logit_bias` ({"token id": bias in [-100, 100]}, at most 300) are applied (the engine's), as
-are vLLM's `repetition_penalty` and `min_p`.
+are vLLM's `repetition_penalty` and `min_p`. `response_format` {"type": "json_object"} or {"type": "json_schema", ...}
+(chat and completions, as vLLM's) constrains the output by guided decoding (llguidance, `_response_format`).
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (no stop id sampled and no stop string ending in the text of the first min_tokens tokens,
 as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
@@ -82,6 +83,7 @@ class Job:
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
     max_tokens_cap: Optional[int] = None  # generation_config's max_new_tokens: at most this many, whatever max_tokens
     tool_parser: Optional[str] = None  # chat with tools and tool_choice "auto": the parser its outputs go through
+    grammar: Optional[Any] = None   # response_format's `structured.Grammar`, pristine: each choice runs a copy
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -96,6 +98,8 @@ class Job:
             return "messages" if self.kind == "chat" else "prompt"
         if engine_param in ("top_logprobs", "prompt_logprobs") and self.kind == "completion":
             return "logprobs"
+        if engine_param == "grammar":
+            return "response_format"
         return engine_param
 
 
@@ -106,15 +110,14 @@ NO_OP = {
     "metadata": lambda v: True,
     "store": lambda v: v in (None, False),
     "service_tier": lambda v: True,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 # the sampling options besides temperature and top_p: vLLM's extensions (top_k, min_p, repetition_penalty) and
 # OpenAI's penalties -> (the server's default when omitted, unless generation_config.json sets it)
 SAMPLING_OPTIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias"} | set(
-              SAMPLING_OPTIONS)
+          "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
+          "response_format"} | set(SAMPLING_OPTIONS)
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
 # vLLM's chat extensions that shape the prompt (`TEMPLATE_OPTIONS`)
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
@@ -254,6 +257,57 @@ def _logit_bias(body: dict) -> Optional[dict]:
     return out
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+
+
+def _response_format(body: dict, tokenizer) -> Optional[Any]:
+    """OpenAI's response_format (vLLM's, on chat and completions): {"type": "text"} (or omitted) is free text,
+    {"type": "json_object"} any JSON object (JSON mode), {"type": "json_schema", "json_schema": {"name", "schema",
+    "description"?, "strict"?}} the JSON texts that satisfy the schema; both by guided decoding with llguidance
+    (`structured`: its grammar of the schema, compact JSON), whose refusal of a schema is a 400 naming
+    response_format, as is a server without llguidance. Returns the request's pristine `structured.Grammar`, or
+    None."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise RequestError(f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}, "
+                           f"got {shown(value)}", "response_format")
+    kind = value["type"]
+    if set(value) - {"type", kind}:
+        raise RequestError(f"response_format of type {kind!r} takes no {sorted(set(value) - {'type', kind})[0]!r}",
+                           "response_format")
+    if kind == "text":
+        return None
+    spec = value.get("json_schema")
+    if kind == "json_schema":
+        if not isinstance(spec, dict):
+            raise RequestError(f"response_format.json_schema must be an object with a name and a schema, got "
+                               f"{shown(spec)}", "response_format")
+        unknown = sorted(set(spec) - JSON_SCHEMA_FIELDS)
+        if unknown:
+            raise RequestError(f"response_format.json_schema takes {', '.join(sorted(JSON_SCHEMA_FIELDS))}, got "
+                               f"{unknown[0][:SHOWN]!r}", "response_format")
+        if not isinstance(spec.get("name"), str):
+            raise RequestError(f"response_format.json_schema.name must be a string, got {shown(spec.get('name'))}",
+                               "response_format")
+        if not isinstance(spec.get("schema"), dict):
+            raise RequestError(f"response_format.json_schema.schema must be a JSON Schema object, got "
+                               f"{shown(spec.get('schema'))}", "response_format")
+    from swiftkv_jax.serving import structured
+
+    try:
+        if kind == "json_object":
+            return structured.json_object(tokenizer)
+        return structured.json_schema(tokenizer, spec["schema"])
+    except structured.MissingDependency as e:
+        raise RequestError(f"response_format {kind!r} needs guided decoding, which needs llguidance on the server: "
+                           f"{structured.INSTALL}", "response_format", code="unsupported_parameter") from e
+    except structured.GrammarError as e:
+        raise RequestError(f"response_format: {e}", "response_format") from None
+
+
 def _min_tokens(body: dict) -> int:
     """vLLM's min_tokens (0: off): no stop before that many generated tokens. The engine masks the request's stop
     ids (the EOS ids unless ignore_eos, and stop_token_ids) while it has generated fewer (`sk.Engine.add_request`),
@@ -363,7 +417,8 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> 
     prompts, texts = _prompts(body["prompt"], tokenizer)
     return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
-               common["include_usage"], common["continuous_usage"], field, (defaults or {}).get("max_tokens"))
+               common["include_usage"], common["continuous_usage"], field, (defaults or {}).get("max_tokens"),
+               grammar=_response_format(body, tokenizer))
 
 
 def _content(message: dict, i: int) -> str:
@@ -466,12 +521,13 @@ def _tool_parser(body: dict, tools: Optional[list], server_parser: Optional[str]
     """The parser this request's outputs go through, from tool_choice (default "auto" with tools, as vLLM's):
     "none", the tools are still in the prompt (vLLM's default) and the output is plain content; "auto", the server's
     parser (a server started without one refuses, as vLLM's). "required" and a named function are refused: they need
-    guided decoding, which this server does not have. Without tools "none" and "auto" do nothing."""
+    guided decoding of the tools' calls, which this server does not do yet (its guided decoding serves
+    response_format). Without tools "none" and "auto" do nothing."""
     choice = body.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
-        raise RequestError(f"tool_choice={shown(choice)} is not supported: forcing a tool call needs guided decoding, "
-                           f"which this server does not have. Use 'auto' (or 'none')", "tool_choice",
-                           code="unsupported_parameter")
+        raise RequestError(f"tool_choice={shown(choice)} is not supported: forcing a tool call needs guided decoding "
+                           f"of the tools' calls, which this server does not do yet. Use 'auto' (or 'none')",
+                           "tool_choice", code="unsupported_parameter")
     if choice not in (None, "none", "auto"):
         raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {shown(choice)}",
                            "tool_choice")
@@ -594,7 +650,7 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     ids, text = render_messages(body["messages"], tokenizer, tools=tools, **template_options(body, tokenizer))
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
-               defaults.get("max_tokens"), parser)
+               defaults.get("max_tokens"), parser, _response_format(body, tokenizer))
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------

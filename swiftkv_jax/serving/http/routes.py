@@ -98,7 +98,8 @@ class Server:
                     seed=seed, stop_token_ids=stops, logprobs=job.logprobs, top_logprobs=job.top_logprobs,
                     prompt_logprobs=job.prompt_logprobs, min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
                     presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
-                    logit_bias=s["logit_bias"], min_tokens=s["min_tokens"])
+                    logit_bias=s["logit_bias"], min_tokens=s["min_tokens"],
+                    grammar=None if job.grammar is None else job.grammar.copy())
 
     def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
         """Check the job against the limits and add its choices to the engine; all or none."""
@@ -165,8 +166,9 @@ class Server:
                 choice.finish_reason = "length"
                 self.loop.abort(choice.request_id, reason="stop")
             else:
-                # a stop id that ended the request is counted and scored but is not text (vLLM's, as an EOS)
-                ends_on_stop_id = item.finished and item.finish_reason == "stop"
+                # a stop id that ended the request is counted and scored but is not text (vLLM's, as an EOS); a
+                # grammar that ended it (structured outputs) ended on a token of its text
+                ends_on_stop_id = item.finished and item.finish_reason == "stop" and not item.grammar_done
                 delta = choice.text.add(item.new_token_ids[:-1] if ends_on_stop_id else item.new_token_ids)
                 for k, token in enumerate(item.new_token_ids):
                     lp = item.new_logprobs[k] if k < len(item.new_logprobs) else None
