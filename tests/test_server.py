@@ -758,8 +758,8 @@ BAD = [  # (path, body, status, param, words in the message)
      "logit_bias takes at most 300 token ids"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tools=[TOOL]), 400, "tools",
      "requires --enable-auto-tool-choice and --tool-call-parser"),  # a server started without them, as vLLM's
-    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tools=[TOOL], tool_choice="required"),
-     400, "tool_choice", "needs guided decoding"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required"),
+     400, "tool_choice", "needs tools"),
 ]
 
 

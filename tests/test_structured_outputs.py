@@ -298,3 +298,62 @@ def test_without_llguidance_structured_output_is_a_400_saying_how_to_install_it(
         assert e.value.body["param"] == "response_format" and "pip install llguidance" in e.value.body["message"]
     r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)  # the rest still serves
     assert r.choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def check_call(call) -> None:
+    """A forced call: one of the tools, its arguments a JSON string satisfying the tool's parameters."""
+    arguments = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    if call.function.name == "clock":
+        assert arguments == {}
+    else:
+        assert call.function.name == "weather" and set(arguments) == {"city", "days"}
+        assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 5 and 1 <= arguments["days"] <= 7
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_tool_choice_required_and_named_force_calls(client, stream):
+    """tool_choice "required" (a JSON array of calls, one with parallel_tool_calls false) and a named function (its
+    arguments), by guided decoding, without a server tool-call parser: tool_calls, finish_reason "tool_calls" for
+    "required" and "stop" for a named function (vLLM's and OpenAI's), whole or streamed (the openai client's
+    accumulated stream state)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    def ask(**extra):
+        request = dict(model="m", messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=MAX_TOKENS, temperature=0.8,
+                       seed=3, **extra)
+        if not stream:
+            return client.chat.completions.create(**request).choices[0]
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(stream=True, **request):
+            state.handle_chunk(chunk)
+        return state.current_completion_snapshot.choices[0]
+
+    required = ask(tool_choice="required", parallel_tool_calls=False)
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    assert not required.message.content
+    check_call(required.message.tool_calls[0])
+    named = ask(tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert named.finish_reason == "stop" and len(named.message.tool_calls) == 1 and not named.message.content
+    assert named.message.tool_calls[0].function.name == "weather"
+    check_call(named.message.tool_calls[0])
+
+
+def test_tool_choice_refusals(client):
+    openai = pytest.importorskip("openai")
+    for extra, words in [(dict(tool_choice="required"), "needs tools"),
+                         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "clock"}}),
+                          "not among the tools (weather)"),
+                         (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                          "takes no response_format")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, **extra)
+        assert words in e.value.body["message"], e.value.body

@@ -21,7 +21,7 @@ nothing generated).
 Chat takes vLLM's template fields too (`template_options`: add_generation_prompt, continue_final_message,
 chat_template_kwargs). Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and
 the messages' `tool_calls` and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`;
-`tool_calls.py` parses).
+`tool_calls.py` parses); "required" and a named function force calls by guided decoding (`_tool_grammar`).
 
 A request that omits temperature, top_p, top_k, repetition_penalty or min_p takes the server's sampling defaults
 (`sampling_defaults`: the model's generation_config.json, as vLLM's `--generation-config auto`), else 1, 1 and off;
@@ -82,7 +82,7 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
     max_tokens_cap: Optional[int] = None  # generation_config's max_new_tokens: at most this many, whatever max_tokens
-    tool_parser: Optional[str] = None  # chat with tools and tool_choice "auto": the parser its outputs go through
+    tool_parser: Optional[str] = None  # chat with tools, tool_choice not "none": the parser its outputs go through
     grammar: Optional[Any] = None   # response_format's `structured.Grammar`, pristine: each choice runs a copy
 
     @property
@@ -295,17 +295,23 @@ def _response_format(body: dict, tokenizer) -> Optional[Any]:
         if not isinstance(spec.get("schema"), dict):
             raise RequestError(f"response_format.json_schema.schema must be a JSON Schema object, got "
                                f"{shown(spec.get('schema'))}", "response_format")
+    return _grammar("response_format", kind, tokenizer, spec["schema"] if kind == "json_schema" else None)
+
+
+def _grammar(param: str, kind: str, tokenizer, schema: Optional[dict]):
+    """The `structured.Grammar` of a json_object / json_schema; 400s naming `param`: no llguidance on the server, or
+    a schema it refuses."""
     from swiftkv_jax.serving import structured
 
     try:
         if kind == "json_object":
             return structured.json_object(tokenizer)
-        return structured.json_schema(tokenizer, spec["schema"])
+        return structured.json_schema(tokenizer, schema)
     except structured.MissingDependency as e:
-        raise RequestError(f"response_format {kind!r} needs guided decoding, which needs llguidance on the server: "
-                           f"{structured.INSTALL}", "response_format", code="unsupported_parameter") from e
+        raise RequestError(f"{param} {kind!r} needs guided decoding, which needs llguidance on the server: "
+                           f"{structured.INSTALL}", param, code="unsupported_parameter") from e
     except structured.GrammarError as e:
-        raise RequestError(f"response_format: {e}", "response_format") from None
+        raise RequestError(f"{param}: {e}", param) from None
 
 
 def _min_tokens(body: dict) -> int:
@@ -520,14 +526,28 @@ def parse_tools(value) -> Optional[list]:
 def _tool_parser(body: dict, tools: Optional[list], server_parser: Optional[str]) -> Optional[str]:
     """The parser this request's outputs go through, from tool_choice (default "auto" with tools, as vLLM's):
     "none", the tools are still in the prompt (vLLM's default) and the output is plain content; "auto", the server's
-    parser (a server started without one refuses, as vLLM's). "required" and a named function are refused: they need
-    guided decoding of the tools' calls, which this server does not do yet (its guided decoding serves
-    response_format). Without tools "none" and "auto" do nothing."""
+    parser (a server started without one refuses, as vLLM's). "required" and a named function ({"type":
+    "function", "function": {"name"}}) force calls by guided decoding (`_tool_grammar`), as vLLM's, whatever the
+    server's parser: "required" (`tool_calls.REQUIRED`) and "function:NAME" (`tool_calls.FUNCTION`). Without tools
+    "none" and "auto" do nothing; "required" and a named function need tools."""
+    from swiftkv_jax.serving.http.tool_calls import FUNCTION, REQUIRED
+
     choice = body.get("tool_choice")
     if choice == "required" or isinstance(choice, dict):
-        raise RequestError(f"tool_choice={shown(choice)} is not supported: forcing a tool call needs guided decoding "
-                           f"of the tools' calls, which this server does not do yet. Use 'auto' (or 'none')",
-                           "tool_choice", code="unsupported_parameter")
+        if not tools:
+            raise RequestError(f"tool_choice={shown(choice)} needs tools", "tool_choice")
+        if choice == "required":
+            return REQUIRED
+        function = choice.get("function")
+        if choice.get("type") != "function" or set(choice) - {"type", "function"} or not isinstance(
+                function, dict) or set(function) != {"name"} or not isinstance(function["name"], str):
+            raise RequestError(f"a named tool_choice must be {{'type': 'function', 'function': {{'name': ...}}}}, got "
+                               f"{shown(choice)}", "tool_choice")
+        names = [tool["function"]["name"] for tool in tools]
+        if function["name"] not in names:
+            raise RequestError(f"tool_choice names the function {shown(function['name'])}, which is not among the "
+                               f"tools ({', '.join(names)})", "tool_choice")
+        return FUNCTION + function["name"]
     if choice not in (None, "none", "auto"):
         raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {shown(choice)}",
                            "tool_choice")
@@ -538,6 +558,27 @@ def _tool_parser(body: dict, tools: Optional[list], server_parser: Optional[str]
                            f"start the server with `infer.py serve ... {TOOL_PARSER_FLAGS}`",
                            "tools" if choice is None else "tool_choice")
     return server_parser
+
+
+def _tool_grammar(parser: Optional[str], tools: Optional[list], tokenizer, parallel: bool = True) -> Optional[Any]:
+    """tool_choice "required" or a named function: the grammar of the calls, vLLM's JSON schemas (a named function:
+    its parameters; "required": a non-empty array of {"name": one of the tools', "parameters": its parameters}, and
+    nothing else in a call; one call at most with parallel_tool_calls false)."""
+    from swiftkv_jax.serving.http.tool_calls import FUNCTION, REQUIRED
+
+    if parser != REQUIRED and not (parser or "").startswith(FUNCTION):
+        return None
+    parameters = {tool["function"]["name"]: tool["function"].get("parameters") or {"type": "object", "properties": {}}
+                  for tool in tools}
+    if parser == REQUIRED:
+        calls = [{"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, params in parameters.items()]
+        schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                  "items": {"type": "object", "anyOf": calls}}
+    else:
+        schema = parameters[parser[len(FUNCTION):]]
+    return _grammar("tool_choice", "json_schema", tokenizer, schema)
 
 
 def _clean_message(message, i: int) -> dict:
@@ -646,11 +687,19 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     max_tokens, field = _max_tokens(body, "max_completion_tokens")
     tools = parse_tools(body.get("tools"))
     parser = _tool_parser(body, tools, tool_parser)
-    _bool(body, "parallel_tool_calls")  # accepted and ignored, as vLLM's: the model decides how many calls it makes
+    # the model decides how many calls it makes, as vLLM's; but tool_choice "required" with false makes one
+    parallel = _bool(body, "parallel_tool_calls", True)
     ids, text = render_messages(body["messages"], tokenizer, tools=tools, **template_options(body, tokenizer))
+    grammar = _response_format(body, tokenizer)
+    forced = _tool_grammar(parser, tools, tokenizer, parallel)
+    if forced is not None:
+        if grammar is not None:
+            raise RequestError("tool_choice 'required' or a named function takes no response_format besides 'text': "
+                               "both constrain the output", "response_format")
+        grammar = forced
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
-               defaults.get("max_tokens"), parser, _response_format(body, tokenizer))
+               defaults.get("max_tokens"), parser, grammar)
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------

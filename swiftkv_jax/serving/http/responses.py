@@ -11,7 +11,7 @@ from typing import Optional
 
 from swiftkv_jax.serving.http.protocol import Job
 from swiftkv_jax.serving.http.text import ChoiceText
-from swiftkv_jax.serving.http.tool_calls import ToolText
+from swiftkv_jax.serving.http.tool_calls import FUNCTION, ToolText
 
 
 def _gpt2_byte_decoder() -> dict:
@@ -98,7 +98,9 @@ class Choice:
         if self.done:
             rest, self.content, self.tool_calls = self.tools.finish()
             delta += rest
-            self.finish_reason = "tool_calls" if self.tool_calls else self.finish_reason
+            # a named function's forced call finishes "stop", as vLLM's (and OpenAI's)
+            named = self.tools.parser.startswith(FUNCTION)
+            self.finish_reason = "tool_calls" if self.tool_calls and not named else self.finish_reason
         return delta
 
 

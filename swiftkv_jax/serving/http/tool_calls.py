@@ -80,10 +80,29 @@ def hermes(text: str) -> tuple[Optional[str], list]:
 
 
 PARSERS = {"llama3_json": llama3_json, "hermes": hermes}
+# tool_choice "required" and a named function ("function:" + its name): calls forced by guided decoding (vLLM's), the
+# output a JSON array of {"name", "parameters"} or the named function's arguments
+REQUIRED, FUNCTION = "required", "function:"
+
+
+def forced(parser: str, text: str) -> tuple[Optional[str], list]:
+    """(content, calls) of an output whose grammar forced calls: the calls and content "" (vLLM's), or the text and
+    none where the output is no whole JSON (cut short by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, []
+    if parser == REQUIRED:
+        calls = [_call(obj) for obj in value] if isinstance(value, list) else [None]
+    else:
+        calls = [_call({"name": parser[len(FUNCTION):], "arguments": value})]
+    return ("", calls) if calls and None not in calls else (text, [])
 
 
 def parse(parser: str, text: str) -> tuple[Optional[str], list]:
     """(content, tool calls) of a whole output: ([] and the text when it holds no call)."""
+    if parser == REQUIRED or parser.startswith(FUNCTION):
+        return forced(parser, text)
     return PARSERS[parser](text)
 
 
@@ -92,12 +111,13 @@ class ToolText:
     now; `finish` the rest, and the whole response's content and calls."""
 
     def __init__(self, parser: str):
-        if parser not in PARSERS:
+        self.forced = parser == REQUIRED or parser.startswith(FUNCTION)
+        if parser not in PARSERS and not self.forced:
             raise ValueError(f"unknown tool-call parser {parser!r}: use one of {', '.join(PARSERS)}")
         self.parser = parser
         self.parts: list[str] = []   # all the text so far
         self.pending = ""            # not sent, and no call begun: whitespace, or what may begin one
-        self.calling = False         # a call may have begun: everything from `pending` on is held to the end
+        self.calling = self.forced   # a call may have begun: everything from `pending` on is held to the end
         self.plain = False           # llama3_json: the output began with text, so it is no call
         self.sent = 0                # characters given out
 
