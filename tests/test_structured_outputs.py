@@ -204,6 +204,35 @@ def test_the_engine_refuses_what_is_not_a_grammar_and_a_larger_tokenizer(assets)
     assert not eng._live_ids  # a refused request's id is free again
 
 
+class _Failing:
+    """A grammar that allows every token and fails (as llguidance past one of its parser's limits) at its third mask."""
+
+    done = False
+
+    def __init__(self):
+        self.masks = 0
+
+    def fill(self, row):
+        self.masks += 1
+        if self.masks == 3:
+            raise RuntimeError("the JSON schema failed: lexer fuel exhausted")
+        row[:] = -1
+
+    def accept(self, token):
+        pass
+
+
+def test_a_grammar_that_fails_finishes_its_request_alone(assets):
+    tokenizer, teacher, _, _ = assets
+    prompt = tokenizer("hello there")["input_ids"]
+    plain = dict(prompt=prompt, max_tokens=8, temperature=0.8, seed=1, stop_token_ids=[])
+    want = run(make_engine(teacher), [plain])[0]
+    failed, got = run(make_engine(teacher), [dict(prompt=prompt, max_tokens=8, grammar=_Failing()), plain])
+    assert failed.finish_reason == "error" and "lexer fuel exhausted" in failed.error
+    assert len(failed.token_ids) == 2  # the tokens of its first two masks
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+
+
 # ---- the server ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(assets):

@@ -66,7 +66,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     finished: bool = False
-    finish_reason: Optional[str] = None        # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None        # "stop" | "length" | "abort" | "error" (its grammar failed: `error`)
     token_ids: Optional[list[int]] = None      # all generated tokens, when finished
     logprobs: Optional[list[float]] = None
     metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, prefill_s, decode_s, ... when finished
@@ -78,6 +78,7 @@ class RequestOutput:
     prompt_top_logprobs: Optional[list] = None
     # finished ("stop") because its grammar was complete (structured outputs): its last token is text, not a stop id
     grammar_done: bool = False
+    error: Optional[str] = None  # finish_reason "error": why (its grammar could not give a mask: llguidance's error)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -498,7 +499,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
         schedule = self.scheduler.schedule()
-        launched = None if schedule.empty else self._launch(schedule)
+        launched = None if schedule.empty else self._launch(schedule, outputs)
         if self._in_flight is not None:
             outputs += self._collect(self._in_flight)
         self._in_flight = launched
@@ -512,7 +513,7 @@ class Engine:
         engine) never finds them."""
         return hashlib.blake2b(repr((cfg, self.swiftkv, self.cache_format)).encode(), digest_size=16).digest()
 
-    def _launch(self, schedule: Schedule) -> _InFlight:
+    def _launch(self, schedule: Schedule, outputs: list) -> _InFlight:
         for slot, pages in schedule.cached_rows:  # sequences starting on cached pages: their table rows first
             row = np.zeros(self.pages_per_seq, np.int32)
             row[:len(pages)] = pages
@@ -528,7 +529,7 @@ class Engine:
                 self.stops = _set_stops(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
         key, step, want_top = self._build(schedule)
         if step.sampling.guided is not None:
-            self._write_masks(schedule, step.sampling.guided)
+            self._write_masks(schedule, step.sampling.guided, outputs)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
                      "warmed up)", *key)
@@ -540,9 +541,11 @@ class Engine:
                                            + sum(c.start < len(c.seq.prompt) for c in schedule.singles))
         return _InFlight(schedule, token, logprob, top if want_top else None)
 
-    def _write_masks(self, schedule: Schedule, guided: np.ndarray) -> None:
+    def _write_masks(self, schedule: Schedule, guided: np.ndarray, outputs: list) -> None:
         """The grammar bitmask of each guided row's slot, from its grammar's state (its last token accepted: a guided
-        sequence is never scheduled with a token pending), written before the step is launched."""
+        sequence is never scheduled with a token pending), written before the step is launched. A grammar that
+        cannot give one (llguidance in an error state: a limit of its parser reached) finishes its request alone,
+        finish_reason "error" (its row runs, and `update` drops its token), not the engine."""
         chunks = schedule.sampling
         rows = np.flatnonzero(guided)
         n = _bucket(len(rows), self.mask_buckets)
@@ -551,7 +554,12 @@ class Engine:
         for i, row in enumerate(rows):
             seq = chunks[row].seq
             slots[i] = seq.slot
-            seq.grammar.fill(table[i])
+            try:
+                seq.grammar.fill(table[i])
+            except Exception as e:  # noqa: BLE001  the request's own failure
+                log.warning("request %s: its grammar failed, finishing it: %s", seq.request_id, e)
+                outputs.append(self._finish(seq, "error"))
+                outputs[-1].error = f"the request's grammar failed: {e}"
         self.masks = _set_masks(self.masks, slots, replicated(self.mesh, table))
 
     def _reset_slot_counts(self, seq: Sequence) -> None:

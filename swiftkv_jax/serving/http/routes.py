@@ -156,6 +156,8 @@ class Server:
             choice = by_id.get(item.request_id)
             if choice is None or choice.done:
                 continue
+            if item.finished and item.finish_reason == "error":  # its grammar failed (structured outputs)
+                raise RequestError(item.error, None, 500, type="server_error")
             if item.finished and item.finish_reason == "abort":
                 raise RequestError("the request was aborted: the server is shutting down", None, 503,
                                    type="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
