@@ -388,9 +388,9 @@ def test_kv_cache_fraction_is_of_the_memory_left_once_the_engine_holds_its_weigh
     monkeypatch.setattr(paged_cache, "free_memory", lambda devices: limit - live_bytes())
     eng = engine("swiftkv-g2", model=model, consume_weights=consume, num_pages=None, kv_cache_fraction=0.9)
     per_page = eng.pool.nbytes // eng.allocator.num_pages
-    # the penalties' counts, the logit bias and the min_tokens stop-id tables exist before the pool is sized: what is
-    # free then is without them
-    before_pool = eng.counts.nbytes + sum(a.nbytes for a in eng.bias) + eng.stops.nbytes
+    # the penalties' counts, the logit bias, the min_tokens stop-id and the grammar bitmask tables exist before the
+    # pool is sized: what is free then is without them
+    before_pool = eng.counts.nbytes + sum(a.nbytes for a in eng.bias) + eng.stops.nbytes + eng.masks.nbytes
     free_after_weights = limit - (live_bytes() - eng.state_bytes + before_pool)
     assert eng.allocator.num_pages == int(0.9 * free_after_weights) // per_page
     assert live_bytes() <= limit
