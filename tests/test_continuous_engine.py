@@ -722,7 +722,7 @@ def test_gpu_programs_have_no_loop_whose_trip_count_depends_on_the_data(decode):
             inputs = eng._empty_step(d, r)
             step = functools.partial(ragged_step, sizes=inputs.sizes, **eng._step_options(w))
             jaxpr = jax.make_jaxpr(step)(eng.params, eng.pool, eng.tables, eng.last_tokens, eng.counts, eng.bias,
-                                         eng.stops, inputs.pack(), np.bool_(False))
+                                         eng.stops, eng.masks, inputs.pack(), np.bool_(False))
             found += loop_primitives(jaxpr.jaxpr)
         return found
 

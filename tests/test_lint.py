@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-# the `lint` extra (pip install -e ".[test,clients,lint]", as CI does); outside CI (the GPU pack's `pytest -m gpu`
-# collects this module) a checkout without it skips
+# the `lint` extra (pip install -e ".[test,clients,lint,structured]", as CI does); outside CI (the GPU pack's
+# `pytest -m gpu` collects this module) a checkout without it skips
 ruff = __import__("ruff") if os.environ.get("CI") else pytest.importorskip("ruff")
 
 REPO = Path(__file__).resolve().parents[1]

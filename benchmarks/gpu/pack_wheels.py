@@ -85,8 +85,9 @@ def read_host(path=HOST) -> tuple[str, dict[str, str | None]]:
 
 # extras the GPU pack never installs: `clients` (lm-eval, guidellm) and `lint` (ruff) serve CPU tests only, which
 # `pytest -m gpu` skips (tests/test_server_clients.py and tests/test_lint.py skip themselves where they are missing,
-# outside CI)
-NOT_ON_THE_GPU_HOST = {"clients", "lint"}
+# outside CI); `structured` (llguidance) neither: its tests are CPU ones too, and its wheel is manylinux_2_31,
+# outside the pack's PLATFORMS
+NOT_ON_THE_GPU_HOST = {"clients", "lint", "structured"}
 
 
 def project_requirements(pyproject=REPO / "pyproject.toml") -> list[tuple[str, str]]:
