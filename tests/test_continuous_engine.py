@@ -423,7 +423,7 @@ def test_warmup_compiles_every_bucket_and_serving_compiles_nothing():
     eng.warmup()  # decodes only: 2 and 4 singles; with prompt tokens: 16 or 64 of them x 2 or 4 singles; one width
     assert sorted(eng._compiled) == sorted(eng.programs()) and len(eng.programs()) == 2 + 2 * 2
     programs = lambda: (ragged_step._cache_size(), continuous._set_bias._cache_size(),  # noqa: E731
-                        continuous._set_stops._cache_size(), continuous._set_masks._cache_size())
+                        continuous._set_rows._cache_size())
     before = programs()
     done = run(eng, PROMPTS[:5], arrivals=[0, 0, 2, 2, 5])
     eng.generate([PROMPTS[0]], max_tokens=2, logit_bias={5: 1.0})  # a biased slot's row, and its clearing after

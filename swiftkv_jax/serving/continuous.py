@@ -82,9 +82,11 @@ class RequestOutput:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_row(tables, slot, row):
-    """The device block tables with one slot's row replaced (in place: donated)."""
-    return tables.at[slot].set(row)
+def _set_rows(table, slots, rows):
+    """A per-slot device table (the block tables, the min_tokens stop ids [S, MAX_MASKED_STOP_IDS], the grammar
+    bitmasks [S, ceil(V / 32)]) with the row of `slots` (one, or [G]) replaced by `rows` (in place: donated). A slot
+    out of range (padding): no change."""
+    return table.at[slots].set(rows, mode="drop")
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -103,20 +105,6 @@ def _set_bias(bias, slot, ids, values):
     """The logit bias table (ids, values) [S, MAX_LOGIT_BIAS] with one slot's row replaced (in place: donated) by
     ids [MAX_LOGIT_BIAS] (padding: V) and values. A slot out of range: no change."""
     return bias[0].at[slot].set(ids, mode="drop"), bias[1].at[slot].set(values, mode="drop")
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_stops(stops, slot, ids):
-    """The min_tokens stop-id table [S, MAX_MASKED_STOP_IDS] with one slot's row replaced (in place: donated) by ids
-    [MAX_MASKED_STOP_IDS] (padding: V). A slot out of range: no change."""
-    return stops.at[slot].set(ids, mode="drop")
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_masks(masks, slots, rows):
-    """The grammar bitmask table [S, W] with the rows of slots [G] replaced (in place: donated) by rows [G, W]
-    (padding: a slot out of range, no change)."""
-    return masks.at[slots].set(rows, mode="drop")
 
 
 def _growing(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
@@ -305,7 +293,7 @@ class Engine:
         # stale row of a reused slot is never read), and a step moves no more than its per-row settings.
         self.stops = replicated(mesh, np.full((max_num_seqs, MAX_MASKED_STOP_IDS), cfg.vocab_size, np.int32))
         # structured outputs: each slot's grammar bitmask [max_num_seqs, ceil(V / 32)] int32 (4 MB at 256 x 128K),
-        # the guided rows' written before each step that has any (`_set_masks`, their count padded to one of
+        # the guided rows' written before each step that has any (`_set_rows`, their count padded to one of
         # mask_buckets); a step applies a row's only where its packed `guided` flag is on, so unguided steps pay
         # nothing and a stale row of a reused slot is never read
         self.masks = replicated(mesh, np.zeros((max_num_seqs, words(cfg.vocab_size)), np.int32))
@@ -517,7 +505,7 @@ class Engine:
         for slot, pages in schedule.cached_rows:  # sequences starting on cached pages: their table rows first
             row = np.zeros(self.pages_per_seq, np.int32)
             row[:len(pages)] = pages
-            self.tables = _set_row(self.tables, np.int32(slot), replicated(self.mesh, row))
+            self.tables = _set_rows(self.tables, np.int32(slot), replicated(self.mesh, row))
         for seq in schedule.admitted:  # penalised sequences given a slot: its counts row, from their tokens so far
             if seq.params.penalised:
                 self._reset_slot_counts(seq)
@@ -526,7 +514,7 @@ class Engine:
             if seq.params.min_tokens and seq.stop_ids:  # its stop ids to mask (a former one's row: never read)
                 ids = np.full(MAX_MASKED_STOP_IDS, self.config.vocab_size, np.int32)
                 ids[:len(seq.stop_ids)] = sorted(seq.stop_ids)
-                self.stops = _set_stops(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
+                self.stops = _set_rows(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
         key, step, want_top = self._build(schedule)
         if step.sampling.guided is not None:
             self._write_masks(schedule, step.sampling.guided, outputs)
@@ -560,7 +548,7 @@ class Engine:
                 log.warning("request %s: its grammar failed, finishing it: %s", seq.request_id, e)
                 outputs.append(self._finish(seq, "error"))
                 outputs[-1].error = f"the request's grammar failed: {e}"
-        self.masks = _set_masks(self.masks, slots, replicated(self.mesh, table))
+        self.masks = _set_rows(self.masks, slots, replicated(self.mesh, table))
 
     def _reset_slot_counts(self, seq: Sequence) -> None:
         """Rebuild the counts row of a penalised sequence's new slot from the host: its whole prompt (pages found in
@@ -740,7 +728,7 @@ class Engine:
         """Compile every program now (`programs()`), so that serving never compiles. Returns seconds."""
         start = time.perf_counter()
         # the table-row update of a prefix-cache hit (before any request: row 0 is all null pages either way)
-        self.tables = _set_row(self.tables, np.int32(0), replicated(self.mesh, np.zeros(self.pages_per_seq, np.int32)))
+        self.tables = _set_rows(self.tables, np.int32(0), replicated(self.mesh, np.zeros(self.pages_per_seq, np.int32)))
         for n in self.count_buckets:  # a penalised request's counts row, by its tokens' bucket (no slot: no change)
             marks = np.full(n, 2 * self.config.vocab_size, np.int32)
             self.counts = _reset_counts(self.counts, np.int32(self.scheduler.max_num_seqs),
@@ -748,9 +736,9 @@ class Engine:
         no_bias = np.full(MAX_LOGIT_BIAS, self.config.vocab_size, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
         self.bias = _set_bias(self.bias, np.int32(self.scheduler.max_num_seqs), *replicated(self.mesh, no_bias))
         no_stops = np.full(MAX_MASKED_STOP_IDS, self.config.vocab_size, np.int32)
-        self.stops = _set_stops(self.stops, np.int32(self.scheduler.max_num_seqs), replicated(self.mesh, no_stops))
+        self.stops = _set_rows(self.stops, np.int32(self.scheduler.max_num_seqs), replicated(self.mesh, no_stops))
         for n in self.mask_buckets:  # the grammar bitmasks of n guided rows (no slot: no change)
-            self.masks = _set_masks(self.masks, np.full(n, self.scheduler.max_num_seqs, np.int32),
+            self.masks = _set_rows(self.masks, np.full(n, self.scheduler.max_num_seqs, np.int32),
                                     replicated(self.mesh, np.zeros((n, self.masks.shape[1]), np.int32)))
         for key in self.programs():
             t0 = time.perf_counter()

@@ -119,7 +119,7 @@ COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
           "response_format"} | set(SAMPLING_OPTIONS)
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
-# vLLM's chat extensions that shape the prompt (`TEMPLATE_OPTIONS`)
+# vLLM's chat extensions that shape the prompt (`template_options`)
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"} | set(
     NO_OP) - {"suffix"} | TEMPLATE_FIELDS
