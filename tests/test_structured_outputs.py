@@ -4,12 +4,15 @@ a check by hand); the masked greedy token is the argmax over the allowed ids of 
 (`sk.logits`, numpy, llguidance's mask), padding ids past the tokenizer never allowed; unguided requests in a mixed
 batch are unchanged; preemption and prefix-cache hits; the official `openai` client against a real server on
 127.0.0.1 (chat and completions, json_schema and json_object, whole and streamed, n = 2); bad schemas and a server
-without llguidance give 400s naming response_format. CPU, fp32."""
+without llguidance give 400s naming response_format; vLLM's `structured_outputs` (json, regex, choice, a GBNF or Lark
+grammar, json_object, the whitespace options) and its older guided_* fields, whose outputs match their constraint,
+and their refusals (400s naming the field the client used). CPU, fp32."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 import sys
 import threading
@@ -324,10 +327,15 @@ def test_without_llguidance_structured_output_is_a_400_saying_how_to_install_it(
     openai = pytest.importorskip("openai")
     monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
     assert not structured.available()
-    for fmt in (SCHEMA_FORMAT, {"type": "json_object"}):
+    for param, extra in [("response_format", {"response_format": SCHEMA_FORMAT}),
+                         ("response_format", {"response_format": {"type": "json_object"}}),
+                         ("structured_outputs", {"structured_outputs": {"regex": "a+"}}),
+                         ("structured_outputs", {"structured_outputs": {"json": SCHEMA}}),
+                         ("guided_choice", {"guided_choice": ["a", "b"]})]:
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, response_format=fmt)
-        assert e.value.body["param"] == "response_format" and "pip install llguidance" in e.value.body["message"]
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param and "pip install llguidance" in e.value.body["message"]
+        assert e.value.body["code"] == "unsupported_parameter"
     r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)  # the rest still serves
     assert r.choices[0].finish_reason == "length"
 
@@ -389,3 +397,176 @@ def test_tool_choice_refusals(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, **extra)
         assert words in e.value.body["message"], e.value.body
+
+
+# ---- vLLM's structured_outputs and its older guided_* fields ---------------------------------------------------------
+CHOICES = ["red apple", "green", "blue sky"]
+REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
+GBNF = 'root ::= answer ("," answer)? ("," answer)?\nanswer ::= "yes" | "no"'
+GBNF_TEXT = r"(yes|no)(,(yes|no)){0,2}"
+LARK = 'start: NUM (OP NUM)?\nNUM: /[0-9]{1,2}/\nOP: "+" | "-" | "*"'
+LARK_TEXT = r"[0-9]{1,2}([-+*][0-9]{1,2})?"
+
+
+def guided_texts(client, extra: dict, n: int = 2, max_tokens: int = 24) -> list[str]:
+    """Chat (n choices, sampled) and completions (a sampled and a greedy one) under `extra`: every output text, each
+    of which finished because its grammar did."""
+    r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=max_tokens, temperature=1.0, seed=5,
+                                       n=n, extra_body=extra)
+    texts = [c.message.content for c in r.choices]
+    reasons = [c.finish_reason for c in r.choices]
+    for temperature in (1.0, 0.0):
+        r = client.completions.create(model="m", prompt="an answer:", max_tokens=max_tokens, temperature=temperature,
+                                      seed=7, extra_body=extra)
+        texts.append(r.choices[0].text)
+        reasons.append(r.choices[0].finish_reason)
+    assert reasons == ["stop"] * len(texts), (reasons, texts)
+    return texts
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}])
+def test_choice_outputs_exactly_one_of_the_choices(client, extra):
+    texts = guided_texts(client, extra, n=3)
+    assert all(text in CHOICES for text in texts), texts
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"regex": REGEX}},
+                                   {"guided_regex": REGEX, "guided_decoding_backend": "guidance"}])
+def test_regex_outputs_match_it_whole(client, extra):
+    texts = guided_texts(client, extra)
+    assert all(re.fullmatch(REGEX, text) for text in texts), texts
+
+
+@pytest.mark.parametrize("grammar, pattern", [(GBNF, GBNF_TEXT), (LARK, LARK_TEXT)], ids=["gbnf", "lark"])
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_grammar"])
+def test_gbnf_and_lark_grammars(client, grammar, pattern, field):
+    extra = {"structured_outputs": {"grammar": grammar}} if field == "structured_outputs" else {field: grammar}
+    texts = guided_texts(client, extra)
+    assert all(re.fullmatch(pattern, text) for text in texts), texts
+
+
+def test_json_by_structured_outputs_and_guided_json_and_whitespace(client, assets):
+    """structured_outputs.json (an object or its JSON text) and guided_json give the same JSON as response_format's
+    json_schema (the same seed: the same grammar, the same text); disable_any_whitespace false (JSON's whitespace: a
+    random model wanders off into blanks, so here its whitespace-only tokens are biased away) and a
+    whitespace_pattern still give valid JSON, the pattern's spaces in it."""
+    tokenizer = assets[0]
+    blanks = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()][:300]
+
+    def ask(**extra):
+        r = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.9,
+                                           seed=2, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        return r.choices[0].message.content
+
+    want = ask(response_format=SCHEMA_FORMAT)
+    satisfies(json.loads(want))
+    assert json.dumps(json.loads(want), separators=(",", ":"), ensure_ascii=False) == want  # compact by default
+    assert ask(structured_outputs={"json": SCHEMA}) == want
+    assert ask(structured_outputs={"json": json.dumps(SCHEMA), "disable_any_whitespace": True,
+                                   "disable_fallback": True}) == want
+    assert ask(guided_json=SCHEMA, guided_decoding_backend="auto") == want
+    satisfies(json.loads(ask(structured_outputs={"json": SCHEMA, "disable_any_whitespace": False},
+                             logit_bias={str(i): -100 for i in blanks})))
+    for extra in ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " "}},
+                  {"guided_json": SCHEMA, "guided_whitespace_pattern": " "}):
+        text = ask(**extra)
+        satisfies(json.loads(text))
+        assert text.startswith("{ ") and ", " in text and ": " in text, text
+
+
+def test_disable_any_whitespace_false_allows_jsons_whitespace(assets):
+    """The grammar of disable_any_whitespace false takes spaced JSON, the default's (compact) does not."""
+    from swiftkv_jax.serving.http import protocol
+
+    tokenizer = assets[0]
+    spaced = '{\n  "name": "ab",\n  "age": 3, "color": "red", "tags": [ ]\n}'
+    ids = tokenizer(spaced, add_special_tokens=False)["input_ids"]
+    for option, accepted in [({"disable_any_whitespace": False}, True), ({}, False),
+                             ({"disable_any_whitespace": True}, False)]:
+        job = protocol.parse_completion({"model": "m", "prompt": "hi", "structured_outputs": {"json": SCHEMA,
+                                                                                              **option}}, tokenizer)
+        try:
+            for t in ids:
+                job.grammar.accept(t)
+        except RuntimeError:
+            assert not accepted, option
+        else:
+            assert accepted and job.grammar.accepting, option
+
+
+def test_the_field_that_set_the_grammar_names_its_engine_errors(assets):
+    """Job.param maps the engine's "grammar" to the field the client used."""
+    from swiftkv_jax.serving.http import protocol
+
+    tokenizer = assets[0]
+    for extra, field in [({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"guided_choice": ["x"]}, "guided_choice"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")]:
+        job = protocol.parse_completion({"model": "m", "prompt": "hi", **extra}, tokenizer)
+        assert job.grammar is not None and job.param("grammar") == field
+    job = protocol.parse_chat({"model": "m", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"},
+                              tokenizer)
+    assert job.param("grammar") == "tool_choice"
+
+
+TOOLS = {"tools": [WEATHER], "tool_choice": "required"}
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"structured_outputs": {}}, "structured_outputs", "exactly one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"], "grammar": None}}, "structured_outputs",
+     "exactly one of json, regex, choice, grammar, json_object, got regex, choice"),
+    ({"structured_outputs": "a+"}, "structured_outputs", "must be an object"),
+    ({"structured_outputs": {"structural_tag": '{"structures": []}'}}, "structured_outputs", "not supported here"),
+    ({"structured_outputs": {"regex": "a", "backend": "xgrammar"}}, "structured_outputs", "got 'backend'"),
+    ({"structured_outputs": {"regex": "[a-c"}}, "structured_outputs", "unclosed character class"),
+    ({"structured_outputs": {"regex": "a(?=b)"}}, "structured_outputs", "look-around"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", 'unknown name: "foo"'),
+    ({"structured_outputs": {"grammar": 'root ::= ("yes"'}}, "structured_outputs", "GBNF"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs", "not JSON"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs", "nonsense"),
+    ({"structured_outputs": {"json": 3}}, "structured_outputs", "structured_outputs.json must be a JSON schema"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list of strings"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs", "non-empty list of strings"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs", "json_object must be true"),
+    ({"structured_outputs": {"json_object": True, "disable_additional_properties": True}}, "structured_outputs",
+     '"additionalProperties": false'),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}}, "structured_outputs",
+     "disable_any_whitespace must be true or false"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
+     "applies to JSON only"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " ", "disable_any_whitespace": True}},
+     "structured_outputs", "send one"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "[ "}}, "structured_outputs",
+     "unclosed character class"),
+    ({"guided_regex": "[a-c"}, "guided_regex", "unclosed character class"),
+    ({"guided_grammar": "start: foo"}, "guided_grammar", 'unknown name: "foo"'),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "nonsense"),
+    ({"guided_choice": "yes"}, "guided_choice", "guided_choice must be a non-empty list of strings"),
+    ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
+     "this server guides with llguidance"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "both constrain the output"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "applies to JSON only"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "applies to guided_json only"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex",
+     "guided_regex and structured_outputs both constrain the output"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "b"}}, "structured_outputs",
+     "structured_outputs and response_format both constrain the output"),
+    ({"response_format": SCHEMA_FORMAT, "guided_json": SCHEMA}, "guided_json", "both constrain the output"),
+    ({**TOOLS, "structured_outputs": {"regex": "b"}}, "structured_outputs", "takes no structured_outputs"),
+    ({**TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}, "guided_choice": ["a"]},
+     "guided_choice", "takes no guided_choice"),
+])
+def test_structured_outputs_refusals_are_400s_naming_the_field(client, extra, param, words):
+    """On chat, and on completions too where the request is not a chat one (tools)."""
+    openai = pytest.importorskip("openai")
+    calls = [lambda: client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, extra_body=extra)]
+    if "tools" not in extra:
+        calls.append(lambda: client.completions.create(model="m", prompt="hi", max_tokens=4, extra_body=extra))
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+        unsupported = "not supported here" in words or "additionalProperties" in words or "guides with" in words
+        assert (e.value.body["code"] == "unsupported_parameter") == unsupported, e.value.body

@@ -6,6 +6,11 @@ of a request with n > 1: `copy`), whose state lives on the host and moves only o
     g = structured.json_schema(tokenizer, {"type": "object", "properties": {...}}, vocab_size=engine.config.vocab_size)
     engine.add_request(prompt_ids, max_tokens=256, grammar=g)
 
+Builders: `json_schema` and `json_object` (OpenAI's response_format; JSON compact unless `json_options` says
+otherwise), and `from_spec` for vLLM's `structured_outputs` constraints (json, json_object, regex, choice, and a
+Lark or GBNF grammar), all through llguidance's grammars (`llguidance.grammar_from`); one it refuses is a
+`GrammarError` carrying llguidance's message.
+
 The engine asks `fill(row)` for the allowed next tokens (int32 words, bit i % 32 of word i // 32 for token i, the
 layout of llguidance's and vLLM's bitmasks; ids past the tokenizer's vocabulary, a model's padding ids, are never
 allowed), hands every token it samples to `accept`, and ends the request ("stop") once `done`. Once the grammar is
@@ -33,7 +38,7 @@ class MissingDependency(ImportError):
 
 
 class GrammarError(ValueError):
-    """llguidance refused the grammar (a bad JSON schema): the message is llguidance's."""
+    """llguidance refused the grammar (a bad JSON schema, regex or grammar): the message is llguidance's."""
 
 
 def _llguidance():
@@ -136,11 +141,24 @@ def _matcher(tokenizer, grammar: str, description: str, vocab_size: Optional[int
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def json_schema(tokenizer, schema, *, vocab_size: Optional[int] = None,
+def json_options(any_whitespace: Optional[bool] = None, whitespace_pattern: Optional[str] = None) -> dict:
+    """llguidance's JSON compile options: compact (`JSON_OPTIONS`) unless `any_whitespace` (JSON's whitespace,
+    llguidance's flexible) or a `whitespace_pattern` (a regex of the whitespace allowed between tokens) says
+    otherwise."""
+    options = dict(JSON_OPTIONS)
+    if any_whitespace is not None:
+        options["whitespace_flexible"] = any_whitespace
+    if whitespace_pattern is not None:
+        options["whitespace_pattern"] = whitespace_pattern
+    return options
+
+
+def json_schema(tokenizer, schema, *, options: Optional[dict] = None, vocab_size: Optional[int] = None,
                 eos_token_ids: Optional[Sequence[int]] = None) -> Grammar:
     """A Grammar of the JSON texts that satisfy `schema` (a dict or its JSON text; llguidance's JSON Schema
-    support). GrammarError: llguidance refused the schema."""
-    llguidance = _llguidance()
+    support); `options`: llguidance's JSON compile options (`json_options`), compact by default. GrammarError:
+    llguidance refused the schema."""
+    _llguidance()  # without it, MissingDependency whatever the schema
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -148,15 +166,43 @@ def json_schema(tokenizer, schema, *, vocab_size: Optional[int] = None,
             raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid JSON schema: {e}") from None
-    return _matcher(tokenizer, grammar, "JSON schema", vocab_size, eos_token_ids)
+    return _json(tokenizer, schema, "JSON schema", options, vocab_size, eos_token_ids)
 
 
-def json_object(tokenizer, *, vocab_size: Optional[int] = None,
+def json_object(tokenizer, *, options: Optional[dict] = None, vocab_size: Optional[int] = None,
                 eos_token_ids: Optional[Sequence[int]] = None) -> Grammar:
     """A Grammar of any JSON object (OpenAI's JSON mode, response_format {"type": "json_object"})."""
-    grammar = _llguidance().LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    return _matcher(tokenizer, grammar, "JSON object grammar", vocab_size, eos_token_ids)
+    return _json(tokenizer, {"type": "object"}, "JSON object grammar", options, vocab_size, eos_token_ids)
+
+
+def _json(tokenizer, schema: dict, description: str, options: Optional[dict], vocab_size: Optional[int],
+          eos_token_ids: Optional[Sequence[int]]) -> Grammar:
+    try:
+        grammar = _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=options or JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"invalid {description}: {e}") from None
+    return _matcher(tokenizer, grammar, description, vocab_size, eos_token_ids)
+
+
+# vLLM's structured_outputs constraints besides JSON -> (llguidance's grammar_from format, what an error calls it)
+FORMATS = {"regex": ("regex", "regular expression"), "choice": ("choice", "choice"),
+           "grammar": ("grammar", "grammar (Lark or GBNF)")}
+
+
+def from_spec(tokenizer, kind: str, value, *, options: Optional[dict] = None, vocab_size: Optional[int] = None,
+              eos_token_ids: Optional[Sequence[int]] = None) -> Grammar:
+    """A Grammar of one of vLLM's structured_outputs constraints: "json" (a JSON schema, `json_schema`, with
+    `options`), "json_object" (any JSON object; `value` unused), "regex" (llguidance's regex syntax, Rust's `regex`
+    crate without look-around: the whole output matches), "choice" (a list of strings: the output is one of them) or
+    "grammar" (a Lark or a GBNF grammar, which llguidance tells apart). GrammarError: llguidance refused it."""
+    if kind == "json":
+        return json_schema(tokenizer, value, options=options, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    if kind == "json_object":
+        return json_object(tokenizer, options=options, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+    form, description = FORMATS[kind]
+    llguidance = _llguidance()
+    try:
+        grammar = llguidance.grammar_from(form, json.dumps(value) if kind == "choice" else value)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"invalid {description}: {e}") from None
+    return _matcher(tokenizer, grammar, description, vocab_size, eos_token_ids)

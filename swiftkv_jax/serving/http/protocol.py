@@ -12,7 +12,10 @@ option never silently does nothing. Fields of the OpenAI schema that this server
 only at their no-op values (`best_of` = n, `suffix: ""`, ...) and refused otherwise. `presence_penalty`,
 `frequency_penalty` and `logit_bias` ({"token id": bias in [-100, 100]}, at most 300) are applied (the engine's), as
 are vLLM's `repetition_penalty` and `min_p`. `response_format` {"type": "json_object"} or {"type": "json_schema", ...}
-(chat and completions, as vLLM's) constrains the output by guided decoding (llguidance, `_response_format`).
+(chat and completions, as vLLM's) constrains the output by guided decoding (llguidance, `_response_format`), and so
+does vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ..., and its options;
+`_structured_outputs`) or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` fields
+(`_guided`); one of them per request (`_output_grammar`), whose errors name the field the client used.
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (no stop id sampled and no stop string ending in the text of the first min_tokens tokens,
 as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
@@ -83,7 +86,8 @@ class Job:
     max_tokens_field: str = "max_tokens"  # the field the client set (or would have): errors name it
     max_tokens_cap: Optional[int] = None  # generation_config's max_new_tokens: at most this many, whatever max_tokens
     tool_parser: Optional[str] = None  # chat with tools, tool_choice not "none": the parser its outputs go through
-    grammar: Optional[Any] = None   # response_format's `structured.Grammar`, pristine: each choice runs a copy
+    grammar: Optional[Any] = None   # the output's `structured.Grammar`, pristine: each choice runs a copy
+    grammar_field: Optional[str] = None  # the field that set it (response_format, structured_outputs, guided_*, ...)
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -99,7 +103,7 @@ class Job:
         if engine_param in ("top_logprobs", "prompt_logprobs") and self.kind == "completion":
             return "logprobs"
         if engine_param == "grammar":
-            return "response_format"
+            return self.grammar_field
         return engine_param
 
 
@@ -115,9 +119,13 @@ NO_OP = {
 # OpenAI's penalties -> (the server's default when omitted, unless generation_config.json sets it)
 SAMPLING_OPTIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0}
+# vLLM's older names of structured_outputs (removed in vLLM 0.12, still sent by older clients): field -> its kind
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-          "response_format"} | set(SAMPLING_OPTIONS)
+          "response_format", "structured_outputs", "guided_whitespace_pattern", "guided_decoding_backend"} | set(
+    SAMPLING_OPTIONS) | set(GUIDED)
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
 # vLLM's chat extensions that shape the prompt (`template_options`)
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
@@ -261,13 +269,12 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
 
 
-def _response_format(body: dict, tokenizer) -> Optional[Any]:
+def _response_format(body: dict) -> Optional[tuple]:
     """OpenAI's response_format (vLLM's, on chat and completions): {"type": "text"} (or omitted) is free text,
     {"type": "json_object"} any JSON object (JSON mode), {"type": "json_schema", "json_schema": {"name", "schema",
     "description"?, "strict"?}} the JSON texts that satisfy the schema; both by guided decoding with llguidance
     (`structured`: its grammar of the schema, compact JSON), whose refusal of a schema is a 400 naming
-    response_format, as is a server without llguidance. Returns the request's pristine `structured.Grammar`, or
-    None."""
+    response_format, as is a server without llguidance. Returns the constraint (`_output_grammar`), or None."""
     value = body.get("response_format")
     if value is None:
         return None
@@ -295,20 +302,145 @@ def _response_format(body: dict, tokenizer) -> Optional[Any]:
         if not isinstance(spec.get("schema"), dict):
             raise RequestError(f"response_format.json_schema.schema must be a JSON Schema object, got "
                                f"{shown(spec.get('schema'))}", "response_format")
-    return _grammar("response_format", kind, tokenizer, spec["schema"] if kind == "json_schema" else None)
+    if kind == "json_schema":
+        return "response_format", "json", spec["schema"], None
+    return "response_format", "json_object", True, None
 
 
-def _grammar(param: str, kind: str, tokenizer, schema: Optional[dict]):
-    """The `structured.Grammar` of a json_object / json_schema; 400s naming `param`: no llguidance on the server, or
-    a schema it refuses."""
+# vLLM's structured_outputs: exactly one constraint (structured.from_spec's kinds) and its options
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_KINDS = ("json", "json_object")
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_fallback",
+                      "disable_additional_properties")
+# each kind's value: (is it one, what it must be)
+CONSTRAINT_VALUES = {
+    "json": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object, or its JSON text)"),
+    "regex": (lambda v: isinstance(v, str) and v != "", "a non-empty string (a regex)"),
+    "choice": (lambda v: isinstance(v, list) and v != [] and all(isinstance(c, str) for c in v),
+               "a non-empty list of strings"),
+    "grammar": (lambda v: isinstance(v, str) and v != "", "a non-empty string (a Lark or GBNF grammar)"),
+    "json_object": (lambda v: v is True, "true (any JSON object; omit it otherwise)"),
+}
+
+
+def _constraint_value(where: str, param: str, kind: str, value):
+    """A structured_outputs constraint's value, checked: `where` names it in the message, `param` is the field."""
+    ok, what = CONSTRAINT_VALUES[kind]
+    if not ok(value):
+        raise RequestError(f"{where} must be {what}, got {shown(value)}", param)
+    return value
+
+
+def _json_options(param: str, kind: str, pattern_name: str, pattern, disable_any_whitespace=None) -> dict:
+    """llguidance's JSON options of a json / json_object constraint: compact (`structured.JSON_OPTIONS`) unless
+    disable_any_whitespace is false (JSON's whitespace) or a whitespace pattern is given (`pattern_name`: the
+    request's name for it). Whitespace in a regex, choice or grammar is what it says: a pattern there is refused,
+    disable_any_whitespace does nothing."""
+    from swiftkv_jax.serving import structured
+
+    if pattern is None:
+        return structured.json_options(None if disable_any_whitespace is None else not disable_any_whitespace)
+    if not isinstance(pattern, str):
+        raise RequestError(f"{pattern_name} must be a string (a regex of the whitespace allowed), got {shown(pattern)}",
+                           param)
+    if kind not in JSON_KINDS:
+        raise RequestError(f"{pattern_name} applies to JSON only, not to {kind}", param)
+    if disable_any_whitespace:
+        raise RequestError(f"{pattern_name} sets the whitespace allowed, disable_any_whitespace: true allows none: "
+                           f"send one", param)
+    return structured.json_options(whitespace_pattern=pattern)
+
+
+def _structured_outputs(body: dict) -> Optional[tuple]:
+    """vLLM's structured_outputs (docs.vllm.ai/en/latest/features/structured_outputs): exactly one of json (a JSON
+    schema), regex, choice (a list of strings), grammar (Lark or GBNF) and json_object (true), with the options
+    disable_any_whitespace (JSON: compact unless false is given), whitespace_pattern (JSON), disable_fallback and
+    disable_additional_properties; a null key is an omitted one (a client that dumps vLLM's whole
+    StructuredOutputsParams). structural_tag is not supported. Returns the constraint (`_output_grammar`), or
+    None."""
+    value = body.get("structured_outputs")
+    if value is None:
+        return None
+    param, kinds = "structured_outputs", ", ".join(STRUCTURED_KINDS)
+    if not isinstance(value, dict):
+        raise RequestError(f"structured_outputs must be an object with exactly one of {kinds}, got {shown(value)}",
+                           param)
+    if value.get("structural_tag") is not None:
+        raise RequestError(f"structured_outputs.structural_tag is not supported here: use one of {kinds}", param,
+                           code="unsupported_parameter")
+    unknown = sorted(set(value) - set(STRUCTURED_KINDS) - set(STRUCTURED_OPTIONS) - {"structural_tag"})
+    if unknown:
+        raise RequestError(f"structured_outputs takes {', '.join(STRUCTURED_KINDS + STRUCTURED_OPTIONS)}, got "
+                           f"{shown(unknown[0])}", param)
+    given = [k for k in STRUCTURED_KINDS if value.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError(f"structured_outputs takes exactly one of {kinds}, got "
+                           f"{', '.join(given) if given else 'none'}", param)
+    for name in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+        if value.get(name) is not None and not isinstance(value[name], bool):
+            raise RequestError(f"structured_outputs.{name} must be true or false, got {shown(value[name])}", param)
+    # disable_fallback: a no-op, there is one backend (llguidance) and nothing to fall back to
+    if value.get("disable_additional_properties"):  # llguidance's JSON options have no such switch
+        raise RequestError("structured_outputs.disable_additional_properties: true is not supported here: set "
+                           '"additionalProperties": false in the schema\'s objects', param,
+                           code="unsupported_parameter")
+    kind = given[0]
+    return (param, kind, _constraint_value(f"structured_outputs.{kind}", param, kind, value[kind]),
+            _json_options(param, kind, "structured_outputs.whitespace_pattern", value.get("whitespace_pattern"),
+                          value.get("disable_any_whitespace")))
+
+
+def _guided(body: dict) -> Optional[tuple]:
+    """vLLM's older guided_json, guided_regex, guided_choice and guided_grammar (one of them), with
+    guided_whitespace_pattern (guided_json's) and guided_decoding_backend (a backend's name: llguidance's, or
+    auto). Returns the constraint (`_output_grammar`), or None."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise RequestError(f"this server guides with llguidance: guided_decoding_backend must be one of "
+                           f"{', '.join(GUIDED_BACKENDS)}, got {shown(backend)}", "guided_decoding_backend",
+                           code="unsupported_parameter")
+    given = [name for name in GUIDED if body.get(name) is not None]
+    pattern = body.get("guided_whitespace_pattern")
+    if len(given) > 1:
+        raise RequestError(f"{given[1]} and {given[0]} both constrain the output: send one", given[1])
+    if not given:
+        if pattern is not None:
+            raise RequestError("guided_whitespace_pattern applies to guided_json only", "guided_whitespace_pattern")
+        return None
+    field = given[0]
+    kind = GUIDED[field]
+    return (field, kind, _constraint_value(field, field, kind, body[field]),
+            _json_options("guided_whitespace_pattern", kind, "guided_whitespace_pattern", pattern))
+
+
+def _output_grammar(body: dict, tokenizer, forced: bool = False) -> tuple[Optional[Any], Optional[str]]:
+    """The request's output constraint, from response_format, structured_outputs or the guided_* fields (at most
+    one of them; none when a tool_choice is `forced`): (its pristine `structured.Grammar`, the field), or (None,
+    None). Every field's shape is checked first, each into a constraint: (the field, `structured.from_spec`'s kind,
+    its value, llguidance's JSON options or None)."""
+    given = [c for c in (_response_format(body), _structured_outputs(body), _guided(body)) if c is not None]
+    if forced and given:
+        field = given[0][0]
+        besides = " besides 'text'" if field == "response_format" else ""
+        raise RequestError(f"tool_choice 'required' or a named function takes no {field}{besides}: both constrain "
+                           f"the output", field)
+    if len(given) > 1:
+        raise RequestError(f"{given[1][0]} and {given[0][0]} both constrain the output: send one", given[1][0])
+    if not given:
+        return None, None
+    field, kind, value, options = given[0]
+    return _grammar(field, kind, tokenizer, value, options), field
+
+
+def _grammar(param: str, kind: str, tokenizer, value=None, options: Optional[dict] = None):
+    """The `structured.Grammar` of a constraint (`structured.from_spec`'s kind and value, JSON `options`); 400s
+    naming `param`: no llguidance on the server, or a schema, regex or grammar it refuses."""
     from swiftkv_jax.serving import structured
 
     try:
-        if kind == "json_object":
-            return structured.json_object(tokenizer)
-        return structured.json_schema(tokenizer, schema)
+        return structured.from_spec(tokenizer, kind, value, options=options)
     except structured.MissingDependency as e:
-        raise RequestError(f"{param} {kind!r} needs guided decoding, which needs llguidance on the server: "
+        raise RequestError(f"{param} needs guided decoding, which needs llguidance on the server: "
                            f"{structured.INSTALL}", param, code="unsupported_parameter") from e
     except structured.GrammarError as e:
         raise RequestError(f"{param}: {e}", param) from None
@@ -421,10 +553,11 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> 
     echo = _bool(body, "echo")
     max_tokens, field = _max_tokens(body, "max_tokens", zero_ok=echo)
     prompts, texts = _prompts(body["prompt"], tokenizer)
+    grammar, grammar_field = _output_grammar(body, tokenizer)
     return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
                common["include_usage"], common["continuous_usage"], field, (defaults or {}).get("max_tokens"),
-               grammar=_response_format(body, tokenizer))
+               grammar=grammar, grammar_field=grammar_field)
 
 
 def _content(message: dict, i: int) -> str:
@@ -578,7 +711,7 @@ def _tool_grammar(parser: Optional[str], tools: Optional[list], tokenizer, paral
                   "items": {"type": "object", "anyOf": calls}}
     else:
         schema = parameters[parser[len(FUNCTION):]]
-    return _grammar("tool_choice", "json_schema", tokenizer, schema)
+    return _grammar("tool_choice", "json", tokenizer, schema)
 
 
 def _clean_message(message, i: int) -> dict:
@@ -690,16 +823,13 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     # the model decides how many calls it makes, as vLLM's; but tool_choice "required" with false makes one
     parallel = _bool(body, "parallel_tool_calls", True)
     ids, text = render_messages(body["messages"], tokenizer, tools=tools, **template_options(body, tokenizer))
-    grammar = _response_format(body, tokenizer)
     forced = _tool_grammar(parser, tools, tokenizer, parallel)
+    grammar, grammar_field = _output_grammar(body, tokenizer, forced=forced is not None)
     if forced is not None:
-        if grammar is not None:
-            raise RequestError("tool_choice 'required' or a named function takes no response_format besides 'text': "
-                               "both constrain the output", "response_format")
-        grammar = forced
+        grammar, grammar_field = forced, "tool_choice"
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
-               defaults.get("max_tokens"), parser, grammar)
+               defaults.get("max_tokens"), parser, grammar, grammar_field)
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------
