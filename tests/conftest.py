@@ -1,4 +1,4 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32, no hub access and no compilation cache."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32, no hub access, one XLA compilation cache for the run."""
 
 import os
 
@@ -9,6 +9,21 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 # infer.py (in this process and in the suite's subprocesses) writes no compilation cache into the home directory:
 # tests/test_compile_cache.py gives it its own
 os.environ.setdefault("SWIFTKV_JAX_COMPILATION_CACHE", "off")
+# ... but the suite itself shares one persistent XLA cache, fresh for the run: most of a test is compiling, and
+# modules compile the same tiny models' programs again (each drops its programs when done), as do the benchmarks and
+# scripts the suite runs in subprocesses (they inherit this environment). Entries are keyed by the program, the
+# options and the versions, so a hit is the program that would have been compiled. The controller of an xdist run
+# imports this file first, so its workers share its folder; a size bound turns on JAX's file lock, so two workers
+# never read an entry half written. SWIFTKV_TEST_XLA_CACHE=off: no cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("SWIFTKV_TEST_XLA_CACHE", "on") != "off":
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="swiftkv-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")   # every program, not those over 1 s
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
