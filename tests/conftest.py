@@ -13,8 +13,9 @@ os.environ.setdefault("SWIFTKV_JAX_COMPILATION_CACHE", "off")
 # modules compile the same tiny models' programs again (each drops its programs when done), as do the benchmarks and
 # scripts the suite runs in subprocesses (they inherit this environment). Entries are keyed by the program, the
 # options and the versions, so a hit is the program that would have been compiled. The controller of an xdist run
-# imports this file first, so its workers share its folder; a size bound turns on JAX's file lock, so two workers
-# never read an entry half written. SWIFTKV_TEST_XLA_CACHE=off: no cache.
+# imports this file first, so its workers share its folder. No size bound: JAX's eviction scans the whole folder on
+# every write; without it there is no lock either, and an entry read while another process writes it fails JAX's
+# decompression, which JAX warns of and compiles instead. SWIFTKV_TEST_XLA_CACHE=off: no cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("SWIFTKV_TEST_XLA_CACHE", "on") != "off":
     import atexit
     import shutil
