@@ -559,6 +559,105 @@ def test_stop_strings_cut_the_text(client, tokenizer, reference):
         lp.token_logprobs
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client, tokenizer, reference):
+    """vLLM's include_stop_str_in_output: the text is the one without it plus the stop string, whole and streamed,
+    on both endpoints; a stop id's own text is then decoded too (vLLM's detokenizer), an EOS skipped as special."""
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    text = reference(ids)[2]
+    start = next(i for i in range(3, len(text) - 1) if text[i:i + 2].isascii() and text[i:i + 2].strip())
+    stop = text[start:start + 2]
+    body = dict(model=MODEL, prompt=ids, max_tokens=REF_TOKENS, temperature=0, stop=[stop])
+    plain = client.completions.create(**body).choices[0]
+    kept = client.completions.create(**body, extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert plain.text == text[:text.find(stop)] and kept.text == plain.text + stop
+    assert plain.finish_reason == kept.finish_reason == "stop"
+    chunks = list(client.completions.create(**body, stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].text for c in chunks) == kept.text and chunks[-1].choices[0].finish_reason == "stop"
+    chat_ids = _chat_ids(tokenizer, PROMPTS[0])
+    answer = reference(chat_ids)[2]
+    stop = next(answer[i:i + 2] for i in range(2, len(answer) - 1) if answer[i:i + 2].strip())
+    body = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=REF_TOKENS,
+                temperature=0, stop=[stop])
+    plain = client.chat.completions.create(**body).choices[0].message.content
+    kept = client.chat.completions.create(**body, extra_body={"include_stop_str_in_output": True})
+    assert plain == answer[:answer.find(stop)] and kept.choices[0].message.content == plain + stop
+    chunks = list(client.chat.completions.create(**body, stream=True,
+                                                 extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain + stop
+    # a stop id (not special): its text follows, as vLLM's detokenizer decodes the last token with the option
+    tokens = reference(ids)[0]
+    stop_id = next(t for t in tokens[2:] if t not in tokenizer.all_special_ids and tokenizer.decode([t]).strip())
+    n = tokens.index(stop_id) + 1
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=REF_TOKENS, temperature=0,
+                                    extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": True})
+    assert out.usage.completion_tokens == n and out.choices[0].text == reference(ids, n)[2]
+
+
+def test_skip_special_tokens_and_spaces_between_them(client, tokenizer):
+    """vLLM's skip_special_tokens (default true) and spaces_between_special_tokens: special tokens generated (a
+    logit bias makes the EOS, ignore_eos lets it run on) are left out by default and come out as the tokenizer's own
+    decode of the ids with false, whole and streamed; logprobs' token strings are the raw tokens either way."""
+    eos = tokenizer.eos_token_id
+    body = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=0, logit_bias={str(eos): 100})
+    raw = tokenizer.decode([eos])
+    default = client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0]
+    assert default.logprobs.tokens == [raw] * 4 and default.text == tokenizer.decode([eos] * 4,
+                                                                                     skip_special_tokens=True) == ""
+    for spaces in (True, False):
+        extra = {"ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": spaces}
+        out = client.completions.create(**body, extra_body=extra).choices[0]
+        want = tokenizer.decode([eos] * 4, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert out.logprobs.tokens == [raw] * 4 and out.text == want and raw in want
+        chunks = list(client.completions.create(**body, stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in chunks) == want
+    # chat's EOS ends the answer: not text with include_stop_str_in_output unless skip_special_tokens is false
+    body = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=3, temperature=0,
+                logit_bias={str(eos): 100})
+    ended = client.chat.completions.create(**body, extra_body={"skip_special_tokens": False})
+    assert ended.choices[0].message.content == "" and ended.usage.completion_tokens == 1
+    kept = client.chat.completions.create(**body, extra_body={"skip_special_tokens": False,
+                                                              "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == raw and kept.choices[0].finish_reason == "stop"
+
+
+def test_add_special_tokens_and_truncate_prompt_tokens(client, tokenizer):
+    """vLLM's add_special_tokens (completions default true: a BOS; chat default false: the template writes it) and
+    truncate_prompt_tokens (the last k tokens: usage counts them, and greedy outputs equal those of the kept ids sent
+    as the prompt; a text prompt is truncated as vLLM's tokenizer does, on the left with its BOS kept)."""
+    text = PROMPTS[3]
+    with_bos, without = (tokenizer(text, add_special_tokens=s)["input_ids"] for s in (True, False))
+    assert with_bos == [tokenizer.bos_token_id] + without
+    body = dict(model=MODEL, max_tokens=6, temperature=0)
+    counts = [client.completions.create(**body, prompt=text, **extra).usage.prompt_tokens
+              for extra in ({}, {"extra_body": {"add_special_tokens": True}},
+                            {"extra_body": {"add_special_tokens": False}})]
+    assert counts == [len(with_bos), len(with_bos), len(without)]
+    messages = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat = [client.chat.completions.create(**body, messages=messages, **extra).usage.prompt_tokens
+            for extra in ({}, {"extra_body": {"add_special_tokens": True}})]
+    assert chat == [len(tokenizer(rendered, add_special_tokens=False)["input_ids"]),
+                    len(tokenizer(rendered)["input_ids"])] and chat[1] == chat[0] + 1
+    # truncation: token ids, a text (BOS + the last k - 1 of its own tokens) and chat's rendered prompt
+    k = 4
+    assert len(with_bos) > k + 1
+
+    def completion(prompt, **extra):
+        out = client.completions.create(**body, prompt=prompt, extra_body=extra)
+        return out.choices[0].text, out.usage.prompt_tokens
+
+    assert completion(with_bos, truncate_prompt_tokens=k) == (completion(with_bos[-k:])[0], k)
+    assert completion(text, truncate_prompt_tokens=k) == (completion(with_bos[:1] + without[1 - k:])[0], k)
+    assert completion(text, truncate_prompt_tokens=-1) == completion(text)  # the context's room: all of it
+    chat_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    out = client.chat.completions.create(**body, messages=messages, extra_body={"truncate_prompt_tokens": k})
+    assert (out.choices[0].message.content, out.usage.prompt_tokens) == (completion(chat_ids[-k:])[0], k)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**body, messages=messages,
+                                       extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert refused.value.body["param"] == "truncate_prompt_tokens" and "max_model_len" in refused.value.message
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
@@ -760,6 +859,24 @@ BAD = [  # (path, body, status, param, words in the message)
      "requires --enable-auto-tool-choice and --tool-call-parser"),  # a server started without them, as vLLM's
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], tool_choice="required"),
      400, "tool_choice", "needs tools"),
+    ("/v1/completions", dict(prompt="hi", include_stop_str_in_output=1), 400, "include_stop_str_in_output",
+     "include_stop_str_in_output must be true or false"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], skip_special_tokens="no"), 400,
+     "skip_special_tokens", "skip_special_tokens must be true or false"),
+    ("/v1/completions", dict(prompt="hi", spaces_between_special_tokens=[]), 400, "spaces_between_special_tokens",
+     "spaces_between_special_tokens must be true or false"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], add_special_tokens="yes"), 400,
+     "add_special_tokens", "add_special_tokens must be true or false"),
+    ("/v1/completions", dict(prompt="hi", truncate_prompt_tokens=0), 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be an integer >= 1, or -1"),
+    ("/v1/completions", dict(prompt="hi", truncate_prompt_tokens=-2), 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be an integer >= 1, or -1"),
+    ("/v1/completions", dict(prompt="hi", truncate_prompt_tokens=2.5), 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be an integer"),
+    ("/v1/completions", dict(prompt="hi", truncate_prompt_tokens=120), 400, "truncate_prompt_tokens",  # max_tokens 16
+     "cannot be greater than max_model_len - max_tokens = 128 - 16 = 112"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], truncate_prompt_tokens=129), 400,
+     "truncate_prompt_tokens", "cannot be greater than max_model_len = 128"),
 ]
 
 

@@ -21,6 +21,15 @@ vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accep
 as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
 and echo with logprobs (the prompt's own logprobs, computed at full depth) with `max_tokens: 0` (the prompt scored,
 nothing generated).
+vLLM's text options (`TEXT_FIELDS`), on both endpoints: `include_stop_str_in_output` (default false: a stop string
+that ends a choice stays in its text, whole and streamed; as vLLM's detokenizer, a stop id that ends it is decoded
+too, where an EOS, a special token, is skipped unless skip_special_tokens is false), `skip_special_tokens` (true) and
+`spaces_between_special_tokens` (true), the options of the output's decode (`text.Detokenizer`; logprobs' token
+strings stay each token's raw text either way, as vLLM's), `add_special_tokens` (completions default true: a text
+prompt gets the tokenizer's BOS; chat default false: the template writes it, true adds another) and
+`truncate_prompt_tokens` (`_truncation`: an integer >= 1 keeps each prompt's last k tokens, a text's as vLLM's
+tokenizer truncates it, on the left with its BOS kept; chat's of the rendered prompt; -1 as many as the context holds
+beside max_tokens; more than that is a 400; usage counts the tokens kept).
 Chat takes vLLM's template fields too (`template_options`: add_generation_prompt, continue_final_message,
 chat_template_kwargs). Chat's tool calling is vLLM's (`--enable-auto-tool-choice --tool-call-parser`): `tools` and
 the messages' `tool_calls` and `tool_call_id` go to the chat template; `tool_choice` picks the parser (`_tool_parser`;
@@ -88,6 +97,8 @@ class Job:
     tool_parser: Optional[str] = None  # chat with tools, tool_choice not "none": the parser its outputs go through
     grammar: Optional[Any] = None   # the output's `structured.Grammar`, pristine: each choice runs a copy
     grammar_field: Optional[str] = None  # the field that set it (response_format, structured_outputs, guided_*, ...)
+    include_stop: bool = False      # include_stop_str_in_output: a stop string that ends a choice stays in its text
+    decode: dict = dataclasses.field(default_factory=dict)  # the detokenizer's skip_special_tokens, spaces_between_...
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
@@ -122,10 +133,13 @@ SAMPLING_OPTIONS = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presen
 # vLLM's older names of structured_outputs (removed in vLLM 0.12, still sent by older clients): field -> its kind
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+# vLLM's options of how the prompt is tokenized and the output detokenized (`_text_options`, `_truncation`)
+TEXT_FIELDS = {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+               "add_special_tokens", "truncate_prompt_tokens"}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
           "response_format", "structured_outputs", "guided_whitespace_pattern", "guided_decoding_backend"} | set(
-    SAMPLING_OPTIONS) | set(GUIDED)
+    SAMPLING_OPTIONS) | set(GUIDED) | TEXT_FIELDS
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
 # vLLM's chat extensions that shape the prompt (`template_options`)
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
@@ -495,7 +509,49 @@ def _common(body: dict, defaults: dict) -> dict:
     options = options or {}
     sampling, stop = _sampling(body, defaults), _stop_strings(body)
     return dict(n=n, seed=seed, stream=stream, include_usage=options.get("include_usage", False),
-                continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop)
+                continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop,
+                include_stop=_bool(body, "include_stop_str_in_output"),
+                decode={name: _bool(body, name, True) for name in ("skip_special_tokens",
+                                                                   "spaces_between_special_tokens")})
+
+
+def _truncation(body: dict, max_model_len: Optional[int], max_tokens: Optional[int], field: str) -> Optional[int]:
+    """vLLM's truncate_prompt_tokens: how many of each prompt's last tokens to keep (None: all). An integer >= 1, or
+    -1: as many as the context holds beside the max_tokens asked for (`field`: the client's name for it); more than
+    that is a 400, as vLLM's (max_model_len - max_tokens, where max_tokens is the request's, completions' default 16,
+    chat's 0 when omitted). Without `max_model_len` (a parse outside a server) -1 keeps all."""
+    keep = _number(body, "truncate_prompt_tokens", None, integer=True)
+    if keep is None:
+        return None
+    if keep < -1 or keep == 0:
+        raise RequestError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many tokens as the context "
+                           f"holds), got {keep}", "truncate_prompt_tokens")
+    if max_model_len is None:
+        return None if keep == -1 else keep
+    room = max_model_len - (max_tokens or 0)
+    if keep == -1:
+        return max(room, 1)  # none: the context check refuses the max_tokens
+    if keep > room:
+        limit = f"max_model_len - {field} = {max_model_len} - {max_tokens}" if max_tokens else "max_model_len"
+        raise RequestError(f"truncate_prompt_tokens={keep} cannot be greater than {limit} = {room}: ask for a "
+                           f"smaller truncation size", "truncate_prompt_tokens")
+    return keep
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, keep: Optional[int] = None) -> tuple[list, bool]:
+    """(`text`'s token ids, whether they were cut short): with `keep`, at most that many, as vLLM's tokenizer
+    truncates them (`truncation=True, max_length=keep`, on the left: the last tokens, its special tokens kept, a BOS
+    first)."""
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    if keep is None or len(ids) <= keep:
+        return ids, False
+    side = tokenizer.truncation_side
+    tokenizer.truncation_side = "left"  # this thread's tokenizer (`routes.Server.parser_tokenizer`)
+    try:
+        ids = tokenizer(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)["input_ids"]
+    finally:
+        tokenizer.truncation_side = side
+    return ids[-keep:], True
 
 
 def _max_tokens(body: dict, default_field: str, zero_ok: bool = False) -> tuple[Optional[int], str]:
@@ -511,8 +567,11 @@ def _max_tokens(body: dict, default_field: str, zero_ok: bool = False) -> tuple[
     return None, default_field
 
 
-def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
-    """(token ids, texts) of the prompt field: a string, a list of strings, token ids, or a list of token-id lists."""
+def _prompts(prompt: Any, tokenizer, add_special_tokens: bool = True, keep: Optional[int] = None) -> tuple[list, list]:
+    """(token ids, texts) of the prompt field: a string (tokenized with the tokenizer's special tokens, a BOS,
+    unless not `add_special_tokens`), a list of strings, token ids, or a list of token-id lists; with `keep`
+    (truncate_prompt_tokens) at most each one's last `keep` tokens (`_encode`), and a text cut short is echoed as
+    the text of the tokens kept."""
     def ids_ok(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -530,17 +589,26 @@ def _prompts(prompt: Any, tokenizer) -> tuple[list, list]:
         if not isinstance(p, str) and not all(0 <= t < vocab for t in p):
             raise RequestError(f"prompt {i}: token ids must lie in [0, {vocab}) (this model's vocabulary), got "
                                f"{[t for t in p if not 0 <= t < vocab][:5]}", "prompt")
-    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in items]
-    texts = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in items]
+    ids, texts = [], []
+    for p in items:
+        cut = True
+        if isinstance(p, str):
+            tokens, cut = _encode(tokenizer, p, add_special_tokens, keep)
+        else:
+            tokens = list(p)[-(keep or 0):]
+        ids.append(tokens)
+        texts.append(tokenizer.decode(tokens, skip_special_tokens=True) if cut else p)
     for i, p in enumerate(ids):
         if not p:
             raise RequestError(f"prompt {i} is empty after tokenization", "prompt")
     return ids, texts
 
 
-def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> Job:
+def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None,
+                     max_model_len: Optional[int] = None) -> Job:
     """A completion request; `defaults`: the server's sampling defaults (`sampling_defaults`). An omitted max_tokens
-    is OpenAI's 16 (as vLLM's completions), capped by the file's max_new_tokens as any other."""
+    is OpenAI's 16 (as vLLM's completions), capped by the file's max_new_tokens as any other. `max_model_len`: the
+    server's, which truncate_prompt_tokens may not pass (`_truncation`)."""
     _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
@@ -552,12 +620,15 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None) -> 
     logprobs = _number(body, "logprobs", None, integer=True)
     echo = _bool(body, "echo")
     max_tokens, field = _max_tokens(body, "max_tokens", zero_ok=echo)
-    prompts, texts = _prompts(body["prompt"], tokenizer)
+    max_tokens = 16 if max_tokens is None else max_tokens
+    keep = _truncation(body, max_model_len, max_tokens, field)
+    prompts, texts = _prompts(body["prompt"], tokenizer, _bool(body, "add_special_tokens", True), keep)
     grammar, grammar_field = _output_grammar(body, tokenizer)
-    return Job("completion", prompts, texts, common["n"], common["sampling"], 16 if max_tokens is None else max_tokens,
+    return Job("completion", prompts, texts, common["n"], common["sampling"], max_tokens,
                common["seed"], common["stop"], logprobs is not None, logprobs or 0, echo, common["stream"],
                common["include_usage"], common["continuous_usage"], field, (defaults or {}).get("max_tokens"),
-               grammar=grammar, grammar_field=grammar_field)
+               grammar=grammar, grammar_field=grammar_field, include_stop=common["include_stop"],
+               decode=common["decode"])
 
 
 def _content(message: dict, i: int) -> str:
@@ -784,11 +855,12 @@ def template_options(body: dict, tokenizer) -> dict:
 
 def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True, add_special_tokens: bool = False,
                     tools: Optional[list] = None, continue_final_message: bool = False,
-                    template_kwargs: Optional[dict] = None) -> tuple[list[int], str]:
+                    template_kwargs: Optional[dict] = None, keep: Optional[int] = None) -> tuple[list[int], str]:
     """The conversation (and `tools`, as `parse_tools` checks them) through the tokenizer's chat template, with the
     assistant's header unless not `add_generation_prompt`, or ending inside the last message with
     `continue_final_message`; `template_kwargs`: the template's other variables (`template_options`): (token ids,
-    text). The template writes the special tokens (a BOS) itself."""
+    text). The template writes the special tokens (a BOS) itself: `add_special_tokens` adds the tokenizer's again
+    (vLLM's default is false). `keep` (truncate_prompt_tokens): at most the rendered prompt's last `keep` tokens."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role', 'content'} objects", "messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -802,12 +874,14 @@ def render_messages(messages: Any, tokenizer, add_generation_prompt: bool = True
     except Exception as e:  # jinja2's TemplateError, raise_exception() in the template: the messages are refused
         raise RequestError(f"the chat template refused these messages: {e}", "messages") from None
     _check_rendered(text, clean)
-    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], text
+    return _encode(tokenizer, text, add_special_tokens, keep)[0], text
 
 
-def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_parser: Optional[str] = None) -> Job:
+def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_parser: Optional[str] = None,
+               max_model_len: Optional[int] = None) -> Job:
     """A chat request; `defaults`: the server's sampling defaults (`sampling_defaults`), max_tokens among them;
-    `tool_parser`: the server's (--tool-call-parser), which tool_choice "auto" needs."""
+    `tool_parser`: the server's (--tool-call-parser), which tool_choice "auto" needs; `max_model_len`: the server's,
+    which truncate_prompt_tokens may not pass (`_truncation`)."""
     defaults = defaults or {}
     _check_fields(body, CHAT_FIELDS)
     if "messages" not in body:
@@ -822,14 +896,16 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     parser = _tool_parser(body, tools, tool_parser)
     # the model decides how many calls it makes, as vLLM's; but tool_choice "required" with false makes one
     parallel = _bool(body, "parallel_tool_calls", True)
-    ids, text = render_messages(body["messages"], tokenizer, tools=tools, **template_options(body, tokenizer))
+    keep = _truncation(body, max_model_len, max_tokens, field)
+    ids, text = render_messages(body["messages"], tokenizer, add_special_tokens=_bool(body, "add_special_tokens"),
+                                tools=tools, keep=keep, **template_options(body, tokenizer))
     forced = _tool_grammar(parser, tools, tokenizer, parallel)
     grammar, grammar_field = _output_grammar(body, tokenizer, forced=forced is not None)
     if forced is not None:
         grammar, grammar_field = forced, "tool_choice"
     return Job("chat", [ids], [text], common["n"], common["sampling"], max_tokens, common["seed"], common["stop"],
                logprobs, top, False, common["stream"], common["include_usage"], common["continuous_usage"], field,
-               defaults.get("max_tokens"), parser, grammar, grammar_field)
+               defaults.get("max_tokens"), parser, grammar, grammar_field, common["include_stop"], common["decode"])
 
 
 # ---- vLLM's /tokenize and /detokenize --------------------------------------------------------------------------------

@@ -73,9 +73,11 @@ class Choice:
     """One choice of a request: its engine request, text, tokens and logprob rows as they arrive."""
 
     def __init__(self, index: int, prompt_index: int, prompt_ids, tokenizer, stop, keep_output: bool = True,
-                 tool_parser: Optional[str] = None, min_tokens: int = 0):
+                 tool_parser: Optional[str] = None, min_tokens: int = 0, include_stop: bool = False,
+                 decode: Optional[dict] = None):
         self.index, self.prompt_index, self.prompt_ids = index, prompt_index, list(prompt_ids)
-        self.text = ChoiceText(tokenizer, prompt_ids, stop, min_tokens)  # min_tokens: no stop string in its text
+        # min_tokens: no stop string in its text; include_stop, decode: `ChoiceText`'s (the request's text options)
+        self.text = ChoiceText(tokenizer, prompt_ids, stop, min_tokens, include_stop, **(decode or {}))
         self.tools = ToolText(tool_parser) if tool_parser else None  # the text after stop strings, through a parser
         self.content: Optional[str] = None  # with a parser, once done: the message's content and tool calls
         self.tool_calls: list = []

@@ -118,7 +118,7 @@ class Server:
         for i, ids in enumerate(job.prompts):
             for j in range(job.n):
                 plans.append((Choice(i * job.n + j, i, ids, self.tokenizer, job.stop, job.max_tokens != 0,
-                                     job.tool_parser, job.engine["min_tokens"]), ids,
+                                     job.tool_parser, job.engine["min_tokens"], job.include_stop, job.decode), ids,
                               self.engine_options(job, ids, j)))
         loop = asyncio.get_running_loop()
         try:
@@ -168,9 +168,12 @@ class Server:
                 choice.finish_reason = "length"
                 self.loop.abort(choice.request_id, reason="stop")
             else:
-                # a stop id that ended the request is counted and scored but is not text (vLLM's, as an EOS); a
-                # grammar that ended it (structured outputs) ended on a token of its text
-                ends_on_stop_id = item.finished and item.finish_reason == "stop" and not item.grammar_done
+                # a stop id that ended the request is counted and scored but is not text (vLLM's, as an EOS),
+                # unless include_stop_str_in_output (vLLM's detokenizer then decodes it: a special one is skipped
+                # unless skip_special_tokens is false); a grammar that ended it (structured outputs) ended on a token
+                # of its text
+                ends_on_stop_id = item.finished and item.finish_reason == "stop" and not item.grammar_done and \
+                    not choice.text.include_stop
                 delta = choice.text.add(item.new_token_ids[:-1] if ends_on_stop_id else item.new_token_ids)
                 for k, token in enumerate(item.new_token_ids):
                     lp = item.new_logprobs[k] if k < len(item.new_logprobs) else None
@@ -383,11 +386,13 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await run(request, parse_completion, "completion")
+        return await run(request, functools.partial(parse_completion, max_model_len=server.max_model_len),
+                         "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await run(request, functools.partial(parse_chat, tool_parser=server.tool_parser), "chat")
+        return await run(request, functools.partial(parse_chat, tool_parser=server.tool_parser,
+                                                    max_model_len=server.max_model_len), "chat")
 
     @app.get("/v1/models")
     async def models():

@@ -5,9 +5,14 @@ however long the output, and it holds text back while it ends in an incomplete U
 character is ever sent in pieces. The window starts on the prompt's last tokens, so a tokenizer that drops the
 leading space of a decoded sequence (SentencePiece) still gives the first output token its space.
 
-`ChoiceText` is one choice's text: the detokenizer, the stop strings (the text is cut before the first one found
-and the choice ends with finish_reason "stop"; with vLLM's min_tokens, one that ends in the text of the first
-min_tokens tokens does not count), and a hold-back of any tail that could still become a stop string.
+`ChoiceText` is one choice's text: the detokenizer, the stop strings (the text is cut before the first one found,
+or after it with vLLM's include_stop_str_in_output, and the choice ends with finish_reason "stop"; with vLLM's
+min_tokens, one that ends in the text of the first min_tokens tokens does not count), and a hold-back of any tail that
+could still become a stop string (none when the stop string stays in the text: what is sent stays either way).
+
+vLLM's `skip_special_tokens` (default true) and `spaces_between_special_tokens` (default true) go to the tokenizer's
+decode (`Detokenizer`): transformers' slow tokenizers honour both, its fast ones (tokenizers' decoders) the first and
+take the second without effect, as vLLM's fast detokenizer, which writes no space between special tokens either way.
 """
 
 from __future__ import annotations
@@ -19,8 +24,13 @@ CONTEXT_TOKENS = 6  # prompt tokens the first window starts on
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        # decode's options: the second only when it is not the default, which every tokenizer has
+        self.options = dict(skip_special_tokens=skip_special_tokens)
+        if not spaces_between_special_tokens:
+            self.options["spaces_between_special_tokens"] = False
         context = list(prompt_ids[-CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(REPLACEMENT):
             context = []  # the prompt ends inside a character: its bytes would fuse with the output's
@@ -29,7 +39,7 @@ class Detokenizer:
         self.read = len(context)     # ids[prefix:read] is text already given out
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, **self.options)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The new text that `token_ids` complete (possibly ''): never ends inside a character."""
@@ -52,11 +62,15 @@ class Detokenizer:
 class ChoiceText:
     """One choice's text as its tokens arrive. `add` returns the text that may be sent now; `stopped` is set once a
     stop string appears (the text ends before it, and later tokens are ignored). min_tokens: a stop string must end
-    past the text of the first min_tokens tokens (vLLM's detokenizer checks none before; one may begin there)."""
+    past the text of the first min_tokens tokens (vLLM's detokenizer checks none before; one may begin there).
+    include_stop: the text ends after the stop string instead (vLLM's include_stop_str_in_output); `decode`: the
+    detokenizer's skip_special_tokens and spaces_between_special_tokens."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0):
-        self.detokenizer = Detokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False, **decode):
+        self.detokenizer = Detokenizer(tokenizer, prompt_ids, **decode)
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self.longest = max((len(s) for s in self.stop), default=0)
         # The text so far is `_parts` + `window`. The window holds what is not given out yet and, before it, the
         # last longest - 1 characters given out (where a stop string could still begin); older text goes to
@@ -98,7 +112,7 @@ class ChoiceText:
             self._unchecked = self._base + len(window)
         cut = self._find_stop(window, start)
         if cut is not None:
-            window, self.stopped = window[:cut], True
+            window, self.stopped = window[:cut[0] + (len(cut[1]) if self.include_stop else 0)], True
             final = True
         end = len(window) if final else len(window) - self._hold_back(window)
         out = window[self.sent:end]
@@ -110,13 +124,15 @@ class ChoiceText:
         self.window = window
         return out
 
-    def _find_stop(self, text: str, start: int) -> Optional[int]:
+    def _find_stop(self, text: str, start: int) -> Optional[tuple[int, str]]:
+        """(where the first stop string in `text` begins, which one), or None."""
         floor = self._unchecked - self._base  # a stop string ends past it: begins at floor - len + 1 or later
-        found = [i for i in (text.find(s, max(start, floor - len(s) + 1)) for s in self.stop) if i >= 0]
-        return min(found) if found else None
+        found = [(i, s) for s in self.stop for i in [text.find(s, max(start, floor - len(s) + 1))] if i >= 0]
+        return min(found, key=lambda f: f[0]) if found else None
 
     def _hold_back(self, text: str) -> int:
-        return held_back(text, self.stop)
+        # a stop string that stays in the text needs no hold-back: its characters are sent either way (vLLM's)
+        return 0 if self.include_stop else held_back(text, self.stop)
 
 
 def held_back(text: str, strings: Sequence[str]) -> int:
