@@ -20,7 +20,7 @@ from swiftkv_jax.serving.continuous import Engine
 from swiftkv_jax.serving.http.routes import make_app
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
-from server_process import free_port
+from server_process import serve_app
 
 PAGE, PAGES, MAX_MODEL_LEN = 16, 16, 512   # a pool of 256 tokens under a longer max_model_len (the engine allows it)
 
@@ -28,28 +28,14 @@ PAGE, PAGES, MAX_MODEL_LEN = 16, 16, 512   # a pool of 256 tokens under a longer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """(url, engine) of a server on 127.0.0.1, stopped after the module."""
-    import uvicorn
-
     root = make_tiny_assets(tmp_path_factory.mktemp("limits"), num_examples=60)
     tokenizer = load_tokenizer(str(root / "teacher"))
     engine = Engine(sk.load(root / "teacher"), cache_dtype="float32", page_size=PAGE, num_pages=PAGES,
                     max_num_seqs=4, max_num_batched_tokens=32, single_buckets=(4,), prompt_buckets=(32,),
                     max_model_len=MAX_MODEL_LEN)
     app = make_app(engine, tokenizer, "m", max_waiting=16)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.05)
-    try:
+    with serve_app(app) as url:
         yield url, engine, tokenizer, app
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")

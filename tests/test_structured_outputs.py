@@ -15,8 +15,6 @@ import json
 import re
 import os
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -27,7 +25,7 @@ from swiftkv_jax.serving import structured
 from swiftkv_jax.serving.http.routes import make_app
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
-from server_process import free_port
+from server_process import serve_app
 
 # the `structured` extra (pip install -e ".[test,clients,lint,structured]", as CI does); outside CI (the GPU pack's
 # `pytest -m gpu` collects this module) a checkout without it skips
@@ -242,24 +240,10 @@ def test_a_grammar_that_fails_finishes_its_request_alone(assets):
 # ---- the server ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(assets):
-    import uvicorn
-
     tokenizer, _, _, root = assets
     engine = make_engine(sk.load(root / "teacher"), max_num_seqs=4)
-    app = make_app(engine, tokenizer, "m", max_waiting=16)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve_app(make_app(engine, tokenizer, "m", max_waiting=16)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

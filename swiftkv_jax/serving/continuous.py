@@ -12,9 +12,10 @@ Each `step` schedules (`scheduler.Scheduler`), builds the host arrays of one rag
 scheduling): while the device runs step N + 1 the host hands out step N's tokens, and the step after is scheduled
 before they are back. Sampled tokens stay on the device and feed the next step; the block tables live there too and
 change only where a page was added. So `step` returns the outputs of the step launched by the call before it.
-A request with a grammar (structured outputs, `add_request(grammar=...)`) is the exception: its next mask needs
-its last token, so it runs every other step (never scheduled while its token is pending); the others keep the
-pipeline.
+A request with a grammar (structured outputs, `add_request(grammar=...)`) or vLLM's bad_words (`bad_words_ids`) is
+the exception: its next mask needs its last token, so it runs every other step (never scheduled while its token is
+pending); the others keep the pipeline. vLLM's allowed_token_ids is a mask too, but a constant one: its bitmask row is
+written once, when the request gets its slot, and applied on the device every step, so it keeps the pipeline.
 `add_request` and `abort` may be called from any thread: they only enqueue, and `step` (one thread) applies them
 first.
 """
@@ -52,6 +53,7 @@ from swiftkv_jax.serving.ragged_step import PROMPT_BIT, Sampled, StepInput, ragg
 from swiftkv_jax.serving.tensor_parallel import for_serving, replicated
 from swiftkv_jax.serving.sampling import MAX_LOGIT_BIAS, MAX_MASKED_STOP_IDS
 from swiftkv_jax.serving.scheduler import RequestParams, Schedule, Scheduler, Sequence, prompt_token_cost
+from swiftkv_jax.serving import token_masks
 from swiftkv_jax.serving.structured import words
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     finished: bool = False
-    finish_reason: Optional[str] = None        # "stop" | "length" | "abort" | "error" (its grammar failed: `error`)
+    finish_reason: Optional[str] = None        # "stop" | "length" | "abort" | "error" (its mask failed: `error`)
     token_ids: Optional[list[int]] = None      # all generated tokens, when finished
     logprobs: Optional[list[float]] = None
     metrics: Optional[dict] = None             # queue_s, ttft_s, tpot_s, prefill_s, decode_s, ... when finished
@@ -78,7 +80,9 @@ class RequestOutput:
     prompt_top_logprobs: Optional[list] = None
     # finished ("stop") because its grammar was complete (structured outputs): its last token is text, not a stop id
     grammar_done: bool = False
-    error: Optional[str] = None  # finish_reason "error": why (its grammar could not give a mask: llguidance's error)
+    # finish_reason "error": why (its grammar could not give a mask: llguidance's error; or its masks together allow
+    # no token)
+    error: Optional[str] = None
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -292,10 +296,11 @@ class Engine:
         # or past it, costs nothing (the rows' flag is off: the step's `sample_penalised` gate stays shut, and a
         # stale row of a reused slot is never read), and a step moves no more than its per-row settings.
         self.stops = replicated(mesh, np.full((max_num_seqs, MAX_MASKED_STOP_IDS), cfg.vocab_size, np.int32))
-        # structured outputs: each slot's grammar bitmask [max_num_seqs, ceil(V / 32)] int32 (4 MB at 256 x 128K),
-        # the guided rows' written before each step that has any (`_set_rows`, their count padded to one of
-        # mask_buckets); a step applies a row's only where its packed `guided` flag is on, so unguided steps pay
-        # nothing and a stale row of a reused slot is never read
+        # structured outputs: each slot's token bitmask [max_num_seqs, ceil(V / 32)] int32 (4 MB at 256 x 128K),
+        # written before a step (`_write_masks`: one `_set_rows` of the rows to write, their count padded to one of
+        # mask_buckets): a grammar's (or bad_words') rows before each step they run in, an allowed_token_ids row
+        # once, at its request's admission. A step applies a row's only where its packed `guided` flag is on, so
+        # unmasked steps pay nothing and a stale row of a reused slot is never read
         self.masks = replicated(mesh, np.zeros((max_num_seqs, words(cfg.vocab_size)), np.int32))
         self.mask_buckets = _growing(min(8, max_num_seqs), max_num_seqs)
         num_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
@@ -361,7 +366,9 @@ class Engine:
                     stop_token_ids: Optional[Seq[int]] = None, logprobs: bool = False, top_logprobs: int = 0,
                     prompt_logprobs: Optional[int] = None, min_p: float = 0.0, repetition_penalty: float = 1.0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    logit_bias: Optional[dict] = None, min_tokens: int = 0, grammar=None) -> str:
+                    logit_bias: Optional[dict] = None, min_tokens: int = 0, grammar=None,
+                    allowed_token_ids: Optional[Seq[int]] = None,
+                    bad_words_ids: Optional[Seq[Seq[int]]] = None) -> str:
         """Queue a request (thread-safe); bad input raises `InvalidRequest` (a ValueError naming the setting) here,
         for this request only. prompt_logprobs (vLLM's): None, or k: every prompt token's logprob under the model
         and the k most likely tokens at its position, computed at full depth in the engine's wiring (the prompt
@@ -384,7 +391,16 @@ class Engine:
         schema)`; one per request, not shared. Every token the request samples is masked by it first (before
         min_tokens' mask, the bias and the penalties), accepted by it once back on the host, and the request
         finishes ("stop") when it is `done` (or on a stop id it allows, EOS once complete). Such a request runs every
-        other step (see the module docstring)."""
+        other step (see the module docstring).
+
+        allowed_token_ids (vLLM's): a non-empty list of ids in [0, vocab_size), the only tokens the request may
+        sample, every step; a constant bitmask row written at its admission and applied on the device with the
+        grammars' (no host work per step, no pipeline break). bad_words_ids (vLLM's bad_words, tokenized by the
+        caller: `token_masks.bad_words_ids`): lists of token ids; a one-token word's token is never sampled, a longer
+        word's last token not where the tokens generated so far end with its other tokens (`token_masks.BadWords`,
+        a host-side mask: such a request runs every other step, as a guided one). All of them apply together: the
+        row is the AND of the grammar's, the bad words' and the allowed ids'. Where they (and min_tokens' stop ids)
+        leave no token, the request finishes with finish_reason "error" (`RequestOutput.error` says why)."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -400,6 +416,9 @@ class Engine:
                                tuple(stop_token_ids or ()), logprobs, top_logprobs, prompt_logprobs, min_p,
                                repetition_penalty, presence_penalty, frequency_penalty,
                                () if logit_bias is None else logit_bias, min_tokens).validate(vocab)
+        stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
+        allowed = self._allowed_row(allowed_token_ids, stops if params.min_tokens else ())
+        bad_words = self._bad_words(bad_words_ids)
         max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
@@ -422,7 +441,6 @@ class Engine:
                                      f"give each request its own id", "request_id")
             request_id = str(number) if request_id is None else str(request_id)
             self._live_ids.add(request_id)
-        stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
         if params.min_tokens and len(stops) > MAX_MASKED_STOP_IDS:
             with self._id_lock:
                 self._live_ids.discard(request_id)
@@ -442,9 +460,43 @@ class Engine:
                     self._live_ids.discard(request_id)
                 raise InvalidRequest(problem, "grammar")
         seq = Sequence(request_id, -1, prompt, params, stops)
-        seq.grammar = grammar
+        seq.allowed = allowed
+        masks = [m for m in (grammar, bad_words) if m is not None]
+        seq.grammar = token_masks.Intersection(masks) if len(masks) > 1 else (masks or [None])[0]
         self._inbox.put(("add", seq))
         return request_id
+
+    def _allowed_row(self, ids, stops) -> Optional[np.ndarray]:
+        """allowed_token_ids' bitmask row (None: none), checked; `stops`: the stop ids min_tokens masks (none: ())."""
+        if ids is None:
+            return None
+        ids = token_ids("allowed_token_ids", ids, InvalidRequest)
+        vocab = self.config.vocab_size
+        if not ids:
+            raise InvalidRequest("allowed_token_ids must not be empty: omit it to allow every token",
+                                 "allowed_token_ids")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequest(f"allowed_token_ids must lie in [0, {vocab}), got "
+                                 f"{[t for t in ids if not 0 <= t < vocab][:5]}", "allowed_token_ids")
+        if stops and set(ids) <= stops:
+            raise InvalidRequest("every allowed_token_ids is a stop id, which min_tokens masks: no token could be "
+                                 "sampled", "allowed_token_ids")
+        return token_masks.allowed_row(ids, vocab)
+
+    def _bad_words(self, word_ids) -> Optional[token_masks.BadWords]:
+        """bad_words_ids' mask (None: none), checked."""
+        if word_ids is None:
+            return None
+        if isinstance(word_ids, (str, bytes)) or not hasattr(word_ids, "__iter__"):
+            raise InvalidRequest(f"bad_words_ids must be a list of lists of token ids, got {word_ids!r:.80}",
+                                 "bad_words_ids")
+        words_ = [token_ids("bad_words_ids", w, InvalidRequest) for w in word_ids]
+        vocab = self.config.vocab_size
+        for w in words_:
+            if not w or min(w) < 0 or max(w) >= vocab:
+                raise InvalidRequest(f"bad_words_ids: each word must be a non-empty list of ids in [0, {vocab}), "
+                                     f"got {w[:8]}", "bad_words_ids")
+        return token_masks.BadWords(words_, vocab) if words_ else None
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request (thread-safe): its pages go back to the pool at the start of the next step. reason: "abort",
@@ -516,8 +568,7 @@ class Engine:
                 ids[:len(seq.stop_ids)] = sorted(seq.stop_ids)
                 self.stops = _set_rows(self.stops, np.int32(seq.slot), replicated(self.mesh, ids))
         key, step, want_top = self._build(schedule)
-        if step.sampling.guided is not None:
-            self._write_masks(schedule, step.sampling.guided, outputs)
+        self._write_masks(schedule, step.sampling.guided, outputs)
         if key not in self._compiled:
             log.info("compiling the engine step for %d single and %d prompt tokens, tables %d pages wide (not "
                      "warmed up)", *key)
@@ -529,25 +580,43 @@ class Engine:
                                            + sum(c.start < len(c.seq.prompt) for c in schedule.singles))
         return _InFlight(schedule, token, logprob, top if want_top else None)
 
-    def _write_masks(self, schedule: Schedule, guided: np.ndarray, outputs: list) -> None:
-        """The grammar bitmask of each guided row's slot, from its grammar's state (its last token accepted: a guided
-        sequence is never scheduled with a token pending), written before the step is launched. A grammar that
-        cannot give one (llguidance in an error state: a limit of its parser reached) finishes its request alone,
+    def _write_masks(self, schedule: Schedule, guided: Optional[np.ndarray], outputs: list) -> None:
+        """Write the token bitmask rows this step needs, before it is launched, in one `_set_rows`: the slot of each
+        sequence admitted with allowed_token_ids and no host-side mask gets its constant row (once: the request then
+        keeps the pipeline), and each guided row whose request has a grammar or bad_words (`seq.grammar`) gets its
+        mask from their state (its last token accepted: such a sequence is never scheduled with a token pending),
+        ANDed with its allowed_token_ids. A mask that cannot be given (llguidance in an error state: a limit of its
+        parser reached), or one that allows no token (with min_tokens' stop ids masked), finishes its request alone,
         finish_reason "error" (its row runs, and `update` drops its token), not the engine."""
-        chunks = schedule.sampling
-        rows = np.flatnonzero(guided)
-        n = _bucket(len(rows), self.mask_buckets)
+        entries = [(seq, None) for seq in schedule.admitted if seq.allowed is not None and seq.grammar is None]
+        if guided is not None:
+            chunks = schedule.sampling
+            entries += [(chunks[row].seq, chunks[row].seq.grammar) for row in np.flatnonzero(guided)
+                        if chunks[row].seq.grammar is not None]
+        if not entries:
+            return
+        n = _bucket(len(entries), self.mask_buckets)
         slots = np.full(n, self.scheduler.max_num_seqs, np.int32)
         table = np.zeros((n, self.masks.shape[1]), np.int32)
-        for i, row in enumerate(rows):
-            seq = chunks[row].seq
+        for i, (seq, mask) in enumerate(entries):
             slots[i] = seq.slot
+            if mask is None:
+                table[i] = seq.allowed
+                continue
             try:
-                seq.grammar.fill(table[i])
+                mask.fill(table[i])
+                if seq.allowed is not None:
+                    table[i] &= seq.allowed
+                usable = table[i].copy()
+                if len(seq.output) < seq.params.min_tokens:
+                    token_masks.ban(usable, sorted(seq.stop_ids))
+                if not usable.any():
+                    raise RuntimeError("its token masks (grammar, allowed_token_ids, bad_words and the stop ids "
+                                       "min_tokens masks) together allow no token")
             except Exception as e:  # noqa: BLE001  the request's own failure
-                log.warning("request %s: its grammar failed, finishing it: %s", seq.request_id, e)
+                log.warning("request %s: no mask for its next token, finishing it: %s", seq.request_id, e)
                 outputs.append(self._finish(seq, "error"))
-                outputs[-1].error = f"the request's grammar failed: {e}"
+                outputs[-1].error = f"the request's token mask failed: {e}"
         self.masks = _set_rows(self.masks, slots, replicated(self.mesh, table))
 
     def _reset_slot_counts(self, seq: Sequence) -> None:
@@ -692,11 +761,12 @@ class Engine:
         # min_tokens: a row masks its stop ids while its request has generated fewer (a scored prompt token's row
         # keeps no token: never)
         masked = ((count < settings[:, 9]) & (targets < 0)).astype(np.int32)
-        # structured outputs: the rows whose request has a grammar (None: no such row, nothing to write)
+        # the rows whose request has a token mask (a grammar, bad_words, allowed_token_ids: its slot's bitmask row;
+        # None: no such row)
         guided = None
-        if any(c.seq.grammar is not None for c in sampling_chunks):
+        if any(c.seq.grammar is not None or c.seq.allowed is not None for c in sampling_chunks):
             guided = np.zeros(u, np.int32)
-            guided[:rows] = [c.seq.grammar is not None for c in sampling_chunks]
+            guided[:rows] = [c.seq.grammar is not None or c.seq.allowed is not None for c in sampling_chunks]
             guided &= targets < 0
         sampling = Sampled(floats[:, 0], settings[:, 2].astype(np.int32), floats[:, 1],
                            settings[:, 3].astype(np.int32), count, *floats[:, 5:9].T, masked, guided)

@@ -37,8 +37,9 @@ class Sampled:
     request generated before (the key is fold_in(key(seed), count): the same draw whatever else is in the batch);
     vLLM's min_p (0 off) and penalties (`apply_penalties`): repetition (1 off), presence and frequency (0 off);
     masked (int32, 0 off): the row's request has generated fewer than its min_tokens, so its slot's stop ids are
-    masked (`mask_stops`); guided (int32, 0 off): the row's request has a grammar, whose allowed tokens are its
-    slot's row of the bitmask table (`apply_grammar`). None: off for every row."""
+    masked (`mask_stops`); guided (int32, 0 off): the row's request has a token mask (a grammar, bad_words or
+    allowed_token_ids), whose allowed tokens are its slot's row of the bitmask table (`apply_grammar`). None: off for
+    every row."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -105,7 +106,7 @@ def mask_stops(logits, stops, s: Sampled, slots):
 
 
 def guiding(s: Sampled, slots):
-    """[U] bool: the rows under a grammar (structured outputs; slot -1: none)."""
+    """[U] bool: the rows under a token mask (a grammar, bad_words, allowed_token_ids; slot -1: none)."""
     return (slots >= 0) & (s.guided != 0)
 
 

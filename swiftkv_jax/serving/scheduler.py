@@ -16,8 +16,9 @@ Asynchronous steps: `schedule` counts what it schedules as computed at once (as 
 samples adds a *pending* token, which the device holds until `update` hands it over. So step N + 1 is scheduled while
 step N runs: a decode whose input token is still pending reads it on the device. A sequence that will finish on its
 pending token (max_tokens, max_model_len) is not scheduled again; one that stops on a stop id gets one decode too many,
-whose token `update` drops. A sequence with a grammar (structured outputs) is not scheduled while its token is
-pending: its mask follows from that token, so it runs every other step (the others keep the pipeline). Each
+whose token `update` drops. A sequence with a grammar (structured outputs) or bad_words is not scheduled while its
+token is pending: its mask follows from that token, so it runs every other step (the others keep the pipeline, an
+allowed_token_ids mask's among them: it is constant). Each
 active sequence holds a slot (its row of the device's block table).
 
 Prompt logprobs (`RequestParams.prompt_logprobs`): such a prompt runs as single tokens, each through every layer
@@ -180,9 +181,13 @@ class Sequence:
     # with params.prompt_logprobs: per prompt position (None at 0) the prompt token's logprob, and the top ones
     prompt_logprobs: Optional[list] = None
     prompt_top_logprobs: Optional[list] = None
-    # structured outputs: the request's grammar (`structured.Grammar`: fill, accept, done), None without. Its mask
-    # needs the previous token, so such a sequence is never scheduled while a token is pending
+    # structured outputs: the request's host-side token mask (`structured.Grammar`, `token_masks.BadWords`, or their
+    # `token_masks.Intersection`: fill, accept, done), None without. Its mask needs the previous token, so such a
+    # sequence is never scheduled while a token is pending
     grammar: Optional[object] = None
+    # allowed_token_ids: its constant bitmask row (int32 [ceil(V / 32)]), written to its slot at admission; None
+    # without. It needs no token, so the sequence keeps the pipeline
+    allowed: Optional[object] = None
 
     @property
     def num_tokens(self) -> int:

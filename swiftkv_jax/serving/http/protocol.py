@@ -16,6 +16,10 @@ are vLLM's `repetition_penalty` and `min_p`. `response_format` {"type": "json_ob
 does vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object": ..., and its options;
 `_structured_outputs`) or its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` fields
 (`_guided`); one of them per request (`_output_grammar`), whose errors name the field the client used.
+vLLM's `allowed_token_ids` (a non-empty list of token ids: only those may be sampled; the engine's constant mask,
+which costs a request no step) and `bad_words` (a list of strings, tokenized as vLLM does, `_bad_words`: a word's
+last token is banned after its other tokens; a host-side mask, so such a request runs every other engine step) apply
+on both endpoints, with a grammar too (all of them together); neither needs llguidance.
 vLLM's extensions that lm-eval, guidellm and vLLM's own benchmark send are accepted: `top_k`, `stop_token_ids`,
 `ignore_eos`, `min_tokens` (no stop id sampled and no stop string ending in the text of the first min_tokens tokens,
 as vLLM's; see `_min_tokens`), `max_completion_tokens` on completions too, `stream_options.continuous_usage_stats`,
@@ -115,6 +119,8 @@ class Job:
             return "logprobs"
         if engine_param == "grammar":
             return self.grammar_field
+        if engine_param == "bad_words_ids":
+            return "bad_words"
         return engine_param
 
 
@@ -138,8 +144,8 @@ TEXT_FIELDS = {"include_stop_str_in_output", "skip_special_tokens", "spaces_betw
                "add_special_tokens", "truncate_prompt_tokens"}
 COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
           "stream_options", "stop", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-          "response_format", "structured_outputs", "guided_whitespace_pattern", "guided_decoding_backend"} | set(
-    SAMPLING_OPTIONS) | set(GUIDED) | TEXT_FIELDS
+          "response_format", "structured_outputs", "guided_whitespace_pattern", "guided_decoding_backend",
+          "allowed_token_ids", "bad_words"} | set(SAMPLING_OPTIONS) | set(GUIDED) | TEXT_FIELDS
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"} | {"suffix", "user"}
 # vLLM's chat extensions that shape the prompt (`template_options`)
 TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
@@ -231,22 +237,41 @@ def sampling_defaults(generation_config: dict, source: str) -> tuple[dict, dict]
     return defaults, ignored
 
 
-def _sampling(body: dict, defaults: dict) -> dict:
+def _id_list(body: dict, name: str) -> Optional[list]:
+    """A list of token ids (integers; their range is the engine's to check), or None: omitted."""
+    ids = body.get(name)
+    if ids is not None and (not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int)
+                                                             for t in ids)):
+        raise RequestError(f"{name} must be a list of token ids (integers), got {shown(ids)}", name)
+    return ids
+
+
+def _bad_words(body: dict, tokenizer) -> Optional[list]:
+    """vLLM's bad_words (a list of strings) as the token-id words the engine bans (`token_masks.bad_words_ids`: each
+    word as is and with a leading space, no special tokens), or None: omitted or empty."""
+    from swiftkv_jax.serving import token_masks
+
+    value = body.get("bad_words")
+    if value is None:
+        return None
+    if not isinstance(value, list) or any(not isinstance(w, str) or not w.strip() for w in value):
+        raise RequestError(f"bad_words must be a list of non-empty strings, got {shown(value)}", "bad_words")
+    return token_masks.bad_words_ids(value, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]) or None
+
+
+def _sampling(body: dict, defaults: dict, tokenizer) -> dict:
     """The engine's sampling options, typed (their ranges are the engine's to check); an omitted one is the server's
     default (`sampling_defaults`), else off."""
     top_k = _number(body, "top_k", defaults.get("top_k", 0), integer=True)
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or
-                                 any(isinstance(t, bool) or not isinstance(t, int) for t in stop_ids)):
-        raise RequestError(f"stop_token_ids must be a list of token ids (integers), got {shown(stop_ids)}",
-                           "stop_token_ids")
+    stop_ids = _id_list(body, "stop_token_ids")
     options = {name: _number(body, name, defaults.get(name, off)) for name, off in SAMPLING_OPTIONS.items()
                if name != "top_k"}
     return dict(temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
                 top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
                 top_k=0 if top_k == -1 else top_k,  # -1: vLLM's "off"
                 extra_stop_ids=stop_ids or [], ignore_eos=_bool(body, "ignore_eos"), logit_bias=_logit_bias(body),
-                min_tokens=_min_tokens(body), **options)
+                min_tokens=_min_tokens(body), allowed_token_ids=_id_list(body, "allowed_token_ids"),
+                bad_words_ids=_bad_words(body, tokenizer), **options)
 
 
 def _logit_bias(body: dict) -> Optional[dict]:
@@ -492,7 +517,7 @@ def _stop_strings(body: dict) -> list:
     return stop
 
 
-def _common(body: dict, defaults: dict) -> dict:
+def _common(body: dict, defaults: dict, tokenizer) -> dict:
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must lie in [1, {MAX_N}], got {n}", "n")
@@ -507,7 +532,7 @@ def _common(body: dict, defaults: dict) -> dict:
             raise RequestError(f"stream_options takes {{'include_usage': bool, 'continuous_usage_stats': bool}}, got "
                                f"{shown(options)}", "stream_options")
     options = options or {}
-    sampling, stop = _sampling(body, defaults), _stop_strings(body)
+    sampling, stop = _sampling(body, defaults, tokenizer), _stop_strings(body)
     return dict(n=n, seed=seed, stream=stream, include_usage=options.get("include_usage", False),
                 continuous_usage=options.get("continuous_usage_stats", False), sampling=sampling, stop=stop,
                 include_stop=_bool(body, "include_stop_str_in_output"),
@@ -612,7 +637,7 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None,
     _check_fields(body, COMPLETION_FIELDS)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt", code="missing_required_parameter")
-    common = _common(body, defaults or {})
+    common = _common(body, defaults or {}, tokenizer)
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
         raise RequestError(f"best_of={shown(best_of)} is not supported (only best_of = n)", "best_of",
@@ -886,7 +911,7 @@ def parse_chat(body: dict, tokenizer, defaults: Optional[dict] = None, tool_pars
     _check_fields(body, CHAT_FIELDS)
     if "messages" not in body:
         raise RequestError("messages is required", "messages", code="missing_required_parameter")
-    common = _common(body, defaults)
+    common = _common(body, defaults, tokenizer)
     logprobs = _bool(body, "logprobs")
     top = _number(body, "top_logprobs", 0, integer=True)
     if top and not logprobs:

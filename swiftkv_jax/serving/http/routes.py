@@ -99,7 +99,8 @@ class Server:
                     prompt_logprobs=job.prompt_logprobs, min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
                     presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
                     logit_bias=s["logit_bias"], min_tokens=s["min_tokens"],
-                    grammar=None if job.grammar is None else job.grammar.copy())
+                    grammar=None if job.grammar is None else job.grammar.copy(),
+                    allowed_token_ids=s["allowed_token_ids"], bad_words_ids=s["bad_words_ids"])
 
     def start(self, job: Job, queue: asyncio.Queue) -> list[Choice]:
         """Check the job against the limits and add its choices to the engine; all or none."""
@@ -156,7 +157,7 @@ class Server:
             choice = by_id.get(item.request_id)
             if choice is None or choice.done:
                 continue
-            if item.finished and item.finish_reason == "error":  # its grammar failed (structured outputs)
+            if item.finished and item.finish_reason == "error":  # its token mask failed (a grammar's, or none left)
                 raise RequestError(item.error, None, 500, type="server_error")
             if item.finished and item.finish_reason == "abort":
                 raise RequestError("the request was aborted: the server is shutting down", None, 503,
