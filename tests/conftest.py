@@ -44,6 +44,31 @@ import threading  # noqa: E402
 import pytest  # noqa: E402
 
 
+# the persistent cache settings this process started with (the suite's cache above, or none)
+_XLA_CACHE = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+              "jax_persistent_cache_min_entry_size_bytes")
+_XLA_CACHE_SETTINGS = {name: getattr(jax.config, name) for name in _XLA_CACHE}
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_suite_xla_cache():
+    """A test that runs infer.py's `main` in this process applies SWIFTKV_JAX_COMPILATION_CACHE=off to the whole
+    process (`compile_cache.enable_compilation_cache`): the suite's cache is turned back on after it, or every later
+    test of this process (an xdist worker) would compile without it."""
+    yield
+    restore_xla_cache()
+
+
+def restore_xla_cache() -> None:
+    """The persistent cache settings this process started with, where a test changed them."""
+    if any(getattr(jax.config, name) != value for name, value in _XLA_CACHE_SETTINGS.items()):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in _XLA_CACHE_SETTINGS.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()  # JAX opens its cache once per process: re-read the settings
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop each module's compiled programs and arrays when it is done: one process runs the whole suite, and the

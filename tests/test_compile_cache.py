@@ -86,6 +86,20 @@ def test_a_directory_that_cannot_be_written_is_a_clear_error(tmp_path, capsys, j
     assert err.startswith(f"error: compilation cache directory {bad} cannot be written") and "off" in err
 
 
+def test_the_suite_cache_is_back_after_main_turned_it_off(tmp_path, monkeypatch, jax_cache_settings):
+    """infer.py's `main` in this process applies SWIFTKV_JAX_COMPILATION_CACHE=off to the whole process: conftest
+    turns the suite's own cache back on after such a test (`restore_xla_cache`), or every later test of the process
+    would compile without it."""
+    import conftest
+
+    monkeypatch.setenv(ENV, "off")
+    before = {name: getattr(jax.config, name) for name in conftest._XLA_CACHE}
+    assert main(["generate", "--model", str(tmp_path / "no-model"), "--prompt", "x"]) == 2
+    assert not jax.config.jax_enable_compilation_cache
+    conftest.restore_xla_cache()
+    assert {name: getattr(jax.config, name) for name in conftest._XLA_CACHE} == before
+
+
 def _serve_once(model: Path, cache: Path, log_path: Path) -> tuple[dict, str]:
     """`infer.py serve` until it answers: returns (its start-up metrics, a greedy completion); then SIGTERM."""
     port = free_port()
