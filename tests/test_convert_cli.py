@@ -351,10 +351,26 @@ def test_only_orbax_abandoned_tasks_leave_asyncio_unlogged(monkeypatch):
             loop.close()
             del task, gathered
             gc.collect()
+        # plain futures failed as TensorStore fails them from native code (never raised: no traceback): its status
+        # first (dropped), or anything else (kept); and one raised in Python with a status (kept)
+        loop = asyncio.new_event_loop()
+        futures = [loop.create_future() for _ in range(3)]
+        futures[0].set_exception(ValueError('OUT_OF_RANGE: Error reading "w/0.0" in OCDBT database at local file'))
+        futures[1].set_exception(ValueError("not a TensorStore status"))
+        try:
+            raise ValueError("DATA_LOSS: raised in Python")
+        except ValueError as e:
+            futures[2].set_exception(e)
+        loop.close()
+        del futures
+        gc.collect()
     finally:
         logger.removeHandler(handler)
     firsts = sorted(r.getMessage().split("\n", 1)[0] for r in records)
-    assert firsts == ["Task exception was never retrieved", "_GatheringFuture exception was never retrieved"], firsts
+    assert firsts == ["Future exception was never retrieved"] * 2 + [
+        "Task exception was never retrieved", "_GatheringFuture exception was never retrieved"], firsts
+    kept = sorted(str(r.exc_info[1]) for r in records if r.getMessage().startswith("Future"))
+    assert kept == ["DATA_LOSS: raised in Python", "not a TensorStore status"], kept
     task_record = next(r for r in records if r.getMessage().startswith("Task"))
     assert f"defined at {__file__}" in task_record.getMessage()
 

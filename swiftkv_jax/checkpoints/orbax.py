@@ -11,6 +11,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -120,16 +121,27 @@ def is_abandoned_read_noise(unraisable) -> bool:
             and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
 
 
+# an absl status, as TensorStore's errors begin (`OUT_OF_RANGE: Error reading "..." in OCDBT database ...`)
+TENSORSTORE_STATUS = re.compile(r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+                                r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+                                r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
+
+
 def is_abandoned_task_log(record: logging.LogRecord) -> bool:
     """asyncio's report (logger "asyncio", dozens of lines each) of a task or future of Orbax's reads collected
     with its exception unread ("Task exception was never retrieved", "_GatheringFuture ...") or still pending,
     once a read of the restore has failed: its coroutine is defined in Orbax's sources, or its exception was
-    raised there."""
+    raised there; or a plain Future that TensorStore failed from its native code (an exception never raised in
+    Python: no traceback, an absl status first), awaited by one of those reads (seen 2026-11-27)."""
     message = record.getMessage()
     first = message.split("\n", 1)[0]
     if not (first.endswith(" exception was never retrieved") or first == "Task was destroyed but it is pending!"):
         return False
     if f"defined at {ORBAX_SOURCES}" in message:
+        return True
+    exc = record.exc_info[1] if record.exc_info else None
+    if (first == "Future exception was never retrieved" and exc is not None and exc.__traceback__ is None
+            and TENSORSTORE_STATUS.match(str(exc))):
         return True
     tb = record.exc_info[2] if record.exc_info else None
     while tb is not None and tb.tb_next is not None:
