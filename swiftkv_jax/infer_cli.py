@@ -193,6 +193,8 @@ def parser() -> argparse.ArgumentParser:
                                                          "step's prompt-token budget)")
     s.add_argument("--max-waiting", type=non_negative_int, default=256,
                    help="requests admitted beyond --max-num-seqs (queued); more get 503 with Retry-After")
+    s.add_argument("--max-request-bytes", type=positive_int, default=None,
+                   help="longest request body read; a longer one gets 413 (default: 64 MiB)")
     s.add_argument("--shutdown-grace", type=non_negative_float, default=10.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted")
     s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
@@ -740,7 +742,8 @@ def _serve(args) -> int:
                    **buckets, **{k: v for k, v in given.items() if v is not None})
     return serve(model, tokenizer, names, host=args.host, port=args.port, engine_options=options,
                  max_waiting=args.max_waiting, shutdown_grace=args.shutdown_grace, sock=sock,
-                 sampling_defaults=sampling, api_key=api_key, tool_parser=tool_parser)
+                 sampling_defaults=sampling, api_key=api_key, tool_parser=tool_parser,
+                 **({} if args.max_request_bytes is None else dict(max_request_bytes=args.max_request_bytes)))
 
 
 def _write_json(path: str, data) -> None:

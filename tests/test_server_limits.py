@@ -7,6 +7,7 @@ the engine; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -323,3 +324,38 @@ def test_generation_configs_max_new_tokens_caps_every_request(server):
     finally:
         app.state.server.sampling_defaults = {}
     assert client.completions.create(prompt="hi", max_tokens=10, **ask).usage.completion_tokens == 10
+
+
+def test_a_body_over_the_cap_is_a_413_unread_past_it_and_the_server_goes_on(server):
+    """make_app(max_request_bytes=...) (`--max-request-bytes`): a body longer than the cap gets 413 with an OpenAI
+    error object, whether its Content-Length says so or it comes chunked with none; one within it is served. The cap
+    is read per request (app.state.server.max_request_bytes): set small here on the module's server, then reset."""
+    url, engine, _, app = server
+    cap, default = 2000, app.state.server.max_request_bytes
+    assert default == 64 * 2**20
+    request = json.dumps({"prompt": "hi " * 20, "max_tokens": 2})
+    within = (request + " " * (cap - len(request))).encode()  # JSON's whitespace: the same request, `cap` bytes long
+    over = within + b" "
+    headers = {"content-type": "application/json"}
+    post = lambda path, body: httpx.post(f"{url}{path}", content=body, headers=headers, timeout=60)
+    app.state.server.max_request_bytes = cap
+    try:
+        assert post("/v1/completions", within).status_code == 200
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            response = post(path, over)
+            error = response.json()["error"]
+            assert response.status_code == 413 and error["code"] == "request_too_large", (path, error)
+            assert f"more than {cap} bytes" in error["message"] and "--max-request-bytes" in error["message"]
+        chunked = post("/v1/completions", (over[i:i + 500] for i in range(0, len(over), 500)))  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    finally:
+        app.state.server.max_request_bytes = default
+    assert post("/v1/completions", over).status_code == 200
+    assert _idle(engine)["running"] == 0
+
+
+def test_max_request_bytes_must_be_a_positive_integer(server):
+    engine, tokenizer = server[1], server[2]
+    for bad in (0, -1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="max_request_bytes must be an integer >= 1"):
+            make_app(engine, tokenizer, "m", max_request_bytes=bad)

@@ -200,11 +200,15 @@ def test_a_grammar_allowed_ids_and_bad_words_apply_together_and_an_empty_mask_is
     (empty, got), _ = steps_run(engine, [dict(prompt=prompt, max_tokens=N, grammar=_Only([1, 2], vocab),
                                               allowed_token_ids=[3, 4]), plain])
     assert empty.finish_reason == "error" and "allow no token" in empty.error and not empty.token_ids
+    assert empty.error_param == "allowed_token_ids"  # the request's own settings: a server's 400
     assert got.token_ids == want.token_ids and got.finish_reason == "length"
     # min_tokens masks the stop ids: allowing only them leaves nothing (refused at once when static)
     (stopped,), _ = steps_run(engine, [dict(prompt=prompt, max_tokens=N, stop_token_ids=[5], min_tokens=2,
                                             grammar=_Only([5], vocab))])
-    assert stopped.finish_reason == "error" and "min_tokens" in stopped.error
+    assert stopped.finish_reason == "error" and "min_tokens" in stopped.error and stopped.error_param == "min_tokens"
+    (banned_all,), _ = steps_run(engine, [dict(prompt=prompt, max_tokens=N, grammar=_Only([7], vocab),
+                                               bad_words_ids=[[7]])])
+    assert banned_all.finish_reason == "error" and banned_all.error_param == "bad_words_ids"
 
 
 @pytest.mark.parametrize("request_, param, message", [
@@ -278,3 +282,20 @@ def test_bad_values_are_400s_naming_the_field(client, extra, param, message):
         with pytest.raises(openai.BadRequestError) as e:
             call()
         assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
+def test_settings_that_leave_no_token_are_a_400_naming_one_and_the_server_goes_on(client, assets):
+    """allowed_token_ids whose every token bad_words bans: each is fine alone, together they allow nothing. Not the
+    server's failure (500) but the request's (400, or an error event once a stream has begun)."""
+    openai = pytest.importorskip("openai")
+    tokenizer = assets[0]
+    word = next(w for w in ("a", "b", "c", "the") if len(encoder(tokenizer)(w)) == 1)
+    extra = {"allowed_token_ids": encoder(tokenizer)(word), "bad_words": [word]}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == "allowed_token_ids" and "allow no token" in e.value.body["message"]
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                            stream=True, extra_body=extra)
+    with pytest.raises(openai.APIError, match="allow no token"):
+        list(stream)
+    assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices[0].finish_reason == "length"

@@ -83,6 +83,21 @@ class RequestOutput:
     # finish_reason "error": why (its grammar could not give a mask: llguidance's error; or its masks together allow
     # no token)
     error: Optional[str] = None
+    # finish_reason "error" that the request's own settings caused (its masks together allow no token): the setting
+    # to blame (engine name: allowed_token_ids, bad_words_ids, grammar or min_tokens), so that a server answers 400
+    error_param: Optional[str] = None
+
+
+def _blamed_mask(seq: Sequence, any_before_stops: bool) -> str:
+    """The setting to name when a sequence's token masks together allow no token: min_tokens where its stop ids were
+    the last ones left, else allowed_token_ids (a constant row that the other masks met), else bad_words_ids where
+    they were there, else its grammar."""
+    if any_before_stops:
+        return "min_tokens"
+    if seq.allowed is not None:
+        return "allowed_token_ids"
+    masks = getattr(seq.grammar, "masks", [seq.grammar])
+    return "bad_words_ids" if any(isinstance(m, token_masks.BadWords) for m in masks) else "grammar"
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -400,7 +415,8 @@ class Engine:
         word's last token not where the tokens generated so far end with its other tokens (`token_masks.BadWords`,
         a host-side mask: such a request runs every other step, as a guided one). All of them apply together: the
         row is the AND of the grammar's, the bad words' and the allowed ids'. Where they (and min_tokens' stop ids)
-        leave no token, the request finishes with finish_reason "error" (`RequestOutput.error` says why)."""
+        leave no token, the request finishes with finish_reason "error" (`RequestOutput.error` says why, and
+        `error_param` names the setting to loosen)."""
         prompt = token_ids("prompt", prompt, InvalidRequest)  # int() made 1.7 token 1 and "123" tokens 1, 2, 3
         if not prompt:
             raise InvalidRequest("the prompt is empty: a request needs at least one token", "prompt")
@@ -611,12 +627,14 @@ class Engine:
                 if len(seq.output) < seq.params.min_tokens:
                     token_masks.ban(usable, sorted(seq.stop_ids))
                 if not usable.any():
-                    raise RuntimeError("its token masks (grammar, allowed_token_ids, bad_words and the stop ids "
-                                       "min_tokens masks) together allow no token")
+                    raise InvalidRequest("its token masks (grammar, allowed_token_ids, bad_words and the stop ids "
+                                         "min_tokens masks) together allow no token: loosen one of them",
+                                         _blamed_mask(seq, table[i].any()))
             except Exception as e:  # noqa: BLE001  the request's own failure
                 log.warning("request %s: no mask for its next token, finishing it: %s", seq.request_id, e)
                 outputs.append(self._finish(seq, "error"))
                 outputs[-1].error = f"the request's token mask failed: {e}"
+                outputs[-1].error_param = e.param if isinstance(e, InvalidRequest) else None
         self.masks = _set_rows(self.masks, slots, replicated(self.mesh, table))
 
     def _reset_slot_counts(self, seq: Sequence) -> None:

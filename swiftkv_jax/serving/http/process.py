@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from swiftkv_jax.serving.engine_loop import EngineLoop
-from swiftkv_jax.serving.http.routes import make_app
+from swiftkv_jax.serving.http.routes import MAX_REQUEST_BYTES, make_app
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(model, tokenizer, model_name, *, host: str = "127.0.0.1", port: int = 8000,
           engine_options: Optional[dict] = None, max_waiting: int = 256, shutdown_grace: float = 10.0,
           stop_token_ids=None, sock: Optional[socket.socket] = None, sampling_defaults: Optional[dict] = None,
-          api_key: Optional[str] = None, tool_parser: Optional[str] = None) -> int:
+          api_key: Optional[str] = None, tool_parser: Optional[str] = None,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> int:
     """Bind (host, port) unless `sock` is given already bound (`listening_socket`), build the engine, compile every
     step bucket (`start_engine`), then listen until SIGTERM/SIGINT: new connections are refused at once, requests in
     flight get `shutdown_grace` seconds to finish, the rest are aborted. Port 0: a free port, logged.
-    sampling_defaults, api_key and tool_parser: `make_app`'s. Returns 0, or 1 when an engine step failed (which stops
-    the server)."""
+    sampling_defaults, api_key, tool_parser and max_request_bytes: `make_app`'s. Returns 0, or 1 when an engine step
+    failed (which stops the server)."""
     import uvicorn
 
     if shutdown_grace < 0:
@@ -130,7 +131,8 @@ def serve(model, tokenizer, model_name, *, host: str = "127.0.0.1", port: int = 
         began = time.perf_counter()
         engine, startup = start_engine(model, engine_options)
         app = make_app(engine, tokenizer, model_name, max_waiting=max_waiting, stop_token_ids=stop_token_ids,
-                       startup=startup, sampling_defaults=sampling_defaults, api_key=api_key, tool_parser=tool_parser)
+                       startup=startup, sampling_defaults=sampling_defaults, api_key=api_key, tool_parser=tool_parser,
+                       max_request_bytes=max_request_bytes)
         config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_grace,
                                 access_log=False, log_level="info", lifespan="on")
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

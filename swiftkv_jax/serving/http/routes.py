@@ -43,6 +43,7 @@ from swiftkv_jax.serving.http.tool_calls import PARSERS
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version",
              "/health", "/metrics")
 RETRY_AFTER_S = 1
+MAX_REQUEST_BYTES = 64 * 2**20  # a request body's default cap: a batch of long prompts as token ids fits in it
 DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there
 
 
@@ -50,8 +51,10 @@ class Server:
     """What the handlers share: the engine loop, the tokenizer and the limits."""
 
     def __init__(self, engine, tokenizer, model_names: tuple, max_waiting: int, stop_token_ids, startup=None,
-                 sampling_defaults=None, api_key: Optional[str] = None, tool_parser: Optional[str] = None):
+                 sampling_defaults=None, api_key: Optional[str] = None, tool_parser: Optional[str] = None,
+                 max_request_bytes: int = MAX_REQUEST_BYTES):
         self.engine, self.tokenizer, self.startup = engine, tokenizer, startup
+        self.max_request_bytes = max_request_bytes  # a longer body gets 413, unread past the cap
         # vLLM's --served-model-name A B ...: a request may name any; the first is the default and the metrics' label
         self.model_names, self.model_name = model_names, model_names[0]
         self.tool_parser = tool_parser  # --tool-call-parser (with --enable-auto-tool-choice): tool_choice "auto"
@@ -140,7 +143,7 @@ class Server:
                 self.loop.abort(choice.request_id)
 
     # ---- outputs ----------------------------------------------------------------------------------------------
-    async def outputs(self, choices: list[Choice], queue: asyncio.Queue, request=None):
+    async def outputs(self, job: Job, choices: list[Choice], queue: asyncio.Queue, request=None):
         """Yield (choice, new text, new logprob rows) as tokens arrive, until every choice is done; a choice's prompt
         logprobs (echo with logprobs) are set on it before its first yield. With `request` (a non-streaming
         response) check every DISCONNECT_POLL_S that the client is still there."""
@@ -158,6 +161,8 @@ class Server:
             if choice is None or choice.done:
                 continue
             if item.finished and item.finish_reason == "error":  # its token mask failed (a grammar's, or none left)
+                if item.error_param is not None:  # its own settings left no token: the client's to fix
+                    raise RequestError(item.error, job.param(item.error_param))
                 raise RequestError(item.error, None, 500, type="server_error")
             if item.finished and item.finish_reason == "abort":
                 raise RequestError("the request was aborted: the server is shutting down", None, 503,
@@ -245,7 +250,7 @@ def _error_response(error: RequestError):
 # ---- the app -----------------------------------------------------------------------------------------------------
 def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_token_ids=None,
              startup: Optional[dict] = None, sampling_defaults: Optional[dict] = None, api_key: Optional[str] = None,
-             tool_parser: Optional[str] = None):
+             tool_parser: Optional[str] = None, max_request_bytes: int = MAX_REQUEST_BYTES):
     """A FastAPI app serving `engine` (its loop thread starts now and stops with the app's lifespan).
 
     model_name: the name clients give as `model`, or several (vLLM's `--served-model-name A B`): a request may name
@@ -258,6 +263,8 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
     api_key: every path but /health, /metrics and /version needs `Authorization: Bearer <api_key>` (else 401).
     tool_parser: vLLM's --tool-call-parser (`tool_calls.PARSERS`: llama3_json, hermes), which chat requests with
     tools and tool_choice "auto" need; their outputs come back as tool calls where they parse as ones.
+    max_request_bytes: the longest request body read (default MAX_REQUEST_BYTES, 64 MiB); a longer one gets 413
+    without being read further, so that no client makes the server hold more than that per request.
     app.state.server holds the shared state (app.state.server.loop.stats: the engine's last stats)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -267,13 +274,15 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
         raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty string (or None: no key)")
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_request_bytes!r}")
     if tool_parser is not None and tool_parser not in PARSERS:
         raise ValueError(f"tool_parser must be one of {', '.join(PARSERS)} (or None), got {tool_parser!r}")
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
     if not names or any(not isinstance(n, str) or not n for n in names) or len(set(names)) < len(names):
         raise ValueError(f"model_name must be a non-empty name, or a list of distinct ones, got {model_name!r}")
     server = Server(engine, tokenizer, names, max_waiting, stop_token_ids, startup, sampling_defaults, api_key,
-                    tool_parser)
+                    tool_parser, max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -319,11 +328,30 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
                                "model", 404, code="model_not_found")
         return body
 
+    async def body_bytes(request: Request) -> bytes:
+        """The request's body, at most server.max_request_bytes of it: a longer one (by its Content-Length, or as it
+        arrives) is a 413 before the rest is read."""
+        cap = server.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        chunks, size = [], int(declared) if declared.isdigit() else 0
+        if size <= cap:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    break
+                chunks.append(chunk)
+        if size > cap:
+            raise RequestError(f"the request body holds more than {cap} bytes, the server's limit "
+                               f"(--max-request-bytes): send fewer or shorter prompts per request, or raise the "
+                               f"limit", None, 413, code="request_too_large")
+        return b"".join(chunks)
+
     async def parsed(request: Request, parse):
         """parse(body, the parser's tokenizer), on the parser thread: the JSON, the tokenizer and the chat template
         there, as a prompt of megabytes takes seconds, while the event loop goes on serving every other client
         (vLLM tokenizes off its loop too). RequestError for bad input."""
-        raw = await request.body()
+        raw = await body_bytes(request)
         return await asyncio.get_running_loop().run_in_executor(
             server.parser, lambda: parse(read_body(raw), server.parser_tokenizer))
 
@@ -340,7 +368,7 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
         if job.stream:
             return _Stream(stream(job, choices, queue, head), server, choices, media_type="text/event-stream")
         try:
-            async for _ in server.outputs(choices, queue, request):
+            async for _ in server.outputs(job, choices, queue, request):
                 pass
         except RequestError as e:
             return _error_response(e)
@@ -358,7 +386,7 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
             if opening:
                 yield opening
         try:
-            async for c, text, rows in server.outputs(choices, queue):
+            async for c, text, rows in server.outputs(job, choices, queue):
                 if job.echo and job.logprobs and c.index not in echoed:
                     echoed.add(c.index)
                     yield chunks.echo(c)
