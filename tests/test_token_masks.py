@@ -175,8 +175,15 @@ def test_bad_words_ban_a_word_greedy_produced_and_its_last_token_only_after_its_
     assert not any(got[i:i + 2] == base[k:k + 2] for i in range(N - 1))
     check_greedy(model, prompt, got, lambda i, before: banned_by_rule(word_ids, before, vocab))
     assert np.all(np.diff(steps) == 2)  # a host-side mask: every other step
-    (one,), _ = steps_run(engine, [dict(prompt=prompt, max_tokens=N, stop_token_ids=[], bad_words_ids=[[base[0]]])])
-    assert base[0] not in one.token_ids and one.finish_reason == "length"
+    # words of one token each: a constant mask (folded into the allowed row), so every step, as allowed_token_ids
+    (one,), (steps,) = steps_run(engine, [dict(prompt=prompt, max_tokens=N, stop_token_ids=[],
+                                                bad_words_ids=[[base[0]], [base[1]]])])
+    assert not {base[0], base[1]} & set(one.token_ids) and one.finish_reason == "length"
+    check_greedy(model, prompt, one.token_ids, lambda i, before: banned_by_rule([[base[0]], [base[1]]], before, vocab))
+    assert np.all(np.diff(steps) == 1)
+    (both,), _ = steps_run(engine, [dict(prompt=prompt, max_tokens=N, stop_token_ids=[], bad_words_ids=[[base[0]]],
+                                         allowed_token_ids=[base[0], base[1]])])
+    assert both.token_ids == [base[1]] * N  # the allowed ids less the banned one
 
 
 def test_a_grammar_allowed_ids_and_bad_words_apply_together_and_an_empty_mask_is_an_error(assets):
@@ -285,17 +292,24 @@ def test_bad_values_are_400s_naming_the_field(client, extra, param, message):
 
 
 def test_settings_that_leave_no_token_are_a_400_naming_one_and_the_server_goes_on(client, assets):
-    """allowed_token_ids whose every token bad_words bans: each is fine alone, together they allow nothing. Not the
-    server's failure (500) but the request's (400, or an error event once a stream has begun)."""
+    """Settings each fine alone that together allow nothing are the request's error (400), not the server's (500):
+    allowed_token_ids whose every token one-token bad_words ban, refused at once (constant masks); a choice grammar
+    whose first tokens allowed_token_ids exclude, found at the first step (an error event once a stream has begun)."""
     openai = pytest.importorskip("openai")
+    pytest.importorskip("llguidance")
     tokenizer = assets[0]
     word = next(w for w in ("a", "b", "c", "the") if len(encoder(tokenizer)(w)) == 1)
-    extra = {"allowed_token_ids": encoder(tokenizer)(word), "bad_words": [word]}
+    chat = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    banned = {"allowed_token_ids": encoder(tokenizer)(word), "bad_words": [word]}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**chat, stream=stream, extra_body=banned)
+        assert e.value.body["param"] == "bad_words" and "no token could be sampled" in e.value.body["message"]
+    other = next(t for t in encoder(tokenizer)("zqx") if not tokenizer.decode([t]).startswith(("h", " h")))
+    excluded = {"allowed_token_ids": [other], "structured_outputs": {"choice": ["hello"]}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=extra)
+        client.completions.create(model="m", prompt="hi", max_tokens=4, extra_body=excluded)
     assert e.value.body["param"] == "allowed_token_ids" and "allow no token" in e.value.body["message"]
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                            stream=True, extra_body=extra)
     with pytest.raises(openai.APIError, match="allow no token"):
-        list(stream)
+        list(client.chat.completions.create(**chat, stream=True, extra_body=excluded))
     assert client.completions.create(model="m", prompt="hi", max_tokens=2).choices[0].finish_reason == "length"

@@ -12,10 +12,11 @@ Each `step` schedules (`scheduler.Scheduler`), builds the host arrays of one rag
 scheduling): while the device runs step N + 1 the host hands out step N's tokens, and the step after is scheduled
 before they are back. Sampled tokens stay on the device and feed the next step; the block tables live there too and
 change only where a page was added. So `step` returns the outputs of the step launched by the call before it.
-A request with a grammar (structured outputs, `add_request(grammar=...)`) or vLLM's bad_words (`bad_words_ids`) is
-the exception: its next mask needs its last token, so it runs every other step (never scheduled while its token is
-pending); the others keep the pipeline. vLLM's allowed_token_ids is a mask too, but a constant one: its bitmask row is
-written once, when the request gets its slot, and applied on the device every step, so it keeps the pipeline.
+A request with a grammar (structured outputs, `add_request(grammar=...)`) or vLLM's bad_words of several tokens
+(`bad_words_ids`) is the exception: its next mask needs its last token, so it runs every other step (never scheduled
+while its token is pending); the others keep the pipeline. vLLM's allowed_token_ids is a mask too, but a constant one
+(as are bad words of one token each, folded into it): its bitmask row is written once, when the request gets its
+slot, and applied on the device every step, so it keeps the pipeline.
 `add_request` and `abort` may be called from any thread: they only enqueue, and `step` (one thread) applies them
 first.
 """
@@ -90,12 +91,12 @@ class RequestOutput:
 
 def _blamed_mask(seq: Sequence, any_before_stops: bool) -> str:
     """The setting to name when a sequence's token masks together allow no token: min_tokens where its stop ids were
-    the last ones left, else allowed_token_ids (a constant row that the other masks met), else bad_words_ids where
-    they were there, else its grammar."""
+    the last ones left, else the setting of its constant row (allowed_token_ids, or one-token bad words alone) that
+    the other masks met, else bad_words_ids where they were there, else its grammar."""
     if any_before_stops:
         return "min_tokens"
     if seq.allowed is not None:
-        return "allowed_token_ids"
+        return seq.allowed_from
     masks = getattr(seq.grammar, "masks", [seq.grammar])
     return "bad_words_ids" if any(isinstance(m, token_masks.BadWords) for m in masks) else "grammar"
 
@@ -413,7 +414,8 @@ class Engine:
         grammars' (no host work per step, no pipeline break). bad_words_ids (vLLM's bad_words, tokenized by the
         caller: `token_masks.bad_words_ids`): lists of token ids; a one-token word's token is never sampled, a longer
         word's last token not where the tokens generated so far end with its other tokens (`token_masks.BadWords`,
-        a host-side mask: such a request runs every other step, as a guided one). All of them apply together: the
+        a host-side mask: such a request runs every other step, as a guided one; words of one token each are a
+        constant row, folded into allowed_token_ids' at admission: the pipeline kept). All of them apply together: the
         row is the AND of the grammar's, the bad words' and the allowed ids'. Where they (and min_tokens' stop ids)
         leave no token, the request finishes with finish_reason "error" (`RequestOutput.error` says why, and
         `error_param` names the setting to loosen)."""
@@ -434,7 +436,13 @@ class Engine:
                                () if logit_bias is None else logit_bias, min_tokens).validate(vocab)
         stops = frozenset(params.stop_token_ids if stop_token_ids is not None else self.default_stop_ids)
         allowed = self._allowed_row(allowed_token_ids, stops if params.min_tokens else ())
+        allowed_from = None if allowed is None else "allowed_token_ids"
         bad_words = self._bad_words(bad_words_ids)
+        if bad_words is not None and not bad_words.longer:
+            # one-token words only: a constant mask (no host work, the pipeline kept), folded into the allowed row
+            allowed, allowed_from = self._without(allowed, bad_words.always, stops if params.min_tokens else ()), \
+                allowed_from or "bad_words_ids"
+            bad_words = None
         max_tokens = params.max_tokens
         if params.top_k >= vocab:  # keeps every token: off (and int32 on the device)
             params = dataclasses.replace(params, top_k=0)
@@ -476,7 +484,7 @@ class Engine:
                     self._live_ids.discard(request_id)
                 raise InvalidRequest(problem, "grammar")
         seq = Sequence(request_id, -1, prompt, params, stops)
-        seq.allowed = allowed
+        seq.allowed, seq.allowed_from = allowed, allowed_from
         masks = [m for m in (grammar, bad_words) if m is not None]
         seq.grammar = token_masks.Intersection(masks) if len(masks) > 1 else (masks or [None])[0]
         self._inbox.put(("add", seq))
@@ -498,6 +506,20 @@ class Engine:
             raise InvalidRequest("every allowed_token_ids is a stop id, which min_tokens masks: no token could be "
                                  "sampled", "allowed_token_ids")
         return token_masks.allowed_row(ids, vocab)
+
+    def _without(self, row: Optional[np.ndarray], banned: list, stops) -> np.ndarray:
+        """The constant bitmask row `row` (None: every token) with one-token bad words' ids cleared, checked to leave
+        a token (`stops`: the stop ids min_tokens masks)."""
+        vocab = self.config.vocab_size
+        row = token_masks.allowed_row(range(vocab), vocab) if row is None else row.copy()
+        token_masks.ban(row, banned)
+        usable = row.copy()
+        token_masks.ban(usable, sorted(stops))
+        if not usable.any():
+            raise InvalidRequest("bad_words_ids ban every token that allowed_token_ids (or the vocabulary) leaves"
+                                 + (", the stop ids aside, which min_tokens masks" if stops else "")
+                                 + ": no token could be sampled", "bad_words_ids")
+        return row
 
     def _bad_words(self, word_ids) -> Optional[token_masks.BadWords]:
         """bad_words_ids' mask (None: none), checked."""

@@ -185,9 +185,11 @@ class Sequence:
     # `token_masks.Intersection`: fill, accept, done), None without. Its mask needs the previous token, so such a
     # sequence is never scheduled while a token is pending
     grammar: Optional[object] = None
-    # allowed_token_ids: its constant bitmask row (int32 [ceil(V / 32)]), written to its slot at admission; None
-    # without. It needs no token, so the sequence keeps the pipeline
+    # allowed_token_ids (and bad words of one token each): its constant bitmask row (int32 [ceil(V / 32)]), written to
+    # its slot at admission; None without. It needs no token, so the sequence keeps the pipeline. allowed_from: the
+    # setting that made it ("allowed_token_ids", or "bad_words_ids" alone), the one an empty mask names
     allowed: Optional[object] = None
+    allowed_from: Optional[str] = None
 
     @property
     def num_tokens(self) -> int:
