@@ -440,7 +440,7 @@ class Engine:
         bad_words = self._bad_words(bad_words_ids)
         if bad_words is not None and not bad_words.longer:
             # one-token words only: a constant mask (no host work, the pipeline kept), folded into the allowed row
-            allowed, allowed_from = self._without(allowed, bad_words.always, stops if params.min_tokens else ()), \
+            allowed, allowed_from = self._without(allowed, bad_words, stops if params.min_tokens else ()), \
                 allowed_from or "bad_words_ids"
             bad_words = None
         max_tokens = params.max_tokens
@@ -507,15 +507,14 @@ class Engine:
                                  "sampled", "allowed_token_ids")
         return token_masks.allowed_row(ids, vocab)
 
-    def _without(self, row: Optional[np.ndarray], banned: list, stops) -> np.ndarray:
-        """The constant bitmask row `row` (None: every token) with one-token bad words' ids cleared, checked to leave
-        a token (`stops`: the stop ids min_tokens masks)."""
-        vocab = self.config.vocab_size
-        row = token_masks.allowed_row(range(vocab), vocab) if row is None else row.copy()
-        token_masks.ban(row, banned)
-        usable = row.copy()
-        token_masks.ban(usable, sorted(stops))
-        if not usable.any():
+    def _without(self, allowed: Optional[np.ndarray], bad_words: token_masks.BadWords, stops) -> np.ndarray:
+        """The constant bitmask row of one-token bad words (their mask before any token) ANDed with allowed_token_ids'
+        row (None: none), checked to leave a token (`stops`: the stop ids min_tokens masks)."""
+        row = np.empty(words(self.config.vocab_size), np.int32)
+        bad_words.fill(row)
+        if allowed is not None:
+            row &= allowed
+        if not token_masks.leaves_a_token(row, stops):
             raise InvalidRequest("bad_words_ids ban every token that allowed_token_ids (or the vocabulary) leaves"
                                  + (", the stop ids aside, which min_tokens masks" if stops else "")
                                  + ": no token could be sampled", "bad_words_ids")
@@ -645,10 +644,8 @@ class Engine:
                 mask.fill(table[i])
                 if seq.allowed is not None:
                     table[i] &= seq.allowed
-                usable = table[i].copy()
-                if len(seq.output) < seq.params.min_tokens:
-                    token_masks.ban(usable, sorted(seq.stop_ids))
-                if not usable.any():
+                if not token_masks.leaves_a_token(
+                        table[i], seq.stop_ids if len(seq.output) < seq.params.min_tokens else ()):
                     raise InvalidRequest("its token masks (grammar, allowed_token_ids, bad_words and the stop ids "
                                          "min_tokens masks) together allow no token: loosen one of them",
                                          _blamed_mask(seq, table[i].any()))

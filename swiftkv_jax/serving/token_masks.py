@@ -9,7 +9,8 @@ the device.
 `allowed_token_ids` does not depend on the tokens generated: its row is a constant (`allowed_row`), which the engine
 writes into the request's slot once and applies every step, so the request keeps the pipeline. `bad_words` does
 (a word's last token is banned only after its other tokens), so `BadWords` is a host-side mask like a grammar
-(`fill`, `accept`, `done`), and a request with one runs every other step as a guided one. `Intersection` applies
+(`fill`, `accept`, `done`), and a request with one runs every other step as a guided one (unless every word is one
+token: its mask is then constant, and `sk.Engine` folds it into the allowed row). `Intersection` applies
 several such masks together (a grammar and bad_words: the AND of their rows).
 """
 
@@ -35,6 +36,13 @@ def ban(row: np.ndarray, ids: Sequence[int]) -> None:
     if ids.size:
         unsigned = row.view(np.uint32)
         np.bitwise_and.at(unsigned, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+
+def leaves_a_token(row: np.ndarray, stops: Sequence[int] = ()) -> bool:
+    """Whether an int32 bitmask row allows some token once `stops` (min_tokens' masked stop ids) are banned too."""
+    usable = row.copy()
+    ban(usable, sorted(stops))
+    return bool(usable.any())
 
 
 def bad_words_ids(bad_words: Sequence[str], encode: Callable[[str], list]) -> list[list[int]]:
