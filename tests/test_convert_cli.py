@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import uvloop
 from transformers import LlamaForCausalLM
 
 import swiftkv_jax as sk
@@ -274,10 +275,10 @@ def test_a_damaged_checkpoint_prints_one_line_up_to_the_exit(src, tmp_path, caps
     assert not (tmp_path / "dst").exists()
 
 
-def _closed_loop_error(from_native: bool) -> RuntimeError:
+def _closed_loop_error(from_native: bool, new_loop=asyncio.new_event_loop) -> RuntimeError:
     """The error `call_soon_threadsafe` raises on a closed loop; from_native: with the traceback a native caller
     (TensorStore's callback) reports, which starts in `call_soon_threadsafe`, rather than in a Python caller."""
-    loop = asyncio.new_event_loop()
+    loop = new_loop()
     loop.close()
     try:
         loop.call_soon_threadsafe(print)
@@ -286,8 +287,11 @@ def _closed_loop_error(from_native: bool) -> RuntimeError:
     raise AssertionError("a closed loop accepted a callback")
 
 
-def test_only_orbax_abandoned_reads_are_dropped(monkeypatch):
-    """The filter drops the two kinds of unraisable noise and hands anything else to the hook that was there."""
+@pytest.mark.parametrize("new_loop", [asyncio.DefaultEventLoopPolicy().new_event_loop, uvloop.new_event_loop],
+                         ids=["asyncio", "uvloop"])
+def test_only_orbax_abandoned_reads_are_dropped(monkeypatch, new_loop):
+    """The filter drops the two kinds of unraisable noise and hands anything else to the hook that was there, on
+    asyncio's loops and on uvloop's (which Orbax gets once uvicorn has made it the loop policy: CI, 2026-11-27)."""
     from swiftkv_jax.checkpoints import orbax as orbax_checkpoints
 
     seen = []
@@ -305,7 +309,8 @@ def test_only_orbax_abandoned_reads_are_dropped(monkeypatch):
         ours = Exception("read failed")
         ours.__cause__ = stop
     coroutine.close()
-    closed_loop, our_closed_loop = _closed_loop_error(from_native=True), _closed_loop_error(from_native=False)
+    closed_loop = _closed_loop_error(from_native=True, new_loop=new_loop)
+    our_closed_loop = _closed_loop_error(from_native=False, new_loop=new_loop)
     other = RuntimeError("something else")
     for unraisable in (SimpleNamespace(exc_value=closed_loop, object=None),
                        SimpleNamespace(exc_value=our_closed_loop, object=None),

@@ -109,7 +109,9 @@ ORBAX_SOURCES = str(Path(ocp.__file__).parent.parent) + os.sep  # orbax/ (orbax.
 def is_abandoned_read_noise(unraisable) -> bool:
     """What Orbax's other reads print once one read of a restore has failed (`sys.unraisablehook`'s argument).
     Orbax closes the event loop that ran them: TensorStore's callbacks into it fail ("Event loop is closed",
-    reported with no object, raised in `call_soon_threadsafe` called from native code: no Python frame above it),
+    reported with no object, raised in `call_soon_threadsafe` called from native code: no Python frame above it;
+    asyncio's or uvloop's, whose Cython frames are named `uvloop.loop.Loop.call_soon_threadsafe`: uvicorn makes
+    uvloop the process's loop policy, so Orbax's loops are uvloop's in a process that served),
     and each reader coroutine still pending, closed when it is collected, turns the GeneratorExit into an Exception
     (Orbax's `except BaseException` around a read): dozens of tracebacks after the one error that matters, at any
     time up to the interpreter's exit."""
@@ -118,7 +120,7 @@ def is_abandoned_read_noise(unraisable) -> bool:
         return isinstance(exc.__cause__, GeneratorExit) and obj.cr_code.co_filename.startswith(ORBAX_SOURCES)
     tb = exc.__traceback__
     return (obj is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and tb is not None
-            and tb.tb_frame.f_code.co_name == "call_soon_threadsafe")
+            and tb.tb_frame.f_code.co_name.rsplit(".", 1)[-1] == "call_soon_threadsafe")
 
 
 # an absl status, as TensorStore's errors begin (`OUT_OF_RANGE: Error reading "..." in OCDBT database ...`)
