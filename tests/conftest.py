@@ -44,6 +44,17 @@ import threading  # noqa: E402
 import pytest  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """A `gpu` test needs a GPU: on any other backend it skips, saying so, whatever selected it (`-m slow` picks the
+    slow tests that are also `gpu`, e.g. the Mosaic kernels' compiled classes inheriting slow checks)."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU (this JAX's backend is {jax.default_backend()!r})")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 # the persistent cache settings this process started with (the suite's cache above, or none)
 _XLA_CACHE = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
               "jax_persistent_cache_min_entry_size_bytes")

@@ -235,7 +235,6 @@ class TestDecodeAttentionInterpret(DecodeAttentionChecks):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestDecodeAttentionCompiled(DecodeAttentionChecks):
     interpret = False
 

@@ -279,7 +279,6 @@ class TestPagedAttentionInterpret(PagedAttentionChecks):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestPagedAttentionCompiled(PagedAttentionChecks):
     interpret = False
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -181,7 +180,6 @@ def test_engine_xla_path_matches_numpy(step, loop, block_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("step", STEPS, ids=str)
 def test_compiled_matches_numpy(step):
     inputs = make_step(step)

@@ -280,10 +280,13 @@ def test_cudnn_prefill_refuses_without_a_gpu():
 
 
 # The yardstick is the bf16 cache's own |logit error| against the fp32 cache (the format quantised caches replace).
-# Measured on swiftkv-g2: int8 per-token-head 1.2x it, e4m3 per-token-head 9x (3 mantissa bits to bf16's 7: steps
-# 16x wider), e4m3 at vLLM's uncalibrated static scale of 1 12.6x, int8 at that scale unusable (K/V of |x| < 0.5
+# Measured 2026-11-27 on plain / swiftkv-g2 / g2 as teacher: int8 per-token-head 2.03 / 1.85 / 2.03x it, e4m3
+# per-token-head 10.9 / 13.8 / 10.9x (3 mantissa bits to bf16's 7: steps 16x wider). At 15f60f6 (2026-11-23) they were
+# 1.2x and 9x on swiftkv-g2: the int8 cache's error is the same (0.0524 then, 0.0523 now), the bf16 cache's fell from
+# 0.0432 to 0.0282 since, and the slow rows (not run by default) crossed int8's bound of 2. e4m3 at vLLM's
+# uncalibrated static scale of 1 is worse than its dynamic scales, int8 at that scale unusable (K/V of |x| < 0.5
 # round to 0).
-QUANTISED = [("int8", "per-token-head", 2.0), ("float8_e4m3fn", "per-token-head", 16.0),
+QUANTISED = [("int8", "per-token-head", 3.0), ("float8_e4m3fn", "per-token-head", 16.0),
              ("float8_e4m3fn", "per-layer", None), (KVCacheFormat("int8", "per-layer"), None, None)]
 
 
