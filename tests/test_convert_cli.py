@@ -275,9 +275,9 @@ def test_a_damaged_checkpoint_prints_one_line_up_to_the_exit(src, tmp_path, caps
     assert not (tmp_path / "dst").exists()
 
 
-def _closed_loop_error(from_native: bool, new_loop=asyncio.new_event_loop) -> RuntimeError:
-    """The error `call_soon_threadsafe` raises on a closed loop; from_native: with the traceback a native caller
-    (TensorStore's callback) reports, which starts in `call_soon_threadsafe`, rather than in a Python caller."""
+def _closed_loop_error(from_native: bool, new_loop) -> RuntimeError:
+    """The error `call_soon_threadsafe` raises on a closed loop made by `new_loop`; from_native: with the traceback a
+    native caller (TensorStore's callback) reports, which starts in `call_soon_threadsafe`, not in a Python caller."""
     loop = new_loop()
     loop.close()
     try:
@@ -287,7 +287,7 @@ def _closed_loop_error(from_native: bool, new_loop=asyncio.new_event_loop) -> Ru
     raise AssertionError("a closed loop accepted a callback")
 
 
-@pytest.mark.parametrize("new_loop", [asyncio.DefaultEventLoopPolicy().new_event_loop, uvloop.new_event_loop],
+@pytest.mark.parametrize("new_loop", [asyncio.SelectorEventLoop, uvloop.new_event_loop],
                          ids=["asyncio", "uvloop"])
 def test_only_orbax_abandoned_reads_are_dropped(monkeypatch, new_loop):
     """The filter drops the two kinds of unraisable noise and hands anything else to the hook that was there, on
