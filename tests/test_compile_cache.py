@@ -23,6 +23,7 @@ from swiftkv_jax.serving.compile_cache import (ENV, CompilationCacheError, activ
                                                default_cache_dir, enable_compilation_cache)
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
+from conftest import xla_flags
 from server_process import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_the_suite_cache_is_back_after_main_turned_it_off(tmp_path, monkeypatch,
 def _serve_once(model: Path, cache: Path, log_path: Path) -> tuple[dict, str]:
     """`infer.py serve` until it answers: returns (its start-up metrics, a greedy completion); then SIGTERM."""
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
     env.pop(ENV, None)  # the flag decides
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(model), "--port", str(port),
             "--compilation-cache", str(cache), "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "32",

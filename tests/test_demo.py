@@ -20,6 +20,8 @@ import yaml
 from swiftkv_jax import demo
 from swiftkv_jax.distill.metrics import read_metrics
 
+from conftest import xla_flags
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +31,9 @@ def run_demo(out: Path, name: str, stop_at_step: int = 0) -> str:
     stop_at_step: the first training stage is asked to stop after that step, as SIGTERM asks it; the process must
     then exit with the shell's status of SIGTERM, 143."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if name != "smoke":
+    if name == "smoke":
+        env["XLA_FLAGS"] = xla_flags(1)
+    else:
         env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
     code = f"import sys; from pathlib import Path; from swiftkv_jax import demo; demo.run(Path(sys.argv[1]), {name!r})"
     if stop_at_step:
@@ -141,7 +145,7 @@ def test_the_pipeline_runs_end_to_end_on_the_smoke_budget(tmp_path):
     sweep = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, "benchmarks/recipe_sweep.py", str(out), "--budget", "smoke", "--out",
                            str(sweep), "lr1e-3|2|optim.learning_rate=1e-3"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one device,
+                          timeout=600, env={**os.environ, "XLA_FLAGS": xla_flags(1)})  # one device,
     # as the demo ran (its students' 4 rows a step do not split over the suite's 8 fake devices)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(sweep.read_text())

@@ -39,6 +39,7 @@ from swiftkv_jax.serving.http.responses import TokenStrings
 from swiftkv_jax.serving.http.text import ChoiceText
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
+from conftest import xla_flags
 from server_process import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def server(student, tokenizer, reference, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("log") / "server.log"
     generation = tmp_path_factory.mktemp("generation")
     (generation / "generation_config.json").write_text(json.dumps(SERVED_GENERATION))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
     argv = [sys.executable, str(REPO / "infer.py"), "serve", "--model", str(student / "student"), "--port", str(port),
             "--served-model-name", MODEL, ALIAS, "--cache-dtype", "float32", "--page-size", "8", "--num-pages", "257",
             "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--single-buckets", str(MAX_SEQS),

@@ -23,6 +23,7 @@ import pytest
 
 from swiftkv_jax.tiny_assets import make_tiny_assets
 
+from conftest import xla_flags
 from server_process import free_port, wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def assets(tmp_path_factory):
 def _start(assets: Path, log_path: Path, **env):
     """The slowed server, once it answers: (process, url)."""
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu",
                SLOW_STEP_S=str(STEP_S), PYTHONPATH=str(REPO), **env)
     argv = [sys.executable, "-c", SERVE, "serve", "--model", str(assets / "teacher"), "--port", str(port),
             "--served-model-name", "m", "--cache-dtype", "float32", "--page-size", "16", "--num-pages", "64",

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import numpy_reference
 import swiftkv_jax as sk
+from conftest import xla_flags
 from distill_fixtures import LLAMA_8B_TRAINABLE_L16, assert_trees_equal, numpy_kl, write_hf_config
 from hf_models import file_digests, read_hf_tensors, torch_logits
 from swiftkv_jax import configuration
@@ -58,7 +59,7 @@ def recipe(assets, out, *overrides) -> list[str]:
 
 
 def env_with_devices(n: int) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    return {**os.environ, "XLA_FLAGS": xla_flags(n)}
 
 
 def train_py(args, devices: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:

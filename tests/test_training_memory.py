@@ -19,6 +19,8 @@ from swiftkv_jax.distill import trainable
 from swiftkv_jax.distill.config import LossSection, OptimSection
 from swiftkv_jax.model.attention import xla_attention, xla_chunked_attention
 
+from conftest import xla_flags
+
 
 @pytest.mark.parametrize("length,chunk", [(300, 64), (256, 64), (40, 64)])  # padded, exact, single block
 def test_chunked_attention_equals_xla_attention(length, chunk):
@@ -175,7 +177,7 @@ def test_load_student_holds_the_weights_about_once(tmp_path):
     weights = sum(a.nbytes for a in jax.tree.leaves(teacher.params))
     sk.save(teacher, tmp_path / "teacher", "hf")
     del teacher
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1), "MALLOC_MMAP_THRESHOLD_": "1048576"}
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     proc = subprocess.run([sys.executable, "-c", LOAD_STUDENT_PEAK, str(tmp_path / "teacher"), str(benchmarks)],
                           capture_output=True, text=True, timeout=300, env=env)
