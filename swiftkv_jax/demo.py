@@ -729,7 +729,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a smaller corpus, model and budget (about 5 minutes); "
                                                               "the same as --budget quick")
     parser.add_argument("--budget", choices=("full", "quick", "gpu"), default=None,
-                        help="full (CPU, ~25 minutes), quick (CPU, ~5 minutes) or gpu (one GPU, bf16, a 247M teacher, "
+                        help="full (CPU, ~37 minutes), quick (CPU, ~5 minutes) or gpu (one GPU, bf16, a 247M teacher, "
                              "under 10 minutes)")
     parser.add_argument("--out", default=None, help="working folder (default artifacts/demo, artifacts/demo-quick or "
                                                     "artifacts/demo-gpu)")

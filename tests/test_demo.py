@@ -261,7 +261,7 @@ def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
 
 
 def test_demo_refuses_an_out_or_results_that_is_a_file_before_any_work(tmp_path, capsys):
-    """Both are written at the end (results after ~25 minutes on a CPU): a file in their place fails at once, naming
+    """Both are written at the end (results after ~37 minutes on a CPU): a file in their place fails at once, naming
     the flag; nothing is written."""
     afile = tmp_path / "afile"
     afile.write_text("x")
