@@ -163,7 +163,7 @@ def print_fits_of(path: str) -> int:
     return 0
 
 
-def _error(e: Exception) -> str:
+def error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
@@ -370,12 +370,12 @@ def main(argv=None) -> int:
                 seconds, compile_s = timed(fn, *made, repeats=repeats)
                 row = {**row, "time_s": seconds, "compile_s": compile_s, **derived(seconds)}
             except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
-                row = {**row, "error": _error(e)}
+                row = {**row, "error": error_line(e)}
             if profile and "error" not in row:
                 try:
                     row["profile"] = profiled(fn, made)
                 except Exception as e:  # noqa: BLE001 - recorded beside the timing
-                    row["profile_error"] = _error(e)
+                    row["profile_error"] = error_line(e)
         else:
             row = {**row, "error": error}
         print("measured", row, file=sys.stderr, flush=True)
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                 return f"disagrees with {against} at a small shape: max |diff| {diff.max():.3g}"
             return None
         except Exception as e:  # noqa: BLE001 - reported in the row, never hidden
-            return _error(e)
+            return error_line(e)
 
     def checked(table: str, impls: dict, reference, small, known: dict, row: dict) -> list:
         """The impls that agree with their reference at the small inputs; each other one (`known`: its error
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
                                                                    interpret=interpret)[:, None]
         layouts["jax_pallas"] = bskh
     except ImportError as e:
-        jax_gqa_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
+        jax_gqa_error = f"unavailable in jax {jax.__version__}: {error_line(e)}"
     else:
         jax_gqa_error = None
     decode_reference = lambda q, k, v, n, p: attend_cache("xla", q, k, v, p, n)
@@ -616,7 +616,7 @@ def main(argv=None) -> int:
         layouts["jax_mosaic_fp16"] = lambda q, k, v, p, g: (
             *(x.astype(jnp.float16) for x in (q * head_dim**-0.5, k, v)), p, g)
     except (ImportError, AttributeError, TypeError) as e:
-        mosaic_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
+        mosaic_error = f"unavailable in jax {jax.__version__}: {error_line(e)}"
     else:
         mosaic_error = (None if getattr(attention_mgpu, "cuda_versions", True) is not None else
                         "Mosaic GPU needs jaxlib's CUDA plugin, even to lower (none on this machine)")
@@ -631,7 +631,7 @@ def main(argv=None) -> int:
             q, *(jnp.repeat(x, heads // kv_heads, axis=2) for x in (k, v)), p, g)
         triton_error = None
     except (ImportError, AttributeError) as e:
-        triton_error = f"unavailable in jax {jax.__version__}: {_error(e)}"
+        triton_error = f"unavailable in jax {jax.__version__}: {error_line(e)}"
     prefill_reference = lambda q, k, v, p, g: xla_attention(q, k, v, p, p, g, g)
     if "prefill" in parts:
         # our Mosaic GPU kernel interpreted takes minutes even at the small shape (tests/ interpret it at tiny ones)

@@ -190,11 +190,11 @@ def _ints(text: str) -> list:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _rate_label(rate: float) -> str:
+def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
-def _ms(x) -> str:
+def format_ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
@@ -685,7 +685,7 @@ def table(runs: dict, order: list) -> str:
         run = runs[(name, rate)]
         label = run.get("label", name) if name == "transformers" else name
         if not ok(run):
-            lines.append(f"| {label} | {_rate_label(rate)} | {run.get('status')}: {run.get('reason', '')} |"
+            lines.append(f"| {label} | {rate_label(rate)} | {run.get('status')}: {run.get('reason', '')} |"
                          + " |" * 10)
             continue
         r = run.get("ratios", {})
@@ -695,7 +695,7 @@ def table(runs: dict, order: list) -> str:
         share = run.get("roofline_share")
         cut = " (cut off)" if run.get("cut_off") else ""
         lines.append(
-            f"| {label} | {_rate_label(rate)}{cut} | {run['num_requests']} | {run['total_tokens_per_s']:,.0f} | "
+            f"| {label} | {rate_label(rate)}{cut} | {run['num_requests']} | {run['total_tokens_per_s']:,.0f} | "
             f"{run['output_tokens_per_s']:,.0f} | {run['requests_per_s']:.3f} | "
             f"{ms(run['ttft_ms']['p50'])} / {ms(run['ttft_ms']['p99'])} | "
             f"{ms(run['tpot_ms']['p50'])} / {ms(run['tpot_ms']['p99'])} | "
@@ -1135,9 +1135,9 @@ def main(argv=None) -> int:
         note = "" if run["compilations"] == 0 else (f", {run['compilations']} COMPILATIONS WHILE TIMED "
                                                     f"({run['compile_s']:.2f} s: {', '.join(run['compiled'])})")
         note += " (CUT OFF)" if run["cut_off"] else "" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"
-        print(f"{name:<15} rate {_rate_label(rate):>6}  {n} requests  {run['duration_s']:7.1f} s  "
+        print(f"{name:<15} rate {rate_label(rate):>6}  {n} requests  {run['duration_s']:7.1f} s  "
               f"{run['total_tokens_per_s']:9,.0f} total tok/s  {run['requests_per_s']:.3f} req/s  "
-              f"TTFT p50 {_ms(run['ttft_s']['p50'])} ms  TPOT p50 {_ms(run['tpot_s']['p50'])} ms  "
+              f"TTFT p50 {format_ms(run['ttft_s']['p50'])} ms  TPOT p50 {format_ms(run['tpot_s']['p50'])} ms  "
               f"peak pages {run['peak_pages']}/{run['pages_total']}{note}", flush=True)
         return run
 
@@ -1228,7 +1228,7 @@ def main(argv=None) -> int:
     print(roofline_header(info["device"], info["rooflines"]))
     print(f"sustained: finite rate, not cut off, completion >= {SUSTAIN_COMPLETION} x arrivals, TTFT p50 <= "
           f"{args.ttft_factor:g} x the config's at its lowest rate; highest sustained: "
-          + ", ".join(f"{n} {'none' if highest_sustained(runs, n) is None else _rate_label(highest_sustained(runs, n))}"
+          + ", ".join(f"{n} {'none' if highest_sustained(runs, n) is None else rate_label(highest_sustained(runs, n))}"
                       for n in swept))
     if ok(peer):
         print(f"transformers: {peer['label']}, transformers {peer['versions']['transformers']}, torch "

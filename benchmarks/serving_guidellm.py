@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from results_file import DefaultsFormatter, write_results
-from serving_http import _server_metrics, http_workload, start_server
+from serving_http import server_metrics, http_workload, start_server
 
 SCRIPT = "benchmarks/serving_guidellm.py"
 TARGET = 0.20  # |guidellm / ours - 1| at most, TTFT p50 and ITL p50
@@ -281,13 +281,13 @@ def main(argv=None) -> int:
                 run_ours(url, warm, [i / args.rate for i in range(args.warmup_requests)])
             for k in range(args.rounds):
                 for side in ("guidellm", "ours") if k % 2 == 0 else ("ours", "guidellm"):
-                    before, load = _server_metrics(url), os.getloadavg()[0]
+                    before, load = server_metrics(url), os.getloadavg()[0]
                     if side == "guidellm":
                         g_rounds.append(run_guidellm(guidellm, url, str(model), args, work, k))
                     else:  # the bodies guidellm sent last, at its offsets
                         o_rounds.append(run_ours(url, g_rounds[-1]["bodies"], g_rounds[-1]["offsets_s"]))
                     r = (g_rounds if side == "guidellm" else o_rounds)[-1]
-                    r.update(server=server_side(before, _server_metrics(url)), load_1min=load)
+                    r.update(server=server_side(before, server_metrics(url)), load_1min=load)
                     s = summarise_round(r)
                     print(f"round {k + 1} {side:<8}: TTFT p50 {s['ttft_ms']['p50']:.2f} ms, ITL p50 "
                           f"{s['itl_ms']['p50']:.3f} ms; the server's own means: TTFT {r['server']['ttft_ms_mean']:.2f}"

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from serving import _ms, _rate_label, summarise
+from serving import format_ms, rate_label, summarise
 
 HTTP_CONFIG_FLAGS = {"swiftkv-tokens": [], "swiftkv-cost": [], "swiftkv-fp8": [], "teacher": ["--teacher-mode"]}
 
@@ -80,7 +80,7 @@ def start_server(argv: list, url: str, log_path: Path, timeout: float):
         time.sleep(0.2)
 
 
-def _server_metrics(url: str) -> dict:
+def server_metrics(url: str) -> dict:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -147,7 +147,7 @@ async def http_workload(url: str, bodies, arrivals, path: str = "/v1/completions
 
     async def watch(done):
         while not done.is_set():
-            m = await asyncio.to_thread(_server_metrics, url)
+            m = await asyncio.to_thread(server_metrics, url)
             peak["pages"] = max(peak["pages"], int(m["swiftkv_kv_pages_total"] - m["swiftkv_kv_pages_free"]))
             await asyncio.sleep(0.25)
 
@@ -186,12 +186,12 @@ def http_runs(model_dir: Path, plan: dict, settings, workload, args, log_dir: Pa
         print(f"http {name}: infer.py serve ready in {startup[name]:.1f} s (warm-up included)", flush=True)
         try:
             for rate, n in points:
-                before = _server_metrics(url)
+                before = server_metrics(url)
                 arrivals = (np.zeros(n) if math.isinf(rate) else workload["unit_gaps"][:n] / rate).tolist()
                 prompt_lens, output_lens = workload["prompt_lens"][:n], workload["output_lens"][:n]
                 done = asyncio.run(http_workload(url, completion_bodies(workload["prompts"][:n], output_lens),
                                                  arrivals))
-                after = _server_metrics(url)
+                after = server_metrics(url)
                 delta = lambda key: after.get(key, 0) - before.get(key, 0)
                 served = dict(times=done["times"], added=done["added"], engine_metrics=[None] * n,
                               finish_reasons=done["finish_reasons"], peak_pages=done["peak_pages"],
@@ -202,9 +202,9 @@ def http_runs(model_dir: Path, plan: dict, settings, workload, args, log_dir: Pa
                 run = dict(status="ok", **summarise(rate, arrivals, prompt_lens, output_lens, served))
                 run["usage_completion_tokens"] = sum((u or {}).get("completion_tokens", 0) for u in done["usage"])
                 runs[(name, rate)] = run
-                print(f"http {name:<15} rate {_rate_label(rate):>6} {run['duration_s']:7.1f} s  "
-                      f"{run['requests_per_s']:.3f} req/s  TTFT p50 {_ms(run['ttft_s']['p50'])} ms  "
-                      f"TPOT p50 {_ms(run['tpot_s']['p50'])} ms"
+                print(f"http {name:<15} rate {rate_label(rate):>6} {run['duration_s']:7.1f} s  "
+                      f"{run['requests_per_s']:.3f} req/s  TTFT p50 {format_ms(run['ttft_s']['p50'])} ms  "
+                      f"TPOT p50 {format_ms(run['tpot_s']['p50'])} ms"
                       + ("" if run["all_generated"] else ", SOME REQUESTS STOPPED SHORT"), flush=True)
         finally:
             proc.terminate()
@@ -223,7 +223,7 @@ def http_overhead(runs: dict, http: dict) -> list:
         if a.get("status") != "ok" or b.get("status") != "ok":
             continue
         diff = lambda stat, q: (None if a[stat][q] is None or b[stat][q] is None else b[stat][q] - a[stat][q])
-        rows.append(dict(config=key[0], rate=_rate_label(key[1]),
+        rows.append(dict(config=key[0], rate=rate_label(key[1]),
                          requests_per_s=b["requests_per_s"] / a["requests_per_s"],
                          output_tokens_per_s=b["output_tokens_per_s"] / a["output_tokens_per_s"],
                          ttft_p50_s=diff("ttft_s", "p50"), ttft_p99_s=diff("ttft_s", "p99"),
@@ -237,8 +237,8 @@ def overhead_table(rows: list) -> str:
              "TPOT p50 +ms | ITL p50 +ms | ITL p99 +ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['rate']} | {r['requests_per_s']:.3f} | "
-                     f"{r['output_tokens_per_s']:.3f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
-                     f"{_ms(r['tpot_p50_s'])} | {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} |")
+                     f"{r['output_tokens_per_s']:.3f} | {format_ms(r['ttft_p50_s'])} | {format_ms(r['ttft_p99_s'])} | "
+                     f"{format_ms(r['tpot_p50_s'])} | {format_ms(r['itl_p50_s'])} | {format_ms(r['itl_p99_s'])} |")
     return "\n".join(lines)
 
 
@@ -267,5 +267,5 @@ def run_http(model_dir: Path, runs: dict, order: list, settings, workload, args)
     print("HTTP overhead against the in-process runs (ratios, and added milliseconds):")
     print(overhead_table(overhead))
     return {"http": {"startup_s": done["startup_s"], "overhead": overhead,
-                     "runs": [{**run, "config": name, "rate": _rate_label(rate)}
+                     "runs": [{**run, "config": name, "rate": rate_label(rate)}
                               for (name, rate), run in done["runs"].items()]}}

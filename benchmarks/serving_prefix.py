@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from results_file import write_results
-from serving import (INF, CompileCounter, _ms, _rate_label, build_model, engine_settings, ok, serve,
+from serving import (INF, CompileCounter, format_ms, rate_label, build_model, engine_settings, ok, serve,
                      summarise, targets_text)
 
 SCRIPT = "benchmarks/serving.py"
@@ -249,9 +249,9 @@ def run_prefix_workloads(args, argv=None) -> int:
         note = " (CUT OFF)" if run["cut_off"] else ""
         note += "" if not run.get("compilations") else f", {run['compilations']} COMPILATIONS WHILE TIMED"
         hits = "-" if run["hit_rate"] is None else f"{run['hit_rate']:.0%}"
-        print(f"{workload:<12} {wiring:<15} caching {'on ' if caching else 'off'} rate {_rate_label(run['rate']):>6}"
+        print(f"{workload:<12} {wiring:<15} caching {'on ' if caching else 'off'} rate {rate_label(run['rate']):>6}"
               f"  {run['num_requests']:4d} requests  {run['duration_s']:7.1f} s  {run['total_tokens_per_s']:9,.0f} "
-              f"total tok/s  TTFT p50 {_ms(run['ttft_s']['p50'])} ms  hit rate {hits}{note}", flush=True)
+              f"total tok/s  TTFT p50 {format_ms(run['ttft_s']['p50'])} ms  hit rate {hits}{note}", flush=True)
         record()
         return run
 
@@ -362,7 +362,7 @@ def table(runs: list) -> str:
              "TPOT ms p50 | hit rate |", "|---|---|:---:|---:|---:|---:|---:|---:|---:|---:|"]
     ms = lambda value: "-" if value is None else f"{value * 1e3:.0f}"
     for r in runs:
-        rate = _rate_json(r["rate"]) if math.isnan(r["rate"]) else _rate_label(r["rate"])
+        rate = _rate_json(r["rate"]) if math.isnan(r["rate"]) else rate_label(r["rate"])
         lines.append(f"| {r['workload']} | {r['config']} | {'on' if r['caching'] else 'off'} | {rate}"
                      f"{' (cut off)' if r['cut_off'] else ''} | {r['num_requests']} | {r['total_tokens_per_s']:,.0f} | "
                      f"{r['output_tokens_per_s']:,.0f} | {ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p99'])} | "

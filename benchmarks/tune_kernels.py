@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from kernels import _error, timed
+from kernels import error_line, timed
 from results_file import DefaultsFormatter, commit, write_results
 
 
@@ -271,7 +271,7 @@ def tune_point(kernels: Kernels, point: Point, candidates: list, repeats: int, s
                 row["shapes"].append(dict(shape, time_s=t, compile_s=compile_s))
             row["time_s"] = math.exp(sum(math.log(r["time_s"]) for r in row["shapes"]) / len(row["shapes"]))
         except Exception as e:  # noqa: BLE001 - a candidate that does not fit is recorded, not hidden
-            row["error"] = _error(e)
+            row["error"] = error_line(e)
         print("measured", row, file=sys.stderr, flush=True)
         rows.append(row)
         if "time_s" not in row:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from swiftkv_jax.kernels.flash_attention_mgpu import (MosaicFlashBlockSizes, _block_ranges, _tile_ranges,
+from swiftkv_jax.kernels.flash_attention_mgpu import (MosaicFlashBlockSizes, block_ranges, _tile_ranges,
                                                       flash_attention_mgpu, flash_attention_mgpu_reference)
 from test_flash_attention_kernel import (BF16_TOL, Case, assert_close, assert_unseen_blocks_unread, make_inputs,
                                         numpy_float64_attention)
@@ -120,7 +120,7 @@ class MosaicFlashKernelTests:
     @staticmethod
     def ranges(inputs, case):
         kv_len = jnp.full((case.b,), case.s, jnp.int32)
-        return (np.asarray(x) for x in _block_ranges(inputs["q_positions"], inputs["kv_positions"],
+        return (np.asarray(x) for x in block_ranges(inputs["q_positions"], inputs["kv_positions"],
                                                      inputs["q_segment_ids"], inputs["kv_segment_ids"], kv_len,
                                                      case.t, 64, 64))
 
@@ -161,7 +161,7 @@ class TestMosaicFlashCompiledInterpreterForm(TestMosaicFlashCompiled):
 
 def _ranges(q_positions, kv_positions, q_segments, kv_segments, kv_len, block):
     as_i32 = lambda x: jnp.asarray(x, jnp.int32)[None]  # noqa: E731
-    out = _block_ranges(as_i32(q_positions), as_i32(kv_positions), as_i32(q_segments), as_i32(kv_segments),
+    out = block_ranges(as_i32(q_positions), as_i32(kv_positions), as_i32(q_segments), as_i32(kv_segments),
                         jnp.asarray([kv_len], jnp.int32), len(q_positions), block, block)
     return [np.asarray(x[0]).tolist() for x in out]
 

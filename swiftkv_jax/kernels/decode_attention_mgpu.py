@@ -59,8 +59,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
-from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_queries, check_scales, merge_partials,
-                                         no_keys, normalize)
+from swiftkv_jax.kernels.split_k import (MASK_VALUE, AttentionResiduals, check_pages, check_queries, check_scales,
+                                         merge_partials, no_keys, normalize)
 from swiftkv_jax.kernels.tuning import call_shapes
 
 __all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_mgpu", "resident_ctas"]
@@ -532,28 +532,17 @@ def paged_attention_mgpu(q, k_pages, v_pages, block_tables, lengths, q_positions
     Table entries past a sequence's last needed page are not followed: the copies
     there re-read the last needed page (clamped to the pool), whose keys are masked.
     """
-    if q.ndim != 4 or k_pages.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, page_size, H], got {q.shape} and "
-                         f"{k_pages.shape}")
-    b, _, _, h = q.shape
-    if v_pages.shape != k_pages.shape or k_pages.shape[3] != h:
-        raise ValueError(f"k_pages and v_pages must both be [K, P, page_size, H={h}], got {k_pages.shape} and "
-                         f"{v_pages.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b or not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables must be [B={b}, M] integers, got {block_tables.shape} {block_tables.dtype}")
+    check_pages(q, k_pages, v_pages, block_tables)
     block_sizes, interpret, interpreter_safe = _settings("paged_attention_mgpu", "mosaic_paged", q, k_pages,
                                                          v_pages, lengths, q_positions, k_pages.shape[0],
                                                          block_sizes, interpret, interpreter_safe, k_scale, v_scale,
                                                          "[K, P, page_size]")
     page_size, block_kv = k_pages.shape[2], block_sizes.block_kv
-    if page_size < 1 or (page_size % _TILE_ROWS or block_kv % page_size if page_size < block_kv
-                         else page_size % block_kv):
+    if page_size % _TILE_ROWS or block_kv % page_size if page_size < block_kv else page_size % block_kv:
         raise ValueError(f"paged_attention_mgpu needs page_size a multiple of {_TILE_ROWS} that divides block_kv "
                          f"below it, and a multiple of block_kv above it (a tile is whole pages or part of one, "
                          f"copied by TMA in {_TILE_ROWS}-row tiles), got page_size {page_size} with block_kv "
                          f"{block_kv}: use pages of 16, 32, 64 or 128")
-    if k_pages.shape[1] < 1:
-        raise ValueError(f"k_pages holds no page ({k_pages.shape}): a pool has at least its null page 0")
     if k_scale is not None and k_scale.ndim and min(page_size, block_sizes.block_kv) % _SCALE_COPY_KEYS:
         raise ValueError(f"paged_attention_mgpu copies per-token scales a page at a time by TMA, which moves "
                          f"multiples of 128 bytes here (jax's Mosaic GPU lowering), so per-token-head scales need "

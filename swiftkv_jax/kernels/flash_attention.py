@@ -17,7 +17,7 @@ query position and a segment id inside the block's range of query segment ids). 
 range only. This is a conservative bound computed from the data, so it never depends on positions being
 monotone; the per-element mask inside the loop keeps the result exact. With monotone positions the range is
 tight: causal prefill reads about half the KV blocks, packed documents read only their own. Inside it,
-`_block_ranges` also gives the run of blocks whose every key every query of the block sees (the same segment,
+`block_ranges` also gives the run of blocks whose every key every query of the block sees (the same segment,
 every position <= the block's smallest query position, every index < kv_lengths): those skip the mask (causal
 prefill: every block but the diagonal; a chunk over its cached context: the whole context), as the Mosaic kernel
 does. Query blocks run last first (longest first under a causal mask), so that short programs fill the last wave.
@@ -220,7 +220,7 @@ def _kv_block_bounds(q_positions, kv_positions, q_segment_ids, kv_segment_ids, k
             jnp.where(any_needed, hi, 0).astype(jnp.int32))
 
 
-def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q: int,
+def block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, num_real_q: int,
                   block_q: int, block_kv: int):
     """Per (sequence, query block of block_q): lo, full_lo, full_hi, hi (KV block indices, [B, nq] int32 each)
     with lo <= full_lo <= full_hi <= hi. [lo, hi) holds every KV block with a key some query of the block may see
@@ -251,7 +251,7 @@ def _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_l
     return lo, full_lo.astype(jnp.int32), full_hi.astype(jnp.int32), hi
 
 
-def _pad_axis(x, axis: int, size: int, value=0):
+def pad_axis(x, axis: int, size: int, value=0):
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pad, constant_values=value)
@@ -274,12 +274,12 @@ def _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     t_pad, s_pad = pl.cdiv(t, block_q) * block_q, pl.cdiv(s, block_k) * block_k
     h_pad = max(_MIN_BLOCK, pl.next_power_of_2(h))  # zero columns change no dot product; sliced off after
 
-    q = _pad_axis(_pad_axis(q, 3, h_pad), 1, t_pad)
-    k, v = (_pad_axis(_pad_axis(x, 3, h_pad), 1, s_pad) for x in (k, v))
-    q_positions, q_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, t_pad) for x in (q_positions, q_segment_ids))
-    kv_positions, kv_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, s_pad) for x in (kv_positions, kv_segment_ids))
+    q = pad_axis(pad_axis(q, 3, h_pad), 1, t_pad)
+    k, v = (pad_axis(pad_axis(x, 3, h_pad), 1, s_pad) for x in (k, v))
+    q_positions, q_segment_ids = (pad_axis(x.astype(jnp.int32), 1, t_pad) for x in (q_positions, q_segment_ids))
+    kv_positions, kv_segment_ids = (pad_axis(x.astype(jnp.int32), 1, s_pad) for x in (kv_positions, kv_segment_ids))
     kv_len = jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths.astype(jnp.int32), 0, s)
-    ranges = jnp.stack(_block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
+    ranges = jnp.stack(block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
                                      block_q, block_k), axis=2)  # [B, nq, 4]: lo, full_lo, full_hi, hi
 
     # Grid (query head, query block, sequence); the head axis varies fastest so a KV head's G readers run together.
@@ -306,7 +306,7 @@ def _flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segme
     return out[:, :t, :, :h]
 
 
-def _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths) -> bool:
+def check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths) -> bool:
     """Raises on arguments the kernels cannot take; returns whether there is anything to attend (T and S > 0)."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [B, T, N, H] and k, v [B, S, K, H] of one shape, got q {q.shape}, "
@@ -337,7 +337,7 @@ def flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segmen
     [B, T, N, H] in q's dtype; rows with no visible key are zeros. Any T, S, H (padded to the blocks and
     masked). interpret=None: interpret mode on CPU, compiled on GPU; another backend raises (no fallback).
     """
-    if not _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths):
+    if not check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths):
         return jnp.zeros(q.shape, q.dtype)  # no query, or no key: every row sees nothing
     interpret = interpret_mode(interpret, "flash_attention", "Pallas Triton", cross_lowering=True)
     tune = call_shapes("flash", q, k.shape[2], k.dtype)

@@ -76,7 +76,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from swiftkv_jax.kernels.flash_attention import (_block_ranges, _check_shapes, _pad_axis,
+from swiftkv_jax.kernels.flash_attention import (block_ranges, check_shapes, pad_axis,
                                                  flash_attention_reference)
 from swiftkv_jax.kernels.mosaic_launch import SMEM_BYTES, accumulate_pv, interpret_params, launch, settings
 from swiftkv_jax.kernels.split_k import MASK_VALUE
@@ -302,15 +302,15 @@ def _flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
                          f"the {SMEM_BYTES} an H100/H200 block has: use smaller blocks or fewer steps")
     # Pads are copies: only where the shapes need them
     if h_pad != h:
-        q, k, v = (_pad_axis(x, 3, h_pad) for x in (q, k, v))
+        q, k, v = (pad_axis(x, 3, h_pad) for x in (q, k, v))
     if t_pad != t:
-        q = _pad_axis(q, 1, t_pad)
+        q = pad_axis(q, 1, t_pad)
     if s_pad != s:
-        k, v = (_pad_axis(x, 1, s_pad) for x in (k, v))
-    q_positions, q_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, t_pad) for x in (q_positions, q_segment_ids))
-    kv_positions, kv_segment_ids = (_pad_axis(x.astype(jnp.int32), 1, s_pad) for x in (kv_positions, kv_segment_ids))
+        k, v = (pad_axis(x, 1, s_pad) for x in (k, v))
+    q_positions, q_segment_ids = (pad_axis(x.astype(jnp.int32), 1, t_pad) for x in (q_positions, q_segment_ids))
+    kv_positions, kv_segment_ids = (pad_axis(x.astype(jnp.int32), 1, s_pad) for x in (kv_positions, kv_segment_ids))
     kv_len = jnp.full((b,), s, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths.astype(jnp.int32), 0, s)
-    lo, full_lo, full_hi, hi = _block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
+    lo, full_lo, full_hi, hi = block_ranges(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_len, t,
                                              block_q, block_kv)
     tiles, ranges = _tile_ranges(lo, full_lo, full_hi, hi)
     # Keys at index >= kv_lengths (and padding) get a position no query reaches: the kernel's mask is positions
@@ -363,7 +363,7 @@ def flash_attention_mgpu(q, k, v, q_positions, kv_positions, q_segment_ids, kv_s
     the interpreter can run (P through SMEM) when interpreting, FA3's (P in registers) when compiled; True
     compiled runs the interpreted form on the GPU (the `gpu` tests compare the two).
     """
-    work = _check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
+    work = check_shapes(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_lengths)
     if q.dtype not in _DTYPES:
         raise ValueError(f"flash_attention_mgpu takes bfloat16 or float16 q, k, v (wgmma's operand types), got "
                          f"{q.dtype}: cast them, or use flash_attention")

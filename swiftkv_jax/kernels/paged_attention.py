@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from swiftkv_jax.kernels.decode_attention import decode_attention_reference
-from swiftkv_jax.kernels.split_k import (DecodeBlockSizes, attend_split, check_queries, check_scales, dequantize,
-                                         kernel_settings, no_keys, normalize, pltriton, scale_inputs,
+from swiftkv_jax.kernels.split_k import (DecodeBlockSizes, attend_split, check_pages, check_queries, check_scales,
+                                         dequantize, kernel_settings, no_keys, normalize, pltriton, scale_inputs,
                                          split_k_attention)
 from swiftkv_jax.kernels.tuning import call_shapes
 
@@ -99,25 +99,6 @@ def _paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, bl
                               dequantize=dequantize, static_scales=static_scales)
 
 
-def _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions):
-    if q.ndim != 4 or k_pages.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, page_size, H], got {q.shape} and "
-                         f"{k_pages.shape}")
-    B, _, _, H = q.shape
-    if v_pages.shape != k_pages.shape or k_pages.shape[3] != H:
-        raise ValueError(f"k_pages and v_pages must both be [K, P, page_size, H={H}], got {k_pages.shape} and "
-                         f"{v_pages.shape}")
-    if v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"k_pages and v_pages must have one dtype, got {k_pages.dtype} and {v_pages.dtype}")
-    if k_pages.shape[1] == 0 or k_pages.shape[2] == 0:
-        raise ValueError(f"the pool needs at least one page of at least one key, got k_pages {k_pages.shape}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must be [B={B}, M], got {block_tables.shape}")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables must be integers, got {block_tables.dtype}")
-    check_queries(q, k_pages.shape[0], lengths, q_positions)
-
-
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
                     block_sizes: DecodeBlockSizes | None = None, interpret: bool | None = None,
                     return_residuals: bool = False, k_scale=None, v_scale=None):
@@ -145,7 +126,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, q_positions, *,
     Returns:
       ``[B, T, N, H]`` in q's dtype (zeros for a query that sees no key), or ``AttentionResiduals``.
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, lengths, q_positions)
+    check_pages(q, k_pages, v_pages, block_tables)
+    check_queries(q, k_pages.shape[0], lengths, q_positions)
     check_scales(k_pages, v_pages, k_scale, v_scale, k_pages.shape[:3], "[K, P, page_size]")
     tune = call_shapes("paged", q, k_pages.shape[0], k_pages.dtype)
     block_sizes, interpret = kernel_settings(block_sizes, interpret, "paged_attention", (k_pages.dtype,), tune)

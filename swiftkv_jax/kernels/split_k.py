@@ -53,9 +53,9 @@ except ImportError:  # pragma: no cover - a JAX without the Triton Pallas backen
     pltriton = None
 
 __all__ = [
-    "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "Launch", "attend_split", "check_queries",
-    "check_scales", "dequantize", "int8_to_float16", "int8_to_float32", "kernel_settings", "launch", "merge_partials",
-    "no_keys", "normalize", "scale_inputs", "split_k_attention",
+    "MASK_VALUE", "AttentionResiduals", "DecodeBlockSizes", "Launch", "attend_split", "check_pages",
+    "check_queries", "check_scales", "dequantize", "int8_to_float16", "int8_to_float32", "kernel_settings", "launch",
+    "merge_partials", "no_keys", "normalize", "scale_inputs", "split_k_attention",
 ]
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -279,6 +279,25 @@ def check_queries(q, num_kv_heads: int, lengths, q_positions, *, triton_head_dim
                          f"{q_positions.shape}")
     if not (jnp.issubdtype(lengths.dtype, jnp.integer) and jnp.issubdtype(q_positions.dtype, jnp.integer)):
         raise ValueError(f"lengths and q_positions must be integers, got {lengths.dtype} and {q_positions.dtype}")
+
+
+def check_pages(q, k_pages, v_pages, block_tables):
+    """The shapes both paged kernels (Triton and Mosaic) take: q [B, T, N, H], one layer's pool of pages
+    k_pages = v_pages [K, P, page_size, H] of one dtype, block_tables [B, M] integers."""
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H] and k_pages [K, P, page_size, H], got {q.shape} and "
+                         f"{k_pages.shape}")
+    B, _, _, H = q.shape
+    if v_pages.shape != k_pages.shape or k_pages.shape[3] != H:
+        raise ValueError(f"k_pages and v_pages must both be [K, P, page_size, H={H}], got {k_pages.shape} and "
+                         f"{v_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must have one dtype, got {k_pages.dtype} and {v_pages.dtype}")
+    if k_pages.shape[1] == 0 or k_pages.shape[2] == 0:
+        raise ValueError(f"the pool needs at least one page (its null page 0) of at least one key, got k_pages "
+                         f"{k_pages.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be [B={B}, M] integers, got {block_tables.shape} {block_tables.dtype}")
 
 
 def scale_inputs(k_scale, v_scale):

@@ -93,7 +93,7 @@ def xla_chunked_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_
 # Blocks of the blockwise path, tuned on CPU (2 cores, Llama heads of 64: 4-6x faster than `xla_attention` at 1-2K
 # tokens); a prompt of at most FLASH_BLOCK_Q queries is one block and takes `xla_attention` unchanged.
 FLASH_BLOCK_Q, FLASH_BLOCK_K = 256, 256
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the running max
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf in the running max
 
 
 def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
@@ -150,7 +150,7 @@ def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
                 # 1/sqrt(H) on the fp32 scores, as `xla_attention` and the kernels: on a bf16 q it rounded every
                 # query where the scale is no power of two (H 96, 128), 2.8x the mean error of transformers' sdpa
                 scores = jnp.einsum("BKRH,BKSH->BKRS", qb, kb, preferred_element_type=jnp.float32) * h ** -0.5
-                scores = scores + jnp.where(visible, 0.0, _MASKED)[:, None]
+                scores = scores + jnp.where(visible, 0.0, MASKED)[:, None]
                 new_max = jnp.maximum(row_max, scores.max(axis=-1))
                 probs = jnp.exp(scores - new_max[..., None])  # masked keys: 0, once a row has seen a visible one
                 rescale = jnp.exp(row_max - new_max)
@@ -162,10 +162,10 @@ def xla_flash_attention(q, k, v, q_positions, kv_positions, q_segment_ids, kv_se
             return jax.lax.cond(meets, visit, lambda *c: c, *carry)
 
         shape = (b, kv_heads, rows)
-        carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _MASKED, jnp.float32),
+        carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, MASKED, jnp.float32),
                  jnp.zeros(shape, jnp.float32))
         out, row_max, row_sum = jax.lax.fori_loop(0, num_k, key_block, carry)
-        seen = row_max > _MASKED / 2  # a row that never saw a visible key: zeros
+        seen = row_max > MASKED / 2  # a row that never saw a visible key: zeros
         out = jnp.where(seen[..., None], out / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
         return jnp.einsum("BKGTH->BTKGH", out.reshape(b, kv_heads, g, block_q, h)).astype(q.dtype)
 
@@ -378,8 +378,8 @@ def _mosaic_cache_attention(q, k, v, q_positions, kv_lengths, k_scale=None, v_sc
                           heads=(2, 1, 1, None, None) + tuple(1 if s.ndim else None for s in scales), out_heads=2)
 
 
-_DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention, "mosaic": _mosaic_cache_attention}
-DECODE_ATTENTION_IMPLS = tuple(_DECODE_IMPLS)
+DECODE_IMPLS = {"xla": _xla_cache_attention, "pallas": _pallas_cache_attention, "mosaic": _mosaic_cache_attention}
+DECODE_ATTENTION_IMPLS = tuple(DECODE_IMPLS)
 FEW_QUERIES = 16  # at most this many query tokens over a cache take the few-query path
 
 
@@ -387,7 +387,7 @@ def attend_cache(impl: str, q, k, v, q_positions, kv_lengths, k_scale=None, v_sc
     """Few-query attention over a cache by the named implementation (a quantised cache with its scales, see
     `kv_quant`); an unknown name raises."""
     try:
-        fn = _DECODE_IMPLS[impl]
+        fn = DECODE_IMPLS[impl]
     except KeyError:
-        raise ValueError(f"unknown decode_attention_impl {impl!r}: available are {', '.join(_DECODE_IMPLS)}") from None
+        raise ValueError(f"unknown decode_attention_impl {impl!r}: available are {', '.join(DECODE_IMPLS)}") from None
     return fn(q, k, v, q_positions, kv_lengths, k_scale, v_scale)

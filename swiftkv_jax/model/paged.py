@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from swiftkv_jax.model.attention import _DECODE_IMPLS, _MASKED, FEW_QUERIES, attend
+from swiftkv_jax.model.attention import DECODE_IMPLS, MASKED, FEW_QUERIES, attend
 from swiftkv_jax.model.kv_quant import as_stored, dequantize_pair, write_pair
 from swiftkv_jax.sharding import map_over_heads
 
@@ -109,7 +109,7 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
                                lambda a: a[:, pages].reshape((kv_heads, d, block) + a.shape[3:]))
         scores = jax.lax.dot_general(k.astype(jnp.float32), query, (((3,), (3,)), ((0, 1), (0, 1))))  # [K, D, S, R]
         visible = (i * block + jnp.arange(block))[None, :, None] < limit[:, None, :]  # [D, S, R]
-        scores = jnp.where(visible[None], scores, _MASKED)
+        scores = jnp.where(visible[None], scores, MASKED)
         new_max = jnp.maximum(row_max, scores.max(axis=2))
         probs = jnp.where(visible[None], jnp.exp(scores - new_max[:, :, None]), 0.0)
         rescale = jnp.exp(row_max - new_max)
@@ -118,7 +118,7 @@ def _paged_xla(q, k_pages, v_pages, tables, lengths, q_positions, pages_per_bloc
         return out, new_max, row_sum * rescale + probs.sum(axis=2)
 
     shape = (kv_heads, d, rows)
-    carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32))
+    carry = (jnp.zeros(shape + (h,), jnp.float32), jnp.full(shape, MASKED, jnp.float32), jnp.zeros(shape, jnp.float32))
     if blocks == 1:
         out, _, row_sum = step(0, carry)
     elif loop == "static":  # a trip count known when compiling: no condition goes back to the host
@@ -163,7 +163,7 @@ def _paged_mosaic(q, k_pages, v_pages, tables, lengths, q_positions, k_scale=Non
 
 
 _PAGED_IMPLS = {"xla": _paged_xla, "pallas": _paged_pallas, "mosaic": _paged_mosaic}
-assert set(_PAGED_IMPLS) == set(_DECODE_IMPLS), "every decode_attention_impl needs its paged form"
+assert set(_PAGED_IMPLS) == set(DECODE_IMPLS), "every decode_attention_impl needs its paged form"
 
 
 def _by_length(attend, q, tables, lengths, q_positions, group: int):
