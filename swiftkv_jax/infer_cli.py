@@ -44,6 +44,8 @@ non_negative_int = _bounded(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _bounded(float, lambda v: 0 < v < math.inf, "a positive number")
 non_negative_float = _bounded(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 fraction = _bounded(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+unit_interval = _bounded(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+seed_number = _bounded(int, lambda v: 0 <= v < 2**31, "an integer in [0, 2**31)")  # as the server's requests (SEEDS)
 port = _bounded(int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: any free port)")
 
 
@@ -85,15 +87,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="checkpoint directory (HF or Orbax) with its tokenizer")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt; its tokens are streamed as they are generated")
-    src.add_argument("--prompts-file", help="a text file with one prompt per line, or jsonl with a 'prompt' field")
+    src.add_argument("--prompts-file", help="a text file with one prompt per line, .jsonl with a 'prompt' field a "
+                                            "line, or .json: a list of prompts (strings or objects with a 'prompt')")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated a prompt, at most")
     g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
     g.add_argument("--top-p", type=fraction, default=1.0, help="1: off")
-    g.add_argument("--min-p", type=fraction, default=0.0,
+    g.add_argument("--min-p", type=unit_interval, default=0.0,
                    help="0: off; drops tokens less likely than min_p x the most likely one (after the temperature)")
-    g.add_argument("--seed", type=int, default=0, help="sampling (with --temperature > 0)")
+    g.add_argument("--seed", type=seed_number, default=0, help="sampling (with --temperature > 0)")
     g.add_argument("--batch-size", type=positive_int, default=16, help="prompts per batch (--prompts-file)")
     g.add_argument("--max-len", type=positive_int, default=None,
                    help="KV-cache length (default: prompt + max-new-tokens, at least the prompt's padded bucket, "
@@ -114,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=positive_int, default=32, help="requests scored at once")
     e.add_argument("--max-length", type=positive_int, default=2048, help="context + answer tokens (perplexity: window)")
     e.add_argument("--max-new-tokens", type=positive_int, default=256, help="generation tasks (gsm8k)")
-    e.add_argument("--seed", type=int, default=1234, help="few-shot sampling")
+    e.add_argument("--seed", type=seed_number, default=1234, help="few-shot sampling")
     e.add_argument("--output", help="write the results as JSON here")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     _model_options(e)
@@ -136,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--memory-bandwidth", type=positive_float, default=None,
                    help="device memory bandwidth in bytes/s (H200: 4.8e12) for the TPOT roofline (none with "
                         "--gen-len 0)")
-    b.add_argument("--seed", type=int, default=0, help="random prompts (and --random-weights)")
+    b.add_argument("--seed", type=seed_number, default=0, help="random prompts (and --random-weights)")
     b.add_argument("--output", help="write the results as JSON here")
     b.add_argument("--dry-run", action="store_true",
                    help="print the bytes per device of the weights and the KV cache for --tensor-parallel 1, 2, 4, 8 "
@@ -284,7 +287,7 @@ def _load_model(path: str, args, mesh=None):
     model = sk.load(path, args.dtype) if mesh is None else load_sharded(path, args.dtype, mesh=mesh)
     changes = {"attention_impl": args.attention_impl, "decode_attention_impl": args.decode_attention_impl}
     changes = {k: v for k, v in changes.items() if v is not None}
-    eos = _generation_eos(path, model.config.eos_token_id)
+    eos = _generation_eos(path, model.config)
     if eos != model.config.eos_token_id:
         changes["eos_token_id"] = eos
     return sk.Model(model.config.replace(**changes), model.params) if changes else model
@@ -308,13 +311,21 @@ def _generation_config(path: str) -> tuple[dict, str]:
     return config, file
 
 
-def _generation_eos(path: str, eos):
+def _generation_eos(path: str, config):
     """config.json's EOS ids and generation_config.json's after them, which generate, eval and serve stop at: as
     transformers' generate and vLLM do. Llama-3-Instruct and Qwen2.5-Instruct name only <|eot_id|> / <|im_end|> in
-    config.json, <|end_of_text|> / <|endoftext|> too in generation_config.json, and do end answers with them."""
-    more = _generation_config(path)[0].get("eos_token_id")
+    config.json, <|end_of_text|> / <|endoftext|> too in generation_config.json, and do end answers with them. An id
+    outside the vocabulary is refused here, naming its file: it would fail every request that stops at it."""
+    eos, vocab = config.eos_token_id, config.vocab_size
+    more, file = _generation_config(path)
+    more = more.get("eos_token_id")
     more = more if isinstance(more, list) else [more]
     extra = [t for t in more if isinstance(t, int) and not isinstance(t, bool) and t not in (eos or ())]
+    for ids, where in ((eos or (), os.path.join(os.path.expanduser(path), "config.json")), (extra, file)):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{where}: eos_token_id {bad[0]} lies outside the model's vocabulary [0, {vocab}): fix "
+                             f"it or remove it")
     return tuple(eos or ()) + tuple(dict.fromkeys(extra)) if extra else eos
 
 
@@ -329,19 +340,30 @@ def _model_config(args, path: Optional[str] = None):
     directory, then a malformed config, are named as such, not as a tokenizer that does not load."""
     from swiftkv_jax.checkpoints import detect_format
     from swiftkv_jax.checkpoints.hf import read_config
-    from swiftkv_jax.checkpoints.hf_config import config_from_hf
+    from swiftkv_jax.checkpoints.hf_config import config_from_hf, stored_dtype
 
     path = path or args.model
     detect_format(path)
-    config = config_from_hf(read_config(path))
+    hf = read_config(path)
+    try:
+        config = config_from_hf(hf)
+        if getattr(args, "dtype", None) is None:
+            stored_dtype(hf)
+    except ValueError as e:  # the file named, and the flag that overrides its dtype
+        fix = "; or give --dtype" if getattr(args, "dtype", None) is None and "dtype" in str(e) else ""
+        raise ValueError(f"{os.path.join(path, 'config.json')}: {e}{fix}") from None
+    _generation_eos(path, config)  # its stop ids checked before any weight is read
     if getattr(args, "teacher_mode", False) and not config.is_swiftkv:
         raise ValueError(f"--teacher-mode: {path} is not a SwiftKV model (it is already served as its own teacher)")
     return config
 
 
-def _tokenizer(args, path: Optional[str] = None, chat_flag: Optional[str] = None):
+def _tokenizer(args, path: Optional[str] = None, chat_flag: Optional[str] = None, config=None):
     """The tokenizer of --tokenizer or the checkpoint; with `chat_flag` (the flag that asks for the chat template) one
-    without a chat template is refused here, naming that flag."""
+    without a chat template is refused here, naming that flag. With the model's `config`, a --tokenizer with more
+    tokens than the model's vocabulary is refused (another model's: its ids past the vocabulary have no embedding);
+    a checkpoint's own such tokenizer is served with a warning (its extra tokens fail only the prompts that hold
+    them)."""
     from swiftkv_jax.data import DataError
     from swiftkv_jax.data.chat import load_tokenizer
 
@@ -350,6 +372,13 @@ def _tokenizer(args, path: Optional[str] = None, chat_flag: Optional[str] = None
         tokenizer = load_tokenizer(where)
     except DataError as e:
         raise DataError(f"{e}; or pass --tokenizer DIR") from e
+    if config is not None and len(tokenizer) > config.vocab_size:
+        mismatch = (f"the tokenizer in {where} has {len(tokenizer)} tokens, more than the model's vocabulary "
+                    f"({config.vocab_size}, config.json)")
+        if args.tokenizer:
+            raise ValueError(f"--tokenizer {args.tokenizer}: {mismatch}: pass the model's own tokenizer")
+        print(f"warning: {mismatch}: a prompt holding one of its last {len(tokenizer) - config.vocab_size} tokens "
+              f"will be refused", file=sys.stderr)
     if chat_flag and not tokenizer.chat_template:
         raise ValueError(f"{chat_flag}: the tokenizer in {where} has no chat template: drop {chat_flag}, or pass "
                          f"--tokenizer DIR with one")
@@ -357,14 +386,18 @@ def _tokenizer(args, path: Optional[str] = None, chat_flag: Optional[str] = None
 
 
 def _read_prompts(path: str) -> list[str]:
-    """One prompt a line of a text file, or the 'prompt' field of each line of a .jsonl file; a file that cannot be
-    read, or a bad line, is named with its line number."""
+    """One prompt a line of a text file, the 'prompt' field of each line of a .jsonl file, or a .json file's list of
+    prompts (strings or objects with a 'prompt'); a file that cannot be read, or a bad line, is named with its line
+    number."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise ValueError(f"--prompts-file {path}: cannot read it ({reason})") from None
+    if path.endswith(".json"):
+        return _json_prompts(path, text)
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not path.endswith(".jsonl"):
         return [line.rstrip("\n") for _, line in lines]
     prompts = []
@@ -378,6 +411,23 @@ def _read_prompts(path: str) -> list[str]:
             raise ValueError(f"--prompts-file {path}, line {n}: needs an object with a string 'prompt' field, e.g. "
                              f"{{\"prompt\": \"...\"}}")
         prompts.append(row["prompt"])
+    return prompts
+
+
+def _json_prompts(path: str, text: str) -> list[str]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prompts-file {path}: not valid JSON ({e.msg}, line {e.lineno}, column {e.colno}); a "
+                         f".json file holds one list of prompts, e.g. [\"...\", {{\"prompt\": \"...\"}}]") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"--prompts-file {path}: a .json file holds a list of prompts, got a JSON "
+                         f"{type(rows).__name__}")
+    prompts = [row.get("prompt") if isinstance(row, dict) else row for row in rows]
+    bad = next((i for i, prompt in enumerate(prompts) if not isinstance(prompt, str)), None)
+    if bad is not None:
+        raise ValueError(f"--prompts-file {path}, item {bad}: needs a string, or an object with a string 'prompt' "
+                         f"field, e.g. {{\"prompt\": \"...\"}}")
     return prompts
 
 
@@ -408,7 +458,7 @@ def _generate(args) -> int:
     if not prompts:
         raise ValueError(f"--prompts-file {args.prompts_file}: no prompts")
     config = _model_config(args)
-    tokenizer = _tokenizer(args, chat_flag="--chat" if args.chat else None)
+    tokenizer = _tokenizer(args, chat_flag="--chat" if args.chat else None, config=config)
     ids = [render_context(tokenizer, p, args.chat) for p in prompts]
     _check_length(args, config, ids)
     mesh = _mesh(args)
@@ -467,6 +517,9 @@ def _eval(args) -> int:
     if repeated:
         raise ValueError(f"--tasks gives {', '.join(repeated)} more than once: give each task once")
     tasks = [load_task(spec, num_fewshot=shots(spec), limit=args.limit, seed=args.seed) for spec in args.tasks]
+    if any(t.kind == "generation" for t in tasks) and args.max_new_tokens >= args.max_length:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length "
+                         f"{args.max_length}: lower --max-new-tokens or raise --max-length")
     names = [t.name for t in tasks]  # two of one name (perplexity of two files, two MMLU subjects): told by spec
     tasks = [dataclasses.replace(t, label=spec) if names.count(t.name) > 1 else t for t, spec in zip(tasks, args.tasks)]
     options = EvalOptions(batch_size=args.batch_size, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
@@ -477,8 +530,12 @@ def _eval(args) -> int:
     chat_flag = "--chat-template" if args.chat_template else None
     tokenizers = {}
     for path in paths:
-        _model_config(args, path)
-        tokenizers[path] = _tokenizer(args, path, chat_flag)
+        config = _model_config(args, path)
+        if args.max_length > config.max_position_embeddings:
+            raise ValueError(f"--max-length {args.max_length} is larger than the max_position_embeddings of {path} "
+                             f"({config.max_position_embeddings}, config.json): lower --max-length to at most "
+                             f"{config.max_position_embeddings}")
+        tokenizers[path] = _tokenizer(args, path, chat_flag, config)
     results = {}
     for path in paths:
         try:
@@ -523,6 +580,13 @@ def _bench(args) -> int:
         return _bench_dry_run(args)
     if args.preset and not args.random_weights:
         raise ValueError("--preset builds a model shape without weights: add --random-weights (or use --model DIR)")
+    if args.prefill_chunk is not None and args.prompt_len % args.prefill_chunk:
+        raise ValueError(f"--prefill-chunk {args.prefill_chunk} must divide --prompt-len {args.prompt_len}")
+    positions = (_model_config(args) if args.model else bench.preset_config(args.preset)).max_position_embeddings
+    if args.prompt_len + args.gen_len > positions:
+        raise ValueError(f"--prompt-len {args.prompt_len} plus --gen-len {args.gen_len} needs "
+                         f"{args.prompt_len + args.gen_len} positions, but the model has {positions} "
+                         f"(max_position_embeddings): lower them")
     mesh = _mesh(args)
     if args.model:
         model = _load_model(args.model, args, mesh)
@@ -567,8 +631,11 @@ def _analyze(args) -> int:
 
     from swiftkv_jax.evaluation.analyze import analyze, format_summary
 
-    _model_config(args)  # a missing or non-checkpoint --model is named as such, not as a tokenizer problem
-    _tokenizer(args)
+    config = _model_config(args)  # a missing or non-checkpoint --model is named as such, not as a tokenizer problem
+    if args.swiftkv and not config.is_swiftkv:
+        raise ValueError(f"--swiftkv: {args.model} is not a SwiftKV model (its only wiring is the teacher's): drop "
+                         f"--swiftkv")
+    _tokenizer(args, config=config)
     with tqdm(total=args.max_tokens, unit="tok", desc="analyze", file=sys.stderr) as bar:
         result = analyze(args.model, args.data, max_tokens=args.max_tokens, max_length=args.max_length,
                          out_dir=args.out, tokenizer_dir=args.tokenizer, dtype=args.dtype,
@@ -643,7 +710,10 @@ def _kv_pool(args, config) -> tuple[dict, Optional[int]]:
         from swiftkv_jax.serving.tensor_parallel import plan
 
         config = plan(config, args.tensor_parallel).served(config)
-    pages = pages_for_budget(config, swiftkv, args.page_size, _cache_format(args), **pool)
+    try:
+        pages = pages_for_budget(config, swiftkv, args.page_size, _cache_format(args), **pool)
+    except ValueError as e:  # the library's names: say the flags that set them
+        raise ValueError(f"{e} (the flags: --num-pages or --kv-cache-bytes, and --page-size)") from None
     return pool, tokens_held(pages, args.page_size)
 
 
@@ -714,7 +784,7 @@ def _serve(args) -> int:
     buckets = dict(single_buckets=_buckets(args.single_buckets, "--single-buckets"),
                    prompt_buckets=_buckets(args.prompt_buckets, "--prompt-buckets"))
     config = _model_config(args)
-    tokenizer = _tokenizer(args)
+    tokenizer = _tokenizer(args, config=config)
     sampling = _sampling_defaults(args)
     api_key = _api_key(args)
     tool_parser = _tool_parser(args)

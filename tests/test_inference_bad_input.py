@@ -294,3 +294,122 @@ def test_serves_pool_check_sizes_an_auto_cache_in_the_dtype_the_weights_load_in(
         code, _, err = run(capsys, "serve", "--model", model, *flags, "--kv-cache-bytes", budget, "--page-size", 16,
                            "--max-model-len", POSITIONS)
         assert code == 2 and f"pool holds ({held[dtype]} tokens)" in err, (model, flags, err)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("generate", "--prompt", "hi", "--seed", str(2**63)), "argument --seed: must be an integer in [0, 2**31)"),
+    (("generate", "--prompt", "hi", "--seed", "-1"), "argument --seed: must be an integer in [0, 2**31), got -1"),
+    (("bench", "--seed", str(2**31)), "argument --seed: must be an integer in [0, 2**31)"),
+    (("generate", "--prompt", "hi", "--min-p", "1.5"), "argument --min-p: must be a number in [0, 1], got 1.5"),
+])
+def test_seeds_and_min_p_are_refused_at_parsing(argv, message, capsys):
+    """A seed past 64 bits failed inside jax.random once the model had loaded; the CLI's seeds take the server's
+    range. --min-p 0 (its default, "off") is taken."""
+    with pytest.raises(SystemExit) as exit_:
+        main([argv[0], "--model", "/nonexistent", *argv[1:]])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    from swiftkv_jax.infer_cli import parser
+
+    args = parser().parse_args(["generate", "--model", "m", "--prompt", "hi", "--min-p", "0", "--seed", str(2**31 - 1)])
+    assert args.min_p == 0 and args.seed == 2**31 - 1
+
+
+def test_stop_ids_outside_the_vocabulary_are_named_with_their_file(weightless, capsys, tmp_path):
+    """generation_config.json's EOS ids are every request's stop ids: one past the vocabulary made the server refuse
+    every request (blaming the client's stop_token_ids); refused at start, naming the file, before any weight."""
+    bad = _copy(weightless, tmp_path / "gc")
+    (bad / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 99999]}))
+    vocab = json.loads((bad / "config.json").read_text())["vocab_size"]
+    for argv in (("generate", "--prompt", "hi"), ("serve",)):
+        code, _, err = run(capsys, argv[0], "--model", bad, *argv[1:])
+        assert code == 2 and f"{bad / 'generation_config.json'}: eos_token_id 99999 lies outside the model's " \
+                             f"vocabulary [0, {vocab}): fix it or remove it" in err, err
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(weightless, capsys, tmp_path):
+    """--tokenizer with more tokens than the model's vocabulary (another model's) is refused at start, naming both;
+    a checkpoint's own such tokenizer is only warned of (a prompt without its extra tokens serves)."""
+    from transformers import AutoTokenizer
+
+    big = tmp_path / "bigtok"
+    tokenizer = AutoTokenizer.from_pretrained(weightless)
+    tokenizer.add_tokens(["<|big|>"])
+    tokenizer.save_pretrained(big)
+    code, _, err = run(capsys, "generate", "--model", weightless, "--tokenizer", big, "--prompt", "hi")
+    vocab = len(tokenizer) - 1
+    assert code == 2 and f"--tokenizer {big}: the tokenizer in {big} has {vocab + 1} tokens, more than the model's " \
+                         f"vocabulary ({vocab}, config.json): pass the model's own tokenizer" in err
+    own = _copy(weightless, tmp_path / "own")
+    tokenizer.save_pretrained(own)
+    code, _, err = run(capsys, "generate", "--model", own, "--prompt", "hi", "--max-new-tokens", 5000)
+    assert code == 2 and f"warning: the tokenizer in {own} has {vocab + 1} tokens" in err
+    assert "plus --max-new-tokens 5000 needs" in err  # went on past the warning
+
+
+def test_eval_refuses_lengths_the_model_cannot_hold_before_loading(weightless, capsys, tmp_path):
+    tasks = tmp_path / "gsm.jsonl"
+    tasks.write_text(json.dumps({"question": "2 + 2?", "answer": "#### 4"}) + "\n")
+    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--num-fewshot", 0,
+                       "--max-length", 8192)
+    assert code == 2 and f"--max-length 8192 is larger than the max_position_embeddings of {weightless} " \
+                         f"({POSITIONS}, config.json): lower --max-length to at most {POSITIONS}" in err
+    code, _, err = run(capsys, "eval", "--model", weightless, "--tasks", f"gsm8k={tasks}", "--num-fewshot", 0,
+                       "--max-new-tokens", 5000)
+    assert code == 2 and "--max-new-tokens 5000 leaves no room for a prompt in --max-length 2048" in err
+
+
+def test_bench_refuses_lengths_by_their_flags(weightless, capsys):
+    code, _, err = run(capsys, "bench", "--model", weightless, "--prompt-len", 8000)
+    assert code == 2 and f"--prompt-len 8000 plus --gen-len 128 needs 8128 positions, but the model has {POSITIONS}" \
+                         in err
+    code, _, err = run(capsys, "bench", "--model", weightless, "--prompt-len", 64, "--prefill-chunk", 48)
+    assert code == 2 and "--prefill-chunk 48 must divide --prompt-len 64" in err
+
+
+def test_config_errors_name_the_file_and_the_flag_that_overrides(weightless, capsys, tmp_path):
+    hf = json.loads((weightless / "config.json").read_text())
+    bad = _copy(weightless, tmp_path / "int8")
+    (bad / "config.json").write_text(json.dumps({**hf, "torch_dtype": "int8", "dtype": "int8"}))
+    code, _, err = run(capsys, "generate", "--model", bad, "--prompt", "hi")
+    assert code == 2 and f"{bad / 'config.json'}: " in err and "int8" in err and "or give --dtype" in err
+    (bad / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": "4"}))
+    code, _, err = run(capsys, "serve", "--model", bad)
+    assert code == 2 and f"{bad / 'config.json'}: num_hidden_layers must be a positive int, got '4'" in err
+
+
+def test_analyze_swiftkv_on_a_teacher_names_the_flag(weightless, capsys, tmp_path):
+    (tmp_path / "doc.txt").write_text("apple pear fig " * 20)
+    code, _, err = run(capsys, "analyze", "--model", weightless, "--data", tmp_path / "doc.txt", "--swiftkv")
+    assert code == 2 and f"--swiftkv: {weightless} is not a SwiftKV model" in err and "drop --swiftkv" in err
+
+
+def test_serves_pool_errors_name_the_flags(weightless, capsys):
+    code, _, err = run(capsys, "serve", "--model", weightless, "--kv-cache-bytes", 100)
+    assert code == 2 and "at least 2 pages" in err and "--num-pages or --kv-cache-bytes, and --page-size" in err
+
+
+def test_a_run_folder_points_at_its_models(tmp_path, capsys):
+    """--model at a train.py run's folder (or a training state in it) says where the run's models are."""
+    run_dir = tmp_path / "run"
+    (run_dir / "student_hf").mkdir(parents=True)
+    (run_dir / "student_hf" / "config.json").write_text("{}")
+    (run_dir / "checkpoints" / "57" / "state").mkdir(parents=True)
+    (run_dir / "checkpoints" / "57" / "meta").mkdir()
+    code, _, err = run(capsys, "generate", "--model", run_dir, "--prompt", "hi")
+    assert code == 2 and f"the checkpoints in it: {run_dir / 'student_hf'}" in err
+    code, _, err = run(capsys, "generate", "--model", run_dir / "checkpoints" / "57", "--prompt", "hi")
+    assert code == 2 and "a train.py training state" in err and "student_hf or student_orbax" in err
+
+
+def test_a_json_prompts_file_is_a_list_of_prompts(tmp_path):
+    from swiftkv_jax.infer_cli import _read_prompts
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["a", {"prompt": "b\nc"}]))
+    assert _read_prompts(str(prompts)) == ["a", "b\nc"]
+    prompts.write_text(json.dumps({"prompt": "a"}))
+    with pytest.raises(ValueError, match="a .json file holds a list of prompts, got a JSON dict"):
+        _read_prompts(str(prompts))
+    prompts.write_text(json.dumps(["a", {"text": "b"}]))
+    with pytest.raises(ValueError, match="item 1: needs a string, or an object with a string 'prompt'"):
+        _read_prompts(str(prompts))

@@ -878,6 +878,17 @@ BAD = [  # (path, body, status, param, words in the message)
      "cannot be greater than max_model_len - max_tokens = 128 - 16 = 112"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], truncate_prompt_tokens=129), 400,
      "truncate_prompt_tokens", "cannot be greater than max_model_len = 128"),
+    # a probe's finds (2026-11-28): each had a 500, a wrong field or no refusal
+    ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "it nests too deeply"),
+    ("/v1/completions", dict(prompt="hi", logprobs=100), 400, "logprobs", "logprobs must lie in [0, 20], got 100"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=-1), 400, "max_tokens", "max_tokens must be >= 1, got -1"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=-4), 400,
+     "max_completion_tokens", "max_completion_tokens must be >= 1, got -4"),
+    ("/v1/completions", dict(prompt="hi", temperature=1e308), 400, "temperature", "temperature must be at most"),
+    ("/v1/completions", dict(prompt="hi", model=5), 400, "model", "model must be a string"),
+    ("/v1/completions", dict(prompt="hi", user=5), 400, "user", "user must be a string, got 5"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user"}]), 400, "messages[0].content",
+     "messages[0].content is required in a user message"),
 ]
 
 

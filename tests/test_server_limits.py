@@ -359,3 +359,29 @@ def test_max_request_bytes_must_be_a_positive_integer(server):
     for bad in (0, -1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="max_request_bytes must be an integer >= 1"):
             make_app(engine, tokenizer, "m", max_request_bytes=bad)
+
+
+def test_a_client_gone_before_its_body_arrived_leaves_no_traceback(server):
+    """A client that sends its headers and part of its body, then hangs up: the server logged uvicorn's "Exception in
+    ASGI application" with starlette's ClientDisconnect traceback. Nobody is left to answer; nothing is logged, and the
+    server goes on."""
+    import logging
+    import socket
+
+    url, engine, *_ = server
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hi", ')
+            time.sleep(0.3)  # the handler is reading the body when the client goes
+        time.sleep(0.5)
+        assert httpx.post(f"{url}/v1/completions", json=dict(prompt="hi", max_tokens=2), timeout=60).status_code == 200
+    finally:
+        log.removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]

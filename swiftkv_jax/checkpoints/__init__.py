@@ -25,8 +25,19 @@ def detect_format(path) -> str:
     if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
         return "hf"
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; not a Hugging Face or swiftkv-jax Orbax checkpoint")
+        raise FileNotFoundError(f"{path}: no config.json; not a Hugging Face or swiftkv-jax Orbax checkpoint"
+                                + _checkpoints_inside(path))
     return "hf"  # config.json without weights: load_hf names the missing files
+
+
+def _checkpoints_inside(path: Path) -> str:
+    """A hint for a folder that holds checkpoints (a train.py run's student_hf / student_orbax) or is a training
+    state (a run's checkpoints/STEP, which resumes training and holds no model to load)."""
+    if (path / "state").is_dir() and (path / "meta").is_dir():
+        return ("; it is a train.py training state (it resumes the run): load the model the run exported, in its "
+                "student_hf or student_orbax folder (model_hf, model_orbax for a pretraining run)")
+    inside = sorted(str(child) for child in path.iterdir() if child.is_dir() and (child / "config.json").is_file())
+    return f"; the checkpoints in it: {', '.join(inside[:4])}" if inside else ""
 
 
 def load(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES,

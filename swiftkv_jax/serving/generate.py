@@ -19,7 +19,7 @@ from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.errors import InvalidRequest
-from swiftkv_jax.serving.sampling import SamplingParams, check_min_tokens, check_penalties, sample
+from swiftkv_jax.serving.sampling import SamplingParams, check_min_tokens, check_penalties, check_seed, sample
 from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
@@ -161,7 +161,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     if check_min_tokens(min_tokens, max_new_tokens):  # the range checked first: a bad value names its range
         raise InvalidRequest("min_tokens is applied by sk.Engine (add_request takes it) and the server, not by "
                              "sk.generate: use sk.Engine", "min_tokens")
-    seed = integer("seed", seed)
+    seed = check_seed(seed)
     logprobs = flag("logprobs", logprobs)
     max_len = None if max_len is None else integer("max_len", max_len, 1, optional=True)
     prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0, optional=True) or None

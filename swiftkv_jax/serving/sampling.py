@@ -15,6 +15,7 @@ from swiftkv_jax.serving.errors import InvalidRequest
 
 
 TINY = float(jnp.finfo(jnp.float32).tiny)  # the smallest normal fp32 temperature
+MAX_TEMPERATURE = float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +33,25 @@ class SamplingParams:
         object.__setattr__(self, "top_p", real("top_p", self.top_p, InvalidRequest))
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
+        if self.temperature > MAX_TEMPERATURE:  # the step divides in fp32, where it would be inf
+            raise InvalidRequest(f"temperature must be at most {MAX_TEMPERATURE:.4g} (fp32's largest number), got "
+                                 f"{self.temperature:.4g}", "temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}", "top_p")
         object.__setattr__(self, "min_p", real("min_p", self.min_p, InvalidRequest))
         if not 0 <= self.min_p <= 1:
             raise InvalidRequest(f"min_p must lie in [0, 1] (0 = off), got {self.min_p}", "min_p")
+
+
+SEEDS = 2**31  # a request's seed lies in [0, SEEDS), as the server's clients send it (a 32-bit signed int)
+
+
+def check_seed(seed) -> int:
+    """A request's sampling seed as an int in [0, SEEDS); InvalidRequest naming it."""
+    seed = integer("seed", seed, error=InvalidRequest)
+    if not 0 <= seed < SEEDS:
+        raise InvalidRequest(f"seed must lie in [0, 2**31), got {seed}", "seed")
+    return seed
 
 
 def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> tuple:

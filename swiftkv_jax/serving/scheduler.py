@@ -50,7 +50,8 @@ from swiftkv_jax.checks import flag, integer, real
 from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
-from swiftkv_jax.serving.sampling import SamplingParams, check_logit_bias, check_min_tokens, check_penalties
+from swiftkv_jax.serving.sampling import (SamplingParams, check_logit_bias, check_min_tokens, check_penalties,
+                                         check_seed)
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -123,7 +124,7 @@ class RequestParams:
         changes = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                        min_p=sampling.min_p, repetition_penalty=repetition, presence_penalty=presence,
                        frequency_penalty=frequency, logit_bias=check_logit_bias(bias, vocab_size),
-                       max_tokens=whole("max_tokens", self.max_tokens), seed=whole("seed", self.seed),
+                       max_tokens=whole("max_tokens", self.max_tokens), seed=check_seed(self.seed),
                        top_logprobs=whole("top_logprobs", self.top_logprobs),
                        logprobs=flag("logprobs", self.logprobs, InvalidRequest))  # bool("false") is True
         if changes["max_tokens"] < 1:
@@ -139,8 +140,6 @@ class RequestParams:
             if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequest(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (or None: off), got "
                                      f"{self.prompt_logprobs}", "prompt_logprobs")
-        if not 0 <= self.seed < 2**31:
-            raise InvalidRequest(f"seed must lie in [0, 2**31), got {self.seed}", "seed")
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be token ids (integers), got {list(self.stop_token_ids)}",
                                  "stop_token_ids")

@@ -180,6 +180,8 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _check_fields(body: dict, allowed: set) -> None:
+    if "user" in body and body["user"] is not None and not isinstance(body["user"], str):  # OpenAI's type, unused
+        raise RequestError(f"user must be a string, got {shown(body['user'])}", "user")
     unknown = sorted(set(body) - allowed)
     if unknown:
         names = ", ".join(name if len(name) <= SHOWN else shown(name) for name in unknown[:5])
@@ -495,7 +497,7 @@ def _min_tokens(body: dict) -> int:
     if min_tokens < 0:
         raise RequestError(f"min_tokens must be greater than or equal to 0, got {min_tokens}", "min_tokens")
     given = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
-    if isinstance(given, int) and not isinstance(given, bool) and min_tokens > given:  # a bad one: its own 400
+    if isinstance(given, int) and not isinstance(given, bool) and 1 <= given < min_tokens:  # a bad one: its own 400
         raise RequestError(f"min_tokens must be less than or equal to max_tokens={given}, got {min_tokens}",
                            "min_tokens")
     return min_tokens
@@ -642,7 +644,11 @@ def parse_completion(body: dict, tokenizer, defaults: Optional[dict] = None,
     if best_of is not None and best_of != common["n"]:
         raise RequestError(f"best_of={shown(best_of)} is not supported (only best_of = n)", "best_of",
                            code="unsupported_parameter")
+    from swiftkv_jax.serving.scheduler import MAX_TOP_LOGPROBS
+
     logprobs = _number(body, "logprobs", None, integer=True)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
     echo = _bool(body, "echo")
     max_tokens, field = _max_tokens(body, "max_tokens", zero_ok=echo)
     max_tokens = 16 if max_tokens is None else max_tokens
@@ -823,6 +829,9 @@ def _clean_message(message, i: int) -> dict:
     if extra:
         raise RequestError(f"messages[{i}] has fields this server does not support: {', '.join(sorted(extra))}",
                            f"messages[{i}]")
+    if message.get("content") is None and role != "assistant":  # OpenAI's: only an assistant turn may have none
+        raise RequestError(f"messages[{i}].content is required in a {role} message", f"messages[{i}].content",
+                           code="missing_required_parameter")
     clean = {"role": role, "content": _content(message, i)}
     if message.get("tool_calls"):  # [] is dropped, as vLLM's: the template takes the plain path
         clean["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")

@@ -30,6 +30,7 @@ import uuid
 from typing import Optional
 
 from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+from starlette.requests import ClientDisconnect
 
 from swiftkv_jax.serving.engine_loop import EngineFailed, EngineLoop
 from swiftkv_jax.serving.errors import InvalidRequest
@@ -113,7 +114,7 @@ class Server:
         wanted = len(job.prompts) * job.n
         if wanted > self.limit:
             raise RequestError(f"this request needs {wanted} sequences (prompts x n) but the server admits at most "
-                               f"{self.limit} at a time", "n")
+                               f"{self.limit} at a time", "n" if job.n > 1 else job.param("prompt"))
         if self.loop.in_flight + wanted > self.limit:
             raise RequestError(f"the server is at capacity ({self.loop.in_flight} requests in flight, at most "
                                f"{self.limit}): retry later", None, 503, code="overloaded", type="server_error",
@@ -310,6 +311,9 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
         except ValueError as e:
             raise RequestError(f"We could not parse the JSON body of your request ({e}). The body must be a JSON "
                                f"object.", None, code="invalid_json") from None
+        except RecursionError:  # Python's parser recurses once a level: thousands of [[[... exhaust its stack
+            raise RequestError("We could not parse the JSON body of your request: it nests too deeply. The body "
+                               "must be a JSON object of the OpenAI API's fields.", None, code="invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError(f"the JSON body must be an object, got {type(body).__name__}", None,
                                code="invalid_json")
@@ -321,6 +325,9 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
                 raise RequestError(f"{name} holds a string that is not valid Unicode (a lone surrogate such as "
                                    f"\\ud800): send UTF-8 text", name, code="invalid_json") from None
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model must be a string (a served model's name), got {type(model).__name__}",
+                               "model")
         if model is not None and model not in server.model_names:
             model = model if isinstance(model, str) and len(model) <= 200 else shown(model)
             served = ", ".join(f"`{name}`" for name in server.model_names)
@@ -336,11 +343,15 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
         chunks, size = [], int(declared) if declared.isdigit() else 0
         if size <= cap:
             size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > cap:
-                    break
-                chunks.append(chunk)
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > cap:
+                        break
+                    chunks.append(chunk)
+            except ClientDisconnect:  # gone before its body arrived: nobody to answer, and no traceback to log
+                raise RequestError("the client closed the connection before its request body arrived", None,
+                                   code="client_disconnected") from None
         if size > cap:
             raise RequestError(f"the request body holds more than {cap} bytes, the server's limit "
                                f"(--max-request-bytes): send fewer or shorter prompts per request, or raise the "
