@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal, Union
@@ -58,11 +59,27 @@ def type_name(tp) -> str:
 def _yaml(text: str, key: str):
     """A command-line value read as YAML (lists, mappings, numbers); malformed YAML names its key."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, _UniqueKeyLoader)
     except yaml.YAMLError as e:
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
         raise ConfigError(f"{key}: {text!r} is not valid YAML ({problem}): check its brackets, and quote a value "
                           f"that holds ',', ': ' or ' #'") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error: PyYAML keeps the last silently, so a
+    second `optim:` section dropped the first one's settings."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice ({lines}): merge the "
+                                                        f"two into one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
@@ -110,9 +127,12 @@ def _coerce(value, tp, key: str, from_text: bool, where: str = ""):
         if isinstance(value, bool):
             raise fail()
         try:  # YAML 1.1 reads "1e-4" as text
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise fail() from None
+        if not math.isfinite(number):  # no setting takes inf or nan: they failed later, in the step or its schedule
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             if from_text or isinstance(value, bool) or value is None:
@@ -174,7 +194,9 @@ def keys(cls, prefix: str = "") -> list[str]:
 
 
 def override(config, assignment: str):
-    """`config` with one `dotted.key=value` applied (value parsed per the field's type)."""
+    """`config` with one `dotted.key=value` applied (value parsed per the field's type). A mapping given for a section
+    (`loss={temperature: 1.0}`) is merged into it, as the same keys under that section in the recipe would be: the
+    section's other settings stay."""
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} must look like section.key=value")
     key, text = assignment.split("=", 1)
@@ -187,7 +209,20 @@ def override(config, assignment: str):
         if depth < len(path) - 1:
             node = getattr(node, name)
     tp = _hints(type(node))[path[-1]]
+    if _is_config(tp):
+        value = _yaml(text, key)
+        if isinstance(value, dict):
+            value = _merged(to_dict(getattr(node, path[-1])), value)
+        return _replace_path(config, path, _coerce(value, tp, key, False))
     return _replace_path(config, path, _coerce(text, tp, key, True))
+
+
+def _merged(base: dict, update: dict) -> dict:
+    """`update` over `base`, section by section (a list, e.g. data.sources, replaces the recipe's whole)."""
+    out = dict(base)
+    for name, value in update.items():
+        out[name] = _merged(out[name], value) if isinstance(value, dict) and isinstance(out.get(name), dict) else value
+    return out
 
 
 def _replace_path(node, path, value):
@@ -202,9 +237,14 @@ def load(cls, path=None, overrides=()):
     if path is not None:
         try:
             with open(path) as f:
-                values = yaml.safe_load(f) or {}
+                values = yaml.load(f, _UniqueKeyLoader) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path} is a directory: give the recipe's .yaml file (see configs/)") \
+                from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(values, dict):

@@ -12,14 +12,17 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 from safetensors import SafetensorError
 
 from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
-from swiftkv_jax.checkpoints.hf import parse_size
+from swiftkv_jax.checkpoints.hf import parse_size, read_config
+from swiftkv_jax.checkpoints.hf_config import stored_dtype
 from swiftkv_jax.checkpoints.sidecar import read_sidecar_files
+from swiftkv_jax.dtypes import dtype_name
 
 
 def main(argv=None) -> int:
@@ -38,12 +41,23 @@ def main(argv=None) -> int:
         parse_size(args.max_shard_size)
     except ValueError as e:
         parser.error(f"--max-shard-size: {e}")
+    try:  # the arguments, before the minutes of reading SRC
+        _check_arguments(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     start = time.perf_counter()
     # SIGTERM (a scheduler, `timeout`) ends the conversion as an exception would: the partial DST is removed
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         source_format = detect_format(args.src)
+        if args.dtype is None:  # config.json's dtype is the one written: a bad one is named as the file's
+            hf_config = read_config(args.src)
+            try:
+                stored_dtype(hf_config)
+            except ValueError as e:
+                raise ValueError(f"{Path(args.src) / 'config.json'}: {e}; or give --dtype") from None
         model = load(args.src, dtype=args.dtype)
         sidecars = read_sidecar_files(args.src)
         save(model, args.dst, format=args.to, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
@@ -64,6 +78,19 @@ def main(argv=None) -> int:
           f"{count / 1e6:.1f}M parameters in {cfg.param_dtype}, {time.perf_counter() - start:.1f}s"
           + (f"; copied {', '.join(sidecars)}" if sidecars else ""))
     return 0
+
+
+def _check_arguments(args) -> None:
+    if args.dtype is not None:
+        try:
+            dtype_name(args.dtype)
+        except ValueError as e:
+            raise ValueError(f"--dtype {args.dtype}: {e}") from None
+    dst = Path(args.dst).expanduser().absolute()
+    above = next(p for p in (dst, *dst.parents) if p.exists())
+    if not above.is_dir():
+        where = "is" if above == dst else f"lies under {above}, which is"
+        raise ValueError(f"DST {args.dst} {where} a file, not a directory: choose a directory path")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,34 @@ def test_a_failed_write_is_one_clear_error_and_leaves_nothing(src, tmp_path, cap
     (tmp_path / "afile").write_text("x")
     rc, _, err = run([src[0], tmp_path / "afile" / "a" / "b", "--to", "hf"], capsys)
     assert rc == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert f"lies under {tmp_path / 'afile'}, which is a file, not a directory" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_bad_dtype_in_config_json_is_named_as_the_files(src, tmp_path, capsys):
+    """No --dtype given: config.json's dtype is the one written, so a bad one names the file (it was reported as
+    if --dtype had been given), and --dtype is the way round it."""
+    bad = shutil.copytree(src[0], tmp_path / "int4")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "torch_dtype": "int4", "dtype": "int4"}))
+    rc, _, err = run([bad, tmp_path / "dst", "--to", "orbax"], capsys)
+    assert rc == 2 and f"error: {bad / 'config.json'}: unknown dtype 'int4'" in err and "or give --dtype" in err
+    rc, _, err = run([bad, tmp_path / "dst", "--to", "orbax", "--dtype", "fp32"], capsys)
+    assert rc == 0, err
+
+
+def test_weights_that_are_not_floats_are_refused(src, tmp_path, capsys):
+    """An int tensor was cast to float and trained on (its values truncated); the file and tensor are named."""
+    from safetensors.numpy import load_file, save_file
+
+    bad = shutil.copytree(src[0], tmp_path / "ints")
+    file = next(bad.glob("*.safetensors"))
+    tensors = load_file(file)
+    name = next(n for n in tensors if n.endswith("down_proj.weight"))
+    tensors[name] = tensors[name].astype(np.int32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    rc, _, err = run([bad, tmp_path / "dst", "--to", "orbax"], capsys)
+    assert rc == 2 and f"tensor {name} is stored as I32, not a float type" in err
 
 
 def test_sigterm_while_writing_leaves_no_partial_directory(src, tmp_path):

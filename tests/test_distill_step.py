@@ -492,7 +492,7 @@ def test_yaml_file_errors(tmp_path, text, match):
     (("model.num_key_value_layers=0",), "num_key_value_layers"),
     (("optim.warmup_ratio=1.5",), "warmup_ratio"),
     (("loss.temperature=0",), "temperature must be > 0"),
-    (("train.max_steps=0",), "max_steps must be >= 1"),
+    (("train.max_steps=0",), r"max_steps must lie in \[1, 2\*\*31\)"),
     (("data.seq_len=1",), "seq_len must be >= 2"),
 ])
 def test_validate_cross_checks(overrides, match):

@@ -773,6 +773,10 @@ def test_saved_directory_has_ordinary_permissions(llama, tmp_path):
     try:
         sk.save(sk.load(llama[0]), tmp_path / "out", format="hf")
         (tmp_path / "plain").mkdir()
+        (tmp_path / "plain.txt").write_text("")
     finally:
         os.umask(previous)
     assert oct((tmp_path / "out").stat().st_mode) == oct((tmp_path / "plain").stat().st_mode)  # 0o755
+    # every file as a plain one (0o644): safetensors 0.8 wrote its files 0o600, unreadable to a serving user
+    modes = {f.name: oct(f.stat().st_mode) for f in (tmp_path / "out").iterdir()}
+    assert set(modes.values()) == {oct((tmp_path / "plain.txt").stat().st_mode)}, modes

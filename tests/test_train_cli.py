@@ -265,8 +265,10 @@ def test_devices_is_for_a_dry_run_before_jax_starts(capsys, assets, tmp_path):
 
 def test_resume_equals_uninterrupted_run(capsys, assets, tmp_path, monkeypatch):
     steps = ["train.max_steps=12", "checkpoint.every=4", "model.attention_impl=auto"]  # auto: xla_chunked here
-    rc, _, _ = main(capsys, recipe(assets, tmp_path / "a", *steps))
-    assert rc == 0
+    # train.resume=true with nothing to resume (a typo in train.output_dir looks so) starts afresh, and says so
+    rc, stdout, _ = main(capsys, recipe(assets, tmp_path / "a", *steps, "train.resume=true"))
+    assert rc == 0 and f"train.resume=true, but {tmp_path / 'a' / 'checkpoints'} holds no checkpoint: starting at " \
+                       f"step 0" in stdout
     calls = itertools.count(1)
     with monkeypatch.context() as m:  # a stop request after the 5th step, as SIGINT would make
         m.setattr(trainer._StopRequest, "requested", lambda self: signal.SIGINT if next(calls) == 5 else 0)
@@ -402,6 +404,9 @@ def test_resuming_a_finished_run_exports_again(capsys, assets, finished_copy):
                                         "model.attention_impl=auto"))
     assert rc == 0 and "resumed from step 57" in stdout and f"exported the student to {out / 'student_orbax'}" in stdout
     assert sk.load(out / "student_orbax").config.num_key_value_layers == LAYER_L
+    # the earlier HF export stays (it is the user's) but is said to be stale, not left to pass for the new one
+    assert f"warning: {out / 'student_hf'} is an export from before this resume, not updated (export.hf=false)" in \
+        stdout
 
 
 def test_resume_after_a_metrics_line_cut_short(assets, full_run, finished_copy):
@@ -499,6 +504,7 @@ def test_non_finite_loss_stops_with_exit_1_and_keeps_the_last_checkpoint(capsys,
     assert rc == 1
     assert re.search(r"error: non-finite loss nan .* at step 2; stopped without applying it", err), err
     assert f"last good checkpoint (step 1) in {out / 'checkpoints'} is intact" in err
+    assert "lower optim.learning_rate in a new train.output_dir (a resumed run keeps its settings" in err
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
     with ocp.CheckpointManager(out / "checkpoints") as manager:
         assert manager.all_steps() == [1]
@@ -527,7 +533,7 @@ BAD_INPUT = {
     "unknown key": (["optim.learnig_rate=1e-3"], "did you mean 'optim.learning_rate'"),
     "bad type": (["train.global_batch_size=eight"], "train.global_batch_size: expected int, got 'eight'"),
     "bad choice": (["model.remat=some"], "model.remat: 'some' is not one of none, full, dots"),
-    "missing teacher": (["model.teacher=/nonexistent/teacher"], "/nonexistent/teacher"),
+    "missing teacher": (["model.teacher=/nonexistent/teacher"], "/nonexistent/teacher: no such checkpoint directory"),
     "missing data": (["data.sources=[{path: /nonexistent/chat.jsonl}]"], "/nonexistent/chat.jsonl"),
     "l >= L": (["model.num_key_value_layers=4"], "num_key_value_layers=4 leaves no layer to distil in a 4-layer model"),
     "bad mesh": (["mesh.fsdp=3"], "mesh:"),  # before tokenising: no progress bar precedes the error

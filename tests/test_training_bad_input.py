@@ -94,3 +94,72 @@ def test_an_empty_folder_holds_no_run(tmp_path):
     (tmp_path / "model_hf").mkdir()
     (tmp_path / "metrics.jsonl").write_text("")
     assert trainer._run_outputs(tmp_path, None) == ["metrics.jsonl", "model_hf/"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.epochs=inf", "train.epochs: expected a finite number, got 'inf'"),
+    ("optim.learning_rate=1e999", "optim.learning_rate: expected a finite number, got .1e999."),
+    ("optim.b2=nan", "optim.b2: expected a finite number, got 'nan'"),
+    ("loss.temperature=1e999", "loss.temperature: expected a finite number"),
+    ("optim.b1=1.5", r"optim.b1 and optim.b2 must lie in \[0, 1\), got 1.5 and 0.999"),
+    ("optim.eps=-1", "optim.eps must be > 0"),
+    ("optim.weight_decay=-5", "optim.weight_decay must be >= 0, got -5.0"),
+    ("train.max_steps=2147483648", r"train.max_steps must lie in \[1, 2\*\*31\)"),
+])
+def test_numbers_out_of_range_are_refused_with_the_recipe(override, message):
+    """Each trained to the end, or started and stopped at a non-finite loss (inf, nan), or overflowed the step count
+    (a float epochs past it crashed in math.ceil)."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load(override)
+
+
+def test_a_section_given_as_a_mapping_keeps_the_recipes_other_keys():
+    """`loss={temperature: 1.0}` replaced the whole section: the recipe's hidden_loss_mult and chunk_size fell back
+    to their defaults, changing the objective without a word. The mapping is merged, as keys under the section in
+    the recipe would be."""
+    recipe = load()
+    merged = load("loss={temperature: 1.0}")
+    assert merged.loss.temperature == 1.0 and recipe.loss.temperature != 1.0
+    assert (merged.loss.hidden_loss_mult, merged.loss.chunk_size) == (recipe.loss.hidden_loss_mult,
+                                                                      recipe.loss.chunk_size)
+    assert merged.optim == recipe.optim
+    with pytest.raises(ConfigError, match="unknown config key 'loss.temprature'"):
+        load("loss={temprature: 1.0}")
+
+
+def test_a_key_given_twice_in_a_recipe_is_named_with_its_lines(tmp_path):
+    """PyYAML keeps the last of two `optim:` sections: the first one's learning rate was dropped silently."""
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text(TINY.read_text() + "optim:\n  grad_clip: 0.5\n")
+    first = next(n for n, line in enumerate(TINY.read_text().splitlines(), 1) if line.startswith("optim:"))
+    last = len(TINY.read_text().splitlines()) + 1
+    with pytest.raises(ConfigError, match=f"config file {recipe} is not valid YAML: key 'optim' appears twice "
+                                          f"\\(lines {first} and {last}\\): merge the two into one"):
+        configuration.load(TrainConfig, recipe)
+
+
+def test_a_config_that_is_a_folder_or_missing(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory: give the recipe's .yaml file"):
+        configuration.load(TrainConfig, tmp_path)
+    rc = cli.main([f"train.output_dir={tmp_path / 'run'}"])
+    assert rc == 2 and "model.teacher is required" in capsys.readouterr().err
+    assert "python train.py --config RECIPE.yaml" in str(pytest.raises(ConfigError, load, "model.teacher=").value)
+
+
+def test_rows_longer_than_the_teachers_positions(tmp_path, capsys):
+    """data.seq_len past the teacher's max_position_embeddings trained at positions it never saw; refused before the
+    tokenizer or any weight is read (the teacher here is a config.json alone)."""
+    teacher = write_hf_config(tmp_path / "t", num_hidden_layers=4, max_position_embeddings=32)
+    for dry in ((), ("--dry-run",)):
+        rc = cli.main(["--config", str(TINY), *dry, f"model.teacher={teacher}", f"train.output_dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"data.seq_len=256 is longer than the max_position_embeddings (32) of model.teacher=" \
+                           f"{teacher} (its config.json): lower data.seq_len to at most 32" in err, err
+
+
+def test_a_process_id_without_a_job(tmp_path, capsys):
+    teacher = write_hf_config(tmp_path / "t", num_hidden_layers=4)
+    rc = cli.main(["--config", str(TINY), f"model.teacher={teacher}", f"train.output_dir={tmp_path / 'run'}",
+                   "distributed.process_id=5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "distributed.process_id=5 was given, but nothing makes this a job of several processes" in err

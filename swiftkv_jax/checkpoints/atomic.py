@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from swiftkv_jax.checks import flag
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -91,7 +91,7 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
     if lead:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(path)
-        tmp.mkdir(mode=0o777 & ~_umask())
+        tmp.mkdir(mode=0o777 & ~current_umask())
     _sync(f"atomic_directory:create:{tmp.name}")
     try:
         yield tmp

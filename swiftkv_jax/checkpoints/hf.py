@@ -12,6 +12,7 @@ import contextlib
 import functools
 import itertools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -27,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from swiftkv_jax import sharding
-from swiftkv_jax.checkpoints.atomic import atomic_directory
+from swiftkv_jax.checkpoints.atomic import atomic_directory, current_umask
 from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf, stored_dtype
 from swiftkv_jax.checkpoints.hf_layout import IGNORED_SUFFIXES, TensorEntry, tensor_entries
 from swiftkv_jax.dtypes import as_dtype, dtype_name
@@ -36,6 +37,8 @@ from swiftkv_jax.model.model import Model, abstract_params, check_params, param_
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 REDOWNLOAD = "re-download or re-export the checkpoint"
+MISMATCH = "config.json does not match the weights: fix config.json, or re-download or re-export the checkpoint"
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors' names of the float types
 
 
 class CheckpointError(ValueError):
@@ -44,6 +47,8 @@ class CheckpointError(ValueError):
 
 def read_config(path) -> dict:
     config_path = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{path}: no config.json; expected a Hugging Face model directory or a swiftkv-jax Orbax checkpoint"
@@ -141,14 +146,19 @@ class _SafetensorsFiles(contextlib.ExitStack):
 
     def _checked(self, entry: TensorEntry):
         if entry.hf_name not in self.file_of:
-            raise CheckpointError(f"{self.path}: tensor {entry.hf_name} {list(entry.hf_shape)} is missing")
+            raise CheckpointError(f"{self.path}: tensor {entry.hf_name} {list(entry.hf_shape)} is missing; "
+                                  f"{MISMATCH}")
         handle = self._handles[self.file_of[entry.hf_name]]
-        shape = tuple(handle.get_slice(entry.hf_name).get_shape())
+        tensor = handle.get_slice(entry.hf_name)
+        shape = tuple(tensor.get_shape())
         if shape != entry.hf_shape:
             raise CheckpointError(
                 f"{self.path}: tensor {entry.hf_name} has shape {list(shape)}, config.json implies "
-                f"{list(entry.hf_shape)}"
+                f"{list(entry.hf_shape)}; {MISMATCH}"
             )
+        if tensor.get_dtype() not in FLOAT_DTYPES:  # an int tensor would be cast to float silently: not weights
+            raise CheckpointError(f"{self.path}: tensor {entry.hf_name} is stored as {tensor.get_dtype()}, not a "
+                                  f"float type: the checkpoint is damaged or not a model's weights; {REDOWNLOAD}")
         return handle
 
 
@@ -261,6 +271,7 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
                     tensors[name] = np.ascontiguousarray(entry.to_hf(ours.astype(np_dtype)))
             if lead:
                 save_file(tensors, tmp / filename, metadata={"format": "pt"})
+                os.chmod(tmp / filename, 0o666 & ~current_umask())  # safetensors 0.8 writes 0600: as the others
             del tensors
         if lead and split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}

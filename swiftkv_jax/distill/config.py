@@ -116,7 +116,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Cross-field checks, run once the recipe and all overrides are applied."""
         checks = [
-            (bool(self.model.teacher), "model.teacher is required: the teacher checkpoint directory"),
+            (bool(self.model.teacher), "model.teacher is required: the teacher checkpoint directory (a recipe sets "
+                                       "it: python train.py --config RECIPE.yaml, see configs/)"),
             (bool(self.data.sources), "data.sources is empty: list at least one dataset (see configs/)"),
             (self.model.num_key_value_layers >= 1, "model.num_key_value_layers (l) must be >= 1"),
             (self.model.key_value_group_size >= 1, "model.key_value_group_size (g) must be >= 1"),
@@ -130,12 +131,17 @@ class TrainConfig:
              f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by train.grad_accum "
              f"({self.train.grad_accum})"),
             (self.train.epochs > 0, "train.epochs must be > 0"),
-            (self.train.max_steps is None or self.train.max_steps >= 1, "train.max_steps must be >= 1"),
+            (self.train.max_steps is None or 1 <= self.train.max_steps < 2**31,
+             f"train.max_steps must lie in [1, 2**31) (the step counter is an int32), got {self.train.max_steps}"),
             (self.train.log_every >= 1 and self.checkpoint.every >= 1 and self.checkpoint.keep >= 1,
              "train.log_every, checkpoint.every and checkpoint.keep must be >= 1"),
             (0 <= self.optim.warmup_ratio <= 1, "optim.warmup_ratio must lie in [0, 1]"),
             (self.optim.learning_rate > 0 and self.optim.grad_clip >= 0,
              "optim.learning_rate must be > 0 and optim.grad_clip >= 0"),
+            (0 <= self.optim.b1 < 1 and 0 <= self.optim.b2 < 1,  # Adam's decay rates, as optax and torch take them
+             f"optim.b1 and optim.b2 must lie in [0, 1), got {self.optim.b1} and {self.optim.b2}"),
+            (self.optim.eps > 0, f"optim.eps must be > 0 (it keeps Adam's division finite), got {self.optim.eps}"),
+            (self.optim.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.optim.weight_decay}"),
             (bool(self.train.output_dir), "train.output_dir must be set"),
             (0 <= self.data.seed < 2**32, f"data.seed must lie in [0, 2**32), got {self.data.seed}"),
             (self.data.num_proc is None or self.data.num_proc >= 1,

@@ -45,6 +45,7 @@ CONFIG_FILE = "config.yaml"
 TEACHER_CONFIG_FILE = "teacher_config.json"  # model.teacher's config.json as the run started: checked on resume
 EXPORT_DIRS = {"distill": {"hf": "student_hf", "orbax": "student_orbax"},
                "pretrain": {"hf": "model_hf", "orbax": "model_orbax"}}
+MAX_STEPS = 2**31 - 1  # the optimizer's step count is an int32
 STOPPED_BY_SIGNAL = 128  # train()'s exit status when a signal stopped it: this plus the signal's number
 # Settings a resumed run must share with the run it continues (the rest, e.g. max_steps, may change).
 RESUME_INVARIANTS = ("stage", "model", "data", "loss", "optim", "train.global_batch_size", "train.seed", "train.epochs")
@@ -65,7 +66,8 @@ def make_mesh(config: TrainConfig) -> Mesh:
     try:
         mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
     except ValueError as e:
-        raise ConfigError(f"mesh: {e}") from None
+        raise ConfigError(f"mesh: {e}: set mesh.data, mesh.fsdp and mesh.tensor so that their product is the "
+                          f"{jax.device_count()} device(s) (one of them -1: the rest)") from None
     axes = step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES).spec[0]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     shards, batch = math.prod(mesh.shape[a] for a in axes), config.train.global_batch_size
@@ -156,11 +158,20 @@ def count(tree) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
 
 
+def _check_positions(config: TrainConfig, positions) -> None:
+    """Rows no longer than the teacher's positions: past them RoPE gives it degenerate outputs to learn from."""
+    if isinstance(positions, int) and config.data.seq_len > positions:
+        raise ConfigError(f"data.seq_len={config.data.seq_len} is longer than the max_position_embeddings "
+                          f"({positions}) of model.teacher={config.model.teacher} (its config.json): lower "
+                          f"data.seq_len to at most {positions}")
+
+
 def dry_run(config: TrainConfig, print_fn=print) -> dict:
     """Compile the step for the configured mesh from shapes alone and report per-device memory."""
     mesh = make_mesh(config)
     abstract = student_lib.abstract_pretrain if config.stage == "pretrain" else student_lib.abstract_student
     model_config, trainable, frozen = abstract(config.model, mesh)
+    _check_positions(config, model_config.max_position_embeddings)
     compiled = build_step(config, model_config, mesh, trainable, jax.tree.map(lambda a: a.sharding, frozen), 1000)
     state = compiled.abstract_state(trainable)
     executable = compiled.fn.lower(state, frozen, compiled.abstract_batch(config)).compile()
@@ -435,7 +446,10 @@ def train(config: TrainConfig, print_fn=print) -> int:
 
     d = config.distributed
     try:
-        distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
+        joined = distributed.initialize(d.coordinator_address, d.num_processes, d.process_id, d.cpu_collectives)
+        if not joined and d.process_id:  # a lone process would train as the whole job: a job missing its settings
+            raise ValueError(f"distributed.process_id={d.process_id} was given, but nothing makes this a job of "
+                             f"several processes")
     except ValueError as e:  # settings JAX cannot start from (a missing coordinator, a bad JAX_* variable)
         raise ConfigError(f"distributed: {e}. Give distributed.coordinator_address (host:port of process 0), "
                           f"distributed.num_processes and distributed.process_id (or JAX_COORDINATOR_ADDRESS, "
@@ -455,6 +469,7 @@ def train(config: TrainConfig, print_fn=print) -> int:
         vocab_size = (student_lib.pretrain_config if config.stage == "pretrain" else student_lib.student_config
                       )(config.model).vocab_size
         teacher_config = read_config(config.model.teacher)  # valid: the line above read it
+        _check_positions(config, teacher_config.get("max_position_embeddings"))
         if latest is not None:
             _check_same_teacher(config, teacher_config, out)
         mesh = make_mesh(config)  # also before tokenising (jax.process_index above has started the devices already)
@@ -465,7 +480,11 @@ def train(config: TrainConfig, print_fn=print) -> int:
         shape = (config.train.global_batch_size, config.data.seq_len)
         rows = _process_rows(step_lib.batch_sharding(mesh, sharding.LOGICAL_AXIS_RULES), shape)
         batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows)
-        total_steps = config.train.max_steps or max(1, math.ceil(config.train.epochs * batches.steps_per_epoch))
+        epoch_steps = config.train.epochs * batches.steps_per_epoch  # a float: inf for a huge train.epochs
+        if config.train.max_steps is None and epoch_steps > MAX_STEPS:
+            raise ConfigError(f"train.epochs={config.train.epochs} makes {epoch_steps:.3g} steps, more than the step "
+                              f"counter holds ({MAX_STEPS}): lower train.epochs, or set train.max_steps")
+        total_steps = config.train.max_steps or max(1, math.ceil(epoch_steps))
         if latest is not None and latest > total_steps:  # its state is past the schedule this run would end
             raise ConfigError(f"cannot resume: {out / CHECKPOINT_DIR} holds step {latest}, past the {total_steps} "
                               f"steps this run trains (train.max_steps={config.train.max_steps}, train.epochs="
@@ -491,6 +510,8 @@ def train(config: TrainConfig, print_fn=print) -> int:
         batches = Batches(dataset, config.train.global_batch_size, config.data.seed, rows=rows,
                           start=int(restored.meta["data_position"]))
         say(f"resumed from step {start} (data position {restored.meta['data_position']})")
+    elif config.train.resume:  # as a typo in train.output_dir would look: said, not silent
+        say(f"train.resume=true, but {out / CHECKPOINT_DIR} holds no checkpoint: starting at step 0")
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(to_dict(config), sort_keys=False))  # what resume reads
@@ -523,12 +544,13 @@ def train(config: TrainConfig, print_fn=print) -> int:
                 good = manager.latest_step()
                 kept = (f"The last good checkpoint (step {good}) in {out / CHECKPOINT_DIR} is intact"
                         if good is not None else "No checkpoint had been saved yet")
+                retry = ("lower optim.learning_rate in a new train.output_dir (a resumed run keeps its settings, and "
+                         "would replay this step)" if good is not None else
+                         "lower optim.learning_rate and start again (here with train.resume=true)")
                 raise TrainingStopped(
                     f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step {step + 1}; "
-                    f"stopped without applying it. {kept}: lower optim.learning_rate or check the data and "
-                    f"teacher weights, then "
-                    f"{'resume' if good is not None else 'start again (here with train.resume=true)'}"
-                )
+                    f"stopped without applying it. {kept}. Check the data and the teacher weights (a NaN or inf in "
+                    f"either does this at any learning rate), or {retry}")
             if lead and (step + 1) % config.train.log_every == 0:
                 log.write(record)
             progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
@@ -551,6 +573,11 @@ def train(config: TrainConfig, print_fn=print) -> int:
 
     for path in export_student(model_config, state.trainable, frozen, config):
         say(f"exported the {'model' if config.stage == 'pretrain' else 'student'} to {path}")
+    for fmt, enabled in (("hf", config.export.hf), ("orbax", config.export.orbax)):
+        stale = out / EXPORT_DIRS[config.stage][fmt]
+        if not enabled and stale.exists():  # a resumed run's earlier export: kept (it is the user's), but said
+            say(f"warning: {stale} is an export from before this resume, not updated (export.{fmt}=false): delete "
+                f"it, or resume once more with export.{fmt}=true")
     if lead:
         records = read_metrics(out / "metrics.jsonl")
         if records:
