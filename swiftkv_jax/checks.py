@@ -7,6 +7,7 @@ a NaN temperature samples token 0) nor left to fail deep inside JAX. numpy scala
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -58,3 +59,12 @@ def token_ids(name: str, values, error=ArgumentError) -> list[int]:
     if bad:
         raise error(f"{name} must be token ids (integers), got {bad[0]!r} in it", name)
     return [int(t) for t in ids]
+
+
+def not_a_directory(path) -> Optional[str]:
+    """Why the directory `path` cannot be made: "is a file" or "lies under FILE, which is a file"; None if it can."""
+    path = Path(path).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing.is_dir():
+        return None
+    return "is a file" if existing == path else f"lies under {existing}, which is a file"

@@ -6,6 +6,7 @@ the tokenizer's decoding, a plain-Python greedy packer, and the model run on eac
 
 import collections
 import dataclasses
+import gzip
 import json
 
 import datasets
@@ -159,6 +160,18 @@ def test_assistant_mask_is_the_assistant_contents(tokenizer):
         hf = tokenizer.apply_chat_template(messages, chat_template=GENERATION_TEMPLATE, return_dict=True,
                                            return_assistant_tokens_mask=True)
         assert hf["input_ids"] == ids and hf["assistant_masks"] == list(mask)
+
+
+@pytest.mark.parametrize("greeting", ["Hi! Ask me a sum.", "x marks the spot."])  # "x": the placeholder's letter
+def test_an_opening_assistant_turn_is_trained_as_any_reply(tokenizer, greeting):
+    """A conversation that opens with the assistant (a greeting) is masked as transformers' `{% generation %}` mask
+    (TRL's assistant_only_loss) marks it: every assistant turn, the first one too."""
+    messages = [{"role": "assistant", "content": greeting}, *EXAMPLES[1]["messages"]]
+    ids, mask = encode(tokenizer, messages, None)
+    hf = tokenizer.apply_chat_template(messages, chat_template=GENERATION_TEMPLATE, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+    assert hf["input_ids"] == ids and hf["assistant_masks"] == list(mask)
+    assert tokenizer.decode(ids[slice(*runs(np.asarray(mask))[0])]) == greeting + "<|eot_id|>"
 
 
 def test_text_documents_get_bos_and_eos(tokenizer):
@@ -415,6 +428,10 @@ def test_bad_settings(packed, tokenizer, tmp_path):
         build_dataset(DataConfig(sources=(src,), long_documents="truncate"), tokenizer)
     with pytest.raises(DataError, match="seq_len must be an integer >= 2, got 0"):
         build_dataset(DataConfig(sources=(src,), seq_len=0, cache_dir=str(tmp_path / "cache")), tokenizer)
+    (tmp_path / "afile").write_text("kept")
+    with pytest.raises(DataError, match=f"data.cache_dir='{tmp_path / 'afile'}' is a file, not a directory"):
+        build_dataset(DataConfig(sources=(src,), cache_dir=str(tmp_path / "afile")), tokenizer)
+    assert (tmp_path / "afile").read_text() == "kept"
 
 
 # --- errors that say what is wrong and what to do ------------------------------------------------------------
@@ -438,6 +455,11 @@ def test_bad_settings(packed, tokenizer, tmp_path):
                    r"field in the source with messages_field \(e\.g\. \{path: \.\.\., format: chat, "
                    r"messages_field: conv\}\)"),
     ("split", r"split 'test', but local files are one split, 'train' \(as datasets.load_dataset reads data_files\)"),
+    ("text row", r"example 2 has no list of messages in 'messages' \(got None; its fields: \['text'\]\): drop it, or "
+                 r"give examples of another format a source of their own"),
+    ("no turns", "every example is empty"),
+    ("role", r"example 1: unknown role 'bot'; chat templates know the roles system, user, assistant, tool .*rename"),
+    ("truncated", r"cannot read the file\(s\) \(a compressed file is truncated: .*\); re-download or re-compress it"),
 ])
 def test_bad_data_errors(tmp_path, case, match):
     chats = write_jsonl(tmp_path / "chats.jsonl", EXAMPLES[:3])
@@ -459,7 +481,14 @@ def test_bad_data_errors(tmp_path, case, match):
         "chat field": DataSource(write_jsonl(tmp_path / "conv.jsonl", [{"conv": EXAMPLES[0]["messages"]}]),
                                  format="chat"),
         "split": DataSource(chats, split="test"),
+        "text row": DataSource(write_jsonl(tmp_path / "mixed.jsonl", [*EXAMPLES[:2], {"text": "a plain document"}])),
+        "no turns": DataSource(write_jsonl(tmp_path / "no_turns.jsonl", [{"messages": []}] * 3)),
+        "role": DataSource(write_jsonl(tmp_path / "bot.jsonl", [EXAMPLES[0], {"messages": [
+            {"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}])),
+        "truncated": DataSource(str(tmp_path / "cut.jsonl.gz")),
     }
+    packed = gzip.compress(json.dumps(EXAMPLES[0]).encode() + b"\n")
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[:len(packed) // 2])  # a download cut short
     with pytest.raises(DataError, match=match):
         mixture(tmp_path, *([sources[case]] if case in sources else []))
 

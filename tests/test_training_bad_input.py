@@ -32,14 +32,16 @@ def test_max_shard_size_is_checked_with_the_recipe(size):
     assert load("export.max_shard_size=500MB").export.max_shard_size == "500MB"
 
 
-def test_output_dir_that_is_a_file(tmp_path):
+@pytest.mark.parametrize("key", ["train.output_dir", "data.cache_dir"])
+def test_a_directory_that_is_a_file(tmp_path, key):
     file = tmp_path / "afile"
     file.write_text("not a directory")
-    with pytest.raises(ConfigError, match=f"train.output_dir='{file}' is a file, not a directory"):
-        load(f"train.output_dir={file}")
+    with pytest.raises(ConfigError, match=f"{key}='{file}' is a file, not a directory"):
+        load(f"{key}={file}")
     with pytest.raises(ConfigError, match=f"lies under {file}, which is a file"):
-        load(f"train.output_dir={file / 'run'}")
-    assert load(f"train.output_dir={tmp_path / 'new' / 'run'}").train.output_dir == str(tmp_path / "new" / "run")
+        load(f"{key}={file / 'run'}")
+    section, name = key.split(".")
+    assert getattr(getattr(load(f"{key}={tmp_path / 'new' / 'run'}"), section), name) == str(tmp_path / "new" / "run")
 
 
 def test_a_source_without_path_names_the_key(tmp_path):

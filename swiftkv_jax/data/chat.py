@@ -118,13 +118,23 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list,
     for i, message in enumerate(messages if assistant_mask else ()):
         if message["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], prompt=True), render(messages[:i + 1])
+        upto = render(messages[:i + 1])
+        before = render(messages[:i], prompt=True) if i else _opening_reply_start(render, message, upto)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"the chat template does not render turn {i} (assistant) as a continuation of the "
                             f"earlier turns, so the assistant's tokens cannot be located: use loss_mask: all "
                             f"for this template. Rendered prefix: {before[-200:]!r}")
         spans.append((len(before), len(upto)))
     return full, spans
+
+
+def _opening_reply_start(render, message: dict, rendered: str) -> str:
+    """What comes before the content of a conversation's first turn, an assistant's (a greeting: trained as any reply,
+    as transformers' `{% generation %}` mask and axolotl mark it). With no earlier turn to render a generation prompt
+    after (transformers refuses an empty conversation), it is where `rendered` parts from the turn rendered with other
+    content, one that differs in its first character."""
+    other = "y" if message["content"].lstrip().startswith("x") else "x"
+    return os.path.commonprefix([rendered, render([{**message, "content": other}])])
 
 
 def _tokenize_batch(batch, tokenizer: PreTrainedTokenizerBase, assistant_mask: bool):

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
+from swiftkv_jax.checks import not_a_directory
 from swiftkv_jax.data.chat import tokenize
 from swiftkv_jax.data.config import DataConfig
 from swiftkv_jax.data.errors import DataError
@@ -27,6 +28,10 @@ def build_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> datase
     """Sources -> weighted mixture -> documents shuffled by cfg.seed -> tokens -> (documents over seq_len cut in
     pieces, or dropped) -> packed rows (numpy format)."""
     check_settings(cfg.seq_len, cfg.loss_mask, cfg.long_documents)  # before any loading
+    why = cfg.cache_dir and not_a_directory(cfg.cache_dir)
+    if why:
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r} {why}, not a directory: choose a directory path for the "
+                        f"tokenised and packed data")
     mixture = load_mixture(cfg.sources, cfg.seed, cfg.cache_dir, cfg.num_proc)
     docs = tokenize(mixture.shuffle(seed=cfg.seed), tokenizer, assistant_mask=cfg.loss_mask == "assistant",
                     num_proc=cfg.num_proc)

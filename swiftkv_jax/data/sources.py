@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import lzma
 import math
 import os
 import re
+import zlib
 from typing import Optional, Sequence
 
 import datasets
@@ -54,7 +56,7 @@ def load_source(src: DataSource, cache_dir: Optional[str] = None,
         ds = ds.select(range(min(src.max_examples, len(ds))))
     fmt = detect_format(ds, src)
     keys = _message_keys(_message_struct(ds.features[src.messages_field])) if fmt == "chat" else None
-    ds = ds.map(_normalise, batched=True, fn_kwargs={"fmt": fmt, "src": src, "keys": keys},
+    ds = ds.map(_normalise, batched=True, with_indices=True, fn_kwargs={"fmt": fmt, "src": src, "keys": keys},
                 remove_columns=ds.column_names,
                 features=FEATURES, num_proc=num_proc, desc=f"reading {src.path}")
     ds = ds.filter(lambda b: [bool(m) or bool(t) for m, t in zip(b["messages"], b["text"])], batched=True,
@@ -115,6 +117,9 @@ def detect_format(ds: datasets.Dataset, src: DataSource) -> str:
 
 # ShareGPT-style conversations ({from, value}, e.g. OpenHermes-2.5) are read as chat messages too.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+# The roles chat templates are written for (OpenAI's and transformers' chat format); another one ('bot') would be
+# rendered as a turn of its own, or dropped by the template, and never trained as the assistant's.
+ROLES = ("system", "user", "assistant", "tool")
 
 
 _JSON = getattr(datasets, "Json", None)  # datasets >= 5: messages whose dicts differ in keys load as Json
@@ -122,12 +127,13 @@ _JSON = getattr(datasets, "Json", None)  # datasets >= 5: messages whose dicts d
 
 def _message_keys(inner) -> Optional[tuple[str, str]]:
     """(role key, content key) of a message struct: {role, content} or ShareGPT's {from, value}; () for messages
-    stored as Json (their dicts differ in keys: a `weight` or `name` on some turns only), read message by message."""
-    if _JSON is not None and isinstance(inner, _JSON):
+    stored as Json (their dicts differ in keys: a `weight` or `name` on some turns only), read message by message, or
+    that are all empty (null items: no message to read)."""
+    if _JSON is not None and isinstance(inner, _JSON) or getattr(inner, "dtype", None) == "null":
         return ()
     for role, content in (("role", "content"), ("from", "value")):
-        field = inner.get(content) if isinstance(inner, dict) else None
-        if role in (inner or {}) and getattr(field, "dtype", None) in ("string", "large_string"):
+        if isinstance(inner, dict) and role in inner and getattr(inner.get(content), "dtype", None) in (
+                "string", "large_string"):
             return role, content
     return None
 
@@ -142,25 +148,40 @@ def _check_messages(feature, src: DataSource) -> None:
                         f"{{role, content}} (or ShareGPT {{from, value}}) messages with string content, got {feature}")
 
 
-def _turn(m: dict, keys: tuple, src: DataSource) -> dict:
+def _conversation(batch, j: int, example: int, keys: tuple, src: DataSource) -> list[dict]:
+    conv = batch[src.messages_field][j]
+    if not isinstance(conv, list):  # e.g. a plain-text row among the chat rows
+        fields = [k for k, v in batch.items() if v[j] is not None]
+        raise DataError(f"source {src.path!r}: example {example} has no list of messages in {src.messages_field!r} "
+                        f"(got {conv!r:.60}; its fields: {fields}): drop it, or give examples of another format a "
+                        f"source of their own")
+    return [_turn(m, keys, src, example) for m in conv]
+
+
+def _turn(m: dict, keys: tuple, src: DataSource, example: int) -> dict:
     """One message as {role, content}. A turn that holds only tool calls is refused, not trained as an empty reply
     (the pipeline keeps text: role and content)."""
-    role, content = keys or (("role", "content") if "role" in m else ("from", "value"))
-    text = m.get(content)
-    if role not in m or not isinstance(text, (str, type(None))):
-        raise DataError(f"source {src.path!r}: a message without a string {{role, content}} (or ShareGPT "
-                        f"{{from, value}}): {str(m)[:200]}")
+    where = f"source {src.path!r}: example {example}"
+    role, content = keys or (("role", "content") if isinstance(m, dict) and "role" in m else ("from", "value"))
+    text = m.get(content) if isinstance(m, dict) else None
+    if not isinstance(m, dict) or role not in m or not isinstance(text, (str, type(None))):
+        raise DataError(f"{where}: a message without a string {{role, content}} (or ShareGPT {{from, value}}): "
+                        f"{str(m)[:200]}")
     if text is None and m.get("tool_calls"):
-        raise DataError(f"source {src.path!r}: a message of role {m[role]!r} holds tool_calls and no content "
+        raise DataError(f"{where}: a message of role {m[role]!r} holds tool_calls and no content "
                         f"({str(m)[:120]}); this pipeline trains on the messages' text: drop or filter the examples "
                         f"with tool calls, or render them into the content")
-    return {"role": SHAREGPT_ROLES.get(m[role], m[role]), "content": text or ""}
+    name = SHAREGPT_ROLES.get(m[role], m[role]) if isinstance(m[role], str) else None
+    if name not in ROLES:
+        raise DataError(f"{where}: unknown role {m[role]!r}; chat templates know the roles {', '.join(ROLES)} "
+                        f"(ShareGPT's human and gpt are read as user and assistant): rename it in the data")
+    return {"role": name, "content": text or ""}
 
 
-def _normalise(batch, fmt: str, src: DataSource, keys=("role", "content")):
-    n = len(next(iter(batch.values())))
+def _normalise(batch, indices, fmt: str, src: DataSource, keys=("role", "content")):
+    n = len(indices)
     if fmt == "chat":
-        messages = [[_turn(m, keys, src) for m in conv] for conv in batch[src.messages_field]]
+        messages = [_conversation(batch, j, i, keys, src) for j, i in enumerate(indices)]
     elif fmt == "prompt_response":
         pairs = list(zip(batch[src.prompt_field], batch[src.response_field]))
         for p, r in pairs:  # a null would be an empty turn trained on (or a template's error about the wrong thing)
@@ -227,11 +248,31 @@ def _load_files(files: list[str], src: DataSource, cache_dir: Optional[str], tex
         by_file = {"sample_by": "document"} if builder == "text" and text_by_file else {}
         return datasets.load_dataset(builder, data_files=files, split=src.split, cache_dir=cache_dir, **by_file), src
     except datasets.exceptions.DatasetGenerationError as e:
+        damaged = _damaged(src, e.__cause__, files)  # past the first chunk (the first 10 MB read fine)
+        if damaged:
+            raise damaged from e
         raise DataError(f"source {src.path!r}: cannot read the file(s) as {builder} ({e.__cause__ or e}); "
                         f"check that they are valid {', '.join(x for x, b in BUILDERS.items() if b == builder)}"
                         ) from e
     except ValueError as e:  # a slice that datasets cannot read, e.g. train[:200%]
         raise DataError(f"source {src.path!r}: split {src.split!r}: {e}") from e
+    except (EOFError, OSError, lzma.LZMAError, zlib.error) as e:
+        damaged = _damaged(src, e, files)
+        if not damaged:
+            raise
+        raise damaged from e
+
+
+def _damaged(src: DataSource, e: BaseException, files: list[str]) -> Optional[DataError]:
+    """The error for what the codecs raise on a compressed file cut short (EOFError: an interrupted download or copy)
+    or damaged (BadGzipFile, bz2's OSError, LZMAError); None for anything else, an OSError of the system included
+    (no permission: it has an errno)."""
+    if not (any(f.lower().endswith(COMPRESSIONS) for f in files) and (
+            isinstance(e, (EOFError, lzma.LZMAError, zlib.error)) or isinstance(e, OSError) and e.errno is None)):
+        return None
+    what = "truncated" if isinstance(e, EOFError) else "damaged"
+    return DataError(f"source {src.path!r}: cannot read the file(s) (a compressed file is {what}: {e}); re-download "
+                     f"or re-compress it")
 
 
 def _check_file_split(src: DataSource) -> None:

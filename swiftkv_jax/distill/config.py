@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal, Optional
 
+from swiftkv_jax.checks import not_a_directory
 from swiftkv_jax.configuration import ConfigError, field
 from swiftkv_jax.data.config import DataConfig
 
@@ -156,17 +156,16 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        self._check_output_dir()
+        self._check_directories()
         self._check_shard_size()
 
-    def _check_output_dir(self) -> None:
-        """A directory, or a path where one can be made: not a file (found before minutes of tokenising)."""
-        path = Path(self.train.output_dir).expanduser().absolute()
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir():
-            where = "is" if existing == path else f"lies under {existing}, which is"
-            raise ConfigError(f"train.output_dir={self.train.output_dir!r} {where} a file, not a directory: "
-                              f"choose a directory path for the run's checkpoints and exports")
+    def _check_directories(self) -> None:
+        """Directories, or paths where one can be made: not files (found before minutes of tokenising)."""
+        for key, value, what in (("train.output_dir", self.train.output_dir, "the run's checkpoints and exports"),
+                                 ("data.cache_dir", self.data.cache_dir, "the tokenised and packed data")):
+            why = not_a_directory(value) if value else None
+            if why:
+                raise ConfigError(f"{key}={value!r} {why}, not a directory: choose a directory path for {what}")
 
     def _check_shard_size(self) -> None:
         from swiftkv_jax.checkpoints.hf import parse_size  # jax: imported only once a recipe is being checked
