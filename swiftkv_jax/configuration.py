@@ -73,7 +73,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):  # the loader's own error names it
+                continue
             if key in seen:
                 lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice ({lines}): merge the "

@@ -140,6 +140,17 @@ def test_a_key_given_twice_in_a_recipe_is_named_with_its_lines(tmp_path):
         configuration.load(TrainConfig, recipe)
 
 
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    """`<<: *anchor` brings an anchor's keys into a mapping, whose own keys may override them: not a key twice."""
+    recipe = tmp_path / "merge.yaml"
+    text = TINY.read_text().replace("mesh: {data: 1, fsdp: -1, tensor: 1}", "mesh:\n  <<: &m {data: 1, fsdp: -1}\n"
+                                    "  fsdp: 1\n  tensor: 1")
+    assert text != TINY.read_text()
+    recipe.write_text(text)
+    mesh = configuration.load(TrainConfig, recipe).mesh
+    assert (mesh.data, mesh.fsdp, mesh.tensor) == (1, 1, 1)
+
+
 def test_a_config_that_is_a_folder_or_missing(tmp_path, capsys):
     with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory: give the recipe's .yaml file"):
         configuration.load(TrainConfig, tmp_path)
