@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from safetensors import SafetensorError
 
+from swiftkv_jax.checks import not_a_directory
 from swiftkv_jax.checkpoints import FORMATS, detect_format, load, save
 from swiftkv_jax.checkpoints.hf import parse_size, read_config
 from swiftkv_jax.checkpoints.hf_config import stored_dtype
@@ -86,11 +87,9 @@ def _check_arguments(args) -> None:
             dtype_name(args.dtype)
         except ValueError as e:
             raise ValueError(f"--dtype {args.dtype}: {e}") from None
-    dst = Path(args.dst).expanduser().absolute()
-    above = next(p for p in (dst, *dst.parents) if p.exists())
-    if not above.is_dir():
-        where = "is" if above == dst else f"lies under {above}, which is"
-        raise ValueError(f"DST {args.dst} {where} a file, not a directory: choose a directory path")
+    why = not_a_directory(args.dst)
+    if why:
+        raise ValueError(f"DST {args.dst} {why}, not a directory: choose a directory path")
 
 
 if __name__ == "__main__":
