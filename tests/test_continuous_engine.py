@@ -370,7 +370,9 @@ def test_consumed_weights_exist_once_and_serve_the_same():
 def test_bad_settings_leave_a_model_to_consume_intact():
     model = fresh_copy("swiftkv-g1")
     for bad in (dict(max_num_seqs=8, max_num_batched_tokens=4), dict(single_buckets=(2,)), dict(num_pages=None),
-                dict(kv_cache_fraction=0.5, num_pages=None)):
+                dict(kv_cache_fraction=0.5, num_pages=None),
+                # these two were checked after the weights were consumed: the refusal left a model without weights
+                dict(max_model_len=99999), dict(table_buckets=(1,), max_model_len=256)):
         with pytest.raises(ValueError):
             engine("swiftkv-g1", model=model, consume_weights=True, **bad)
         assert not any(a.is_deleted() for a in jax.tree.leaves(model.params))
@@ -776,3 +778,40 @@ def test_an_engine_refuses_the_weights_of_another_config_when_made():
     wider = sk.init(base.config.replace(intermediate_size=2 * base.config.intermediate_size), 0)
     with pytest.raises(ValueError, match=r"\['mlp'\]\['down_proj'\]\['kernel'\] has shape .*the config needs"):
         engine("plain", model=sk.Model(base.config, wider.params))
+
+
+def test_generate_adds_all_of_its_prompts_or_none():
+    """A bad prompt after good ones: the good ones were left queued, and the next step ran them (a retry, twice)."""
+    eng = engine("swiftkv-g1")
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([PROMPTS[0], []], max_tokens=3)
+    leftovers = [out for out in eng.step() if not (out.finished and out.finish_reason == "abort")]
+    assert leftovers == [] and not eng.has_unfinished()
+    with pytest.raises(TypeError, match=r"a list of prompts \(token id lists\), e.g. \[\[1, 2, 3\]\], got \[1, 2, 3\]"):
+        eng.generate([1, 2, 3], max_tokens=3)
+    assert len(eng.generate(iter([PROMPTS[0]]), max_tokens=2, stop_token_ids=[])[0].token_ids) == 2  # an iterable
+
+
+def test_the_engine_refuses_what_is_not_a_model_or_a_config():
+    model, _ = MODELS["swiftkv-g1"]
+    with pytest.raises(TypeError, match="Engine takes a Model .* got dict"):
+        Engine(model.params, num_pages=8)
+    with pytest.raises(TypeError, match="engine_config must be an EngineConfig, got dict"):
+        Engine(model, dict(num_pages=8))
+    with pytest.raises(ValueError, match=r"request_id must be a string \(or an int\), got \['a'\]"):
+        engine("swiftkv-g1").add_request(PROMPTS[0], request_id=["a"])  # was taken as the id "['a']"
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(decode_attention_impl="mosaic"), "decode_attention_impl='mosaic' .* takes bfloat16 or float16 activations"),
+    (dict(attention_impl="mosaic"), "attention_impl='mosaic' .* takes bfloat16 or float16 activations"),
+])
+def test_a_named_mosaic_kernel_that_cannot_run_is_refused_when_the_engine_is_made(settings, message):
+    """It was taken, and the first step (or the first long prompt) failed inside the kernel, the request left
+    unfinished. fp32 here; bf16 with this head dim (16) is refused for the decode kernel's head dim."""
+    with pytest.raises(ValueError, match=message):
+        engine("swiftkv-g1", **settings)
+    model, _ = MODELS["swiftkv-g1"]
+    bf16 = sk.Model(model.config.replace(dtype="bfloat16"), model.params)
+    with pytest.raises(ValueError, match="needs a head dim that is a multiple of 64, got"):
+        Engine(bf16, num_pages=16, decode_attention_impl="mosaic")

@@ -591,12 +591,33 @@ def test_bad_save_arguments_write_nothing(llama, tmp_path, kwargs, message):
 
 @pytest.fixture
 def occupied(tmp_path):
-    """A non-empty directory that is not a checkpoint."""
+    """A non-empty directory that holds an (old, damaged) checkpoint's config.json: one that overwrite=True replaces."""
     target = tmp_path / "target"
     (target / "sub").mkdir(parents=True)
     (target / "notes.txt").write_text("precious\n")
     (target / "sub" / "data.bin").write_bytes(os.urandom(64))
+    (target / "config.json").write_text("{}")
     return target
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_overwrite_replaces_only_a_checkpoint(llama, occupied, fmt):
+    """overwrite=True replaced whatever the path held: a folder of the user's files was deleted, and so was the
+    working directory under the process. Now only a directory with a checkpoint's config.json is replaced."""
+    (occupied / "config.json").unlink()
+    before = file_digests(occupied)
+    with pytest.raises(FileExistsError, match="holds files .* but no config.json: it is not one to replace"):
+        sk.save(sk.load(llama[0]), occupied, format=fmt, overwrite=True)
+    assert file_digests(occupied) == before
+    (occupied / "config.json").write_text("{}")
+    cwd = os.getcwd()
+    try:
+        os.chdir(occupied / "sub")
+        with pytest.raises(FileExistsError, match="is the working directory or holds it"):
+            sk.save(sk.load(llama[0]), occupied, format=fmt, overwrite=True)
+    finally:
+        os.chdir(cwd)
+    assert file_digests(occupied) == {**before, "config.json": file_digests(occupied)["config.json"]}
 
 
 @pytest.mark.parametrize("fmt", ["hf", "orbax"])
@@ -647,6 +668,12 @@ def test_extra_files_may_not_replace_a_file_of_the_checkpoint(llama, occupied, f
         sk.save(sk.load(llama[0]), occupied, format=fmt, overwrite=True, extra_files={"config.json": b"{}"})
     assert file_digests(occupied) == before
     assert sorted(p.name for p in occupied.parent.iterdir()) == ["target"]
+
+
+def test_save_refuses_what_is_not_a_model(llama, tmp_path):
+    with pytest.raises(TypeError, match="save takes a Model .* got dict"):
+        sk.save(sk.load(llama[0]).params, tmp_path / "out", format="hf")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_save_refuses_a_file_path(llama, tmp_path):

@@ -126,6 +126,10 @@ def test_orbax_save_refuses_non_empty_directory(student, tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         sk.save(student, target, format="orbax")
     assert (target / "notes.txt").read_text() == "keep me"
+    with pytest.raises(FileExistsError, match="no config.json: it is not one to replace"):  # not a checkpoint
+        sk.save(student, target, format="orbax", overwrite=True)
+    assert (target / "notes.txt").read_text() == "keep me"
+    (target / "config.json").write_text("{}")  # an (old) checkpoint's: overwrite replaces it
     sk.save(student, target, format="orbax", overwrite=True)
     assert not (target / "notes.txt").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary directories left behind

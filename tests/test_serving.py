@@ -418,12 +418,27 @@ def test_long_prompts_pad_to_finer_buckets():
     (dict(prefill_chunk=-4), "prefill_chunk must be >= 0"),
     (dict(max_len=20.5), "max_len must be an integer"),
     (dict(logprobs="false"), "logprobs must be True or False"),  # bool("false") is True
+    (dict(stop_token_ids=[10**6]), r"stop_token_ids must lie in \[0, "),  # never sampled: it never stopped
+    (dict(stop_token_ids=[-1]), r"stop_token_ids must lie in \[0, "),
+    (dict(prompts={"a": [1, 2]}), "prompts must be a list of token id lists"),  # was "text prompts need a tokenizer"
 ])
 def test_generate_names_a_setting_of_the_wrong_type_or_value(kwargs, message):
     model, _ = MODELS["plain"]
     kwargs = {"prompts": [[6, 7]], "max_new_tokens": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         sk.generate(model, **kwargs)
+
+
+def test_generate_takes_a_generator_of_prompts_and_refuses_what_is_not_a_model_or_a_callable():
+    model, _ = MODELS["plain"]
+    want = sk.generate(model, [[6, 7]], 2).tokens
+    assert sk.generate(model, (p for p in [[6, 7]]), 2).tokens == want  # the checks consumed it: "needs a token"
+    with pytest.raises(TypeError, match="generate takes a Model .* got dict"):
+        sk.generate(model.params, [[6, 7]], 2)
+    with pytest.raises(TypeError, match="tokenizer must be a tokenizer .* got 'gpt2'"):
+        sk.generate(model, ["hi"], 2, tokenizer="gpt2")
+    with pytest.raises(TypeError, match="on_token must be a function"):
+        sk.generate(model, [[6, 7]], 2, on_token=5)
 
 
 def test_generate_takes_numpy_scalars_and_a_config_eos_id_given_as_an_int():

@@ -145,11 +145,22 @@ def test_matches_float64_reference_of_the_published_format(hf_base, base, tmp_pa
         (dict(num_key_value_layers=3, key_value_group_size=2), "must divide the 5 layers"),
         (dict(num_key_value_layers=4, key_value_group_size=0), "key_value_group_size must be a positive int"),
         (dict(num_key_value_layers=4, norm_init="zeros"), "norm_init must be one of"),
+        # a bool is an int to Python: a[True] added an axis, and the student failed only when saved
+        (dict(num_key_value_layers=True), "num_key_value_layers must be an integer, got True"),
+        (dict(num_key_value_layers=4, key_value_group_size=True), "key_value_group_size must be an integer, got True"),
+        (dict(num_key_value_layers=4, donate="false"), "donate must be True or False, got 'false'"),  # it donated
     ],
 )
 def test_invalid_transform_arguments(base, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sk.to_swiftkv(base, **kwargs)
+    assert sk.logits(base, np.zeros((1, 4), np.int32)).shape[0] == 1  # the teacher is whole
+
+
+def test_transform_takes_numpy_ints_and_refuses_what_is_not_a_model(base):
+    assert sk.to_swiftkv(base, np.int64(4)).config.num_key_value_layers == 4
+    with pytest.raises(TypeError, match="to_swiftkv takes a Model .* got dict"):
+        sk.to_swiftkv(base.params, 4)
 
 
 def test_transform_applies_once(base):

@@ -55,9 +55,12 @@ def save(model: Model, path, format: str = "orbax", *, dtype=None, overwrite: bo
          max_shard_size="5GB", extra_files: Optional[Mapping[str, bytes]] = None) -> Path:
     """Save as "orbax" or "hf", parameters cast to `dtype` if given (max_shard_size: HF only).
 
-    Refuses a non-empty path unless overwrite=True and never leaves a half-written directory;
+    Refuses a non-empty path unless overwrite=True, which replaces only a checkpoint (a directory holding a
+    config.json), never the working directory; never leaves a half-written directory;
     `extra_files` (name -> bytes, e.g. tokenizer files) are committed with the weights.
     """
+    if not isinstance(model, Model):
+        raise TypeError(f"save takes a Model (as sk.load and sk.init return), got {type(model).__name__}")
     if format == "hf":
         return save_hf(model, path, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                        extra_files=extra_files)

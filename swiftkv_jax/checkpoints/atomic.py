@@ -63,11 +63,13 @@ def _remove_leftovers(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mapping[str, bytes]] = None
-                     ) -> Iterator[Path]:
+def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mapping[str, bytes]] = None,
+                     replaces: Optional[str] = None) -> Iterator[Path]:
     """Yield a fresh sibling directory; on success it replaces `path` by rename, on error it is removed.
 
-    A non-empty `path` is only replaced with overwrite=True, and then only after the new one is complete.
+    A non-empty `path` is only replaced with overwrite=True, and then only after the new one is complete; with
+    `replaces` (a file name, e.g. a checkpoint's config.json) only a directory holding that file is (overwrite=True
+    deleted a folder of the user's files), and never the working directory or one holding it.
     `extra_files` (name -> bytes, e.g. tokenizer files read before `path` is replaced) are written into
     the new directory before it is committed. What an earlier save to `path` left when killed is removed first
     (`_remove_leftovers`). With several JAX processes every one gets the same directory
@@ -84,8 +86,16 @@ def atomic_directory(path, overwrite: bool = False, extra_files: Optional[Mappin
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is a file; choose a directory path")
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True (--overwrite) or a new path")
+    if path.exists() and any(path.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{path} exists and is not empty: pass overwrite=True (--overwrite) or a new path")
+        if replaces and not (path / replaces).is_file():
+            held = ", ".join(sorted(p.name for p in path.iterdir())[:4])
+            raise FileExistsError(f"{path} holds files ({held}, ...) but no {replaces}: it is not one to replace, "
+                                  f"and overwrite=True would delete them: choose an empty or new path")
+        if path == Path.cwd() or path in Path.cwd().parents:
+            raise FileExistsError(f"{path} is the working directory or holds it: replacing it would delete it from "
+                                  f"under this process: choose another path")
     lead = jax.process_index() == 0
     tmp = path.with_name(f".{path.name}.partial-{_shared_suffix()}")
     if lead:

@@ -260,7 +260,7 @@ def save_hf(model: Model, path, *, dtype=None, max_shard_size="5GB", overwrite: 
     )
     params = flatten_dict(model.params)
     lead = jax.process_index() == 0
-    with atomic_directory(path, overwrite, extra_files) as tmp:
+    with atomic_directory(path, overwrite, extra_files, replaces="config.json") as tmp:  # a checkpoint
         for filename, names in split.filename_to_tensors.items():
             tensors = {}
             for name in names:

@@ -38,7 +38,7 @@ def save_orbax(model: Model, path, *, overwrite: bool = False, extra_files=None)
     """Save parameters (any sharding) and config, plus `extra_files` (name -> bytes); the directory
     appears only when complete."""
     check_params(model.config, model.params)
-    with atomic_directory(path, overwrite, extra_files) as tmp:
+    with atomic_directory(path, overwrite, extra_files, replaces="config.json") as tmp:  # a checkpoint
         if jax.process_index() == 0:
             (tmp / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         with ocp.StandardCheckpointer() as checkpointer:

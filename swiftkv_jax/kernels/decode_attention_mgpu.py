@@ -67,7 +67,7 @@ __all__ = ["MosaicDecodeBlockSizes", "decode_attention_mgpu", "paged_attention_m
 
 _LOG2_E = math.log2(math.e)
 _ROWS = 64  # query rows per CTA: wgmma's M for one warpgroup
-_HEAD_ALIGN = 64  # head dim: the 128-byte swizzle's 64 elements of a 16-bit type
+HEAD_ALIGN = 64  # head dim: the 128-byte swizzle's 64 elements of a 16-bit type
 _DTYPES = (jnp.bfloat16, jnp.float16)
 _QUANTIZED = (jnp.int8, jnp.float8_e4m3fn)  # read in place by TMA, converted to q's 16-bit dtype in SMEM
 _TILE_ROWS = 8  # a TMA copy into a tiled SMEM tile covers whole 8-row tiles of its GMEM array
@@ -576,8 +576,8 @@ def _settings(what: str, kernel: str, q, k, v, lengths, q_positions, kv_heads: i
         raise ValueError(f"{what} takes a bfloat16, float16, int8 or float8_e4m3fn cache (K and V alike), got "
                          f"{k.dtype} / {v.dtype}")
     h = q.shape[3]
-    if h % _HEAD_ALIGN:
-        raise ValueError(f"{what} needs a head dim that is a multiple of {_HEAD_ALIGN}, got {h}")
+    if h % HEAD_ALIGN:
+        raise ValueError(f"{what} needs a head dim that is a multiple of {HEAD_ALIGN}, got {h}")
     tune = call_shapes(kernel, q, kv_heads, k.dtype)
     interpret, interpreter_safe, block_sizes = settings(what, interpret, interpreter_safe, block_sizes,
                                                         MosaicDecodeBlockSizes, tune)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
+from swiftkv_jax.checks import flag, integer
 from swiftkv_jax.model.config import ModelConfig, check_swiftkv_layout
 from swiftkv_jax.model.model import Model
 
@@ -26,6 +27,13 @@ def to_swiftkv(model: Model, num_key_value_layers: int, key_value_group_size: in
     ~17 GB rather than ~33 GB); `model` is unusable afterwards. The embeddings, final norm and lm_head are the
     student's own either way (no copy).
     """
+    if not isinstance(model, Model):
+        raise TypeError(f"to_swiftkv takes a Model (as sk.load and sk.init return), got {type(model).__name__}")
+    # bools are ints to Python (a[True] adds an axis: a student that fails only when saved), numpy ints are fine,
+    # and donate="false" would be true: checked by name
+    num_key_value_layers = integer("num_key_value_layers", num_key_value_layers)
+    key_value_group_size = integer("key_value_group_size", key_value_group_size)
+    donate = flag("donate", donate)
     cfg = model.config
     if cfg.is_swiftkv:
         raise ValueError(

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from swiftkv_jax.checks import flag, integer, real, token_ids
 from swiftkv_jax.model.cached import unstack_layers
-from swiftkv_jax.model.config import serves_swiftkv
+from swiftkv_jax.model.config import ModelConfig, serves_swiftkv
 from swiftkv_jax.model.kv_quant import as_format, check_format
 from swiftkv_jax.model.model import Model, check_params
 from swiftkv_jax.model.paged import XLA_LOOPS, default_xla_loop
@@ -251,7 +251,23 @@ class Engine:
     once (`infer.py serve` does; `model` is unusable afterwards).
     """
 
+    @staticmethod
+    def _max_model_len(options: EngineConfig, cfg: ModelConfig, pool_tokens: int) -> int:
+        return int(options.max_model_len or min(cfg.max_position_embeddings, pool_tokens))
+
+    @staticmethod
+    def _check_table_buckets(options: EngineConfig, page_size: int, max_model_len: int) -> None:
+        pages = pages_for(max_model_len, page_size)
+        if max(options.table_buckets) < pages:
+            raise ValueError(f"the largest table bucket must hold max_model_len={max_model_len} tokens ({pages} "
+                             f"pages), got table_buckets {options.table_buckets}")
+
     def __init__(self, model: Model, engine_config: Optional[EngineConfig] = None, **settings):
+        if not isinstance(model, Model):
+            raise TypeError(f"Engine takes a Model (as sk.load and sk.init return), got {type(model).__name__}")
+        if engine_config is not None and not isinstance(engine_config, EngineConfig):
+            raise TypeError(f"engine_config must be an EngineConfig, got {type(engine_config).__name__}: or give the "
+                            f"settings as keywords, Engine(model, max_num_seqs=...)")
         if engine_config is not None and settings:
             raise ValueError("pass an EngineConfig or keyword settings, not both")
         try:
@@ -274,7 +290,8 @@ class Engine:
         budget = dict(num_pages=options.num_pages, kv_cache_bytes=options.kv_cache_bytes,
                       kv_cache_fraction=options.kv_cache_fraction,
                       devices=None if mesh is None else list(mesh.devices.flat))
-        pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)  # a bad budget fails here
+        # a bad budget fails here; a fraction's count is of the memory free once the weights are laid out (below)
+        early_pages = pages_for_budget(cfg, self.swiftkv, page_size, self.cache_format, **budget)
         self.prompt_cost = prompt_token_cost(cfg, self.swiftkv) if options.budget_unit == "cost" else 1.0
         max_num_seqs = options.max_num_seqs
         max_prompt_tokens = int(options.max_num_batched_tokens / self.prompt_cost + 1e-9)
@@ -289,6 +306,11 @@ class Engine:
                              f"{max_prompt_tokens} prompt tokens, got single_buckets {self.single_buckets}, "
                              f"mixed_single_buckets {self.mixed_single_buckets} and prompt_buckets "
                              f"{self.prompt_buckets}")
+        if options.max_model_len is not None:  # before the weights are consumed: a refusal leaves the model whole
+            check_max_model_len(options.max_model_len, cfg.max_position_embeddings, None)
+        if options.table_buckets and options.kv_cache_fraction is None:  # the pool is known: so is max_model_len
+            self._check_table_buckets(options, page_size, self._max_model_len(
+                options, cfg, tokens_held(early_pages, page_size)))
         # The serving layout (once, not per step) before the pool is sized: a kv_cache_fraction is of the memory
         # free once the engine's weights exist, and, consumed, the stacked copy is gone (no second copy to OOM).
         self.params = unstack_layers(model.params, cfg, consume=options.consume_weights)
@@ -328,20 +350,16 @@ class Engine:
             reach = min(max_prompt_tokens, pool_tokens)
             self.prompt_buckets = tuple(b for b in self.prompt_buckets if b < reach) + (
                 _bucket(reach, self.prompt_buckets),)
-        if options.max_model_len is not None:
-            check_max_model_len(options.max_model_len, cfg.max_position_embeddings, None)
-        self.max_model_len = int(options.max_model_len or min(cfg.max_position_embeddings, pool_tokens))
+        self.max_model_len = self._max_model_len(options, cfg, pool_tokens)
         self.pages_per_seq = pages_for(self.max_model_len, page_size)
         self.xla_loop = options.xla_loop or default_xla_loop()
         if options.table_buckets:
+            self._check_table_buckets(options, page_size, self.max_model_len)
             self.table_buckets = tuple(min(w, self.pages_per_seq) for w in options.table_buckets)
         elif cfg.decode_attention_impl == "xla" and self.xla_loop == "static":  # cost follows the width: a handful
             self.table_buckets = _growing(min(self.pages_per_seq, pages_for(1024, page_size)), self.pages_per_seq, 4)
         else:  # the kernel and the dynamic loop stop at each length: one width
             self.table_buckets = (self.pages_per_seq,)
-        if self.table_buckets[-1] < self.pages_per_seq:
-            raise ValueError(f"the largest table bucket must hold max_model_len={self.max_model_len} tokens "
-                             f"({self.pages_per_seq} pages), got table_buckets {options.table_buckets}")
         self.allocator = PageAllocator(num_pages)
         self.pool = init_pool(cfg, num_pages, page_size, self.swiftkv, self.cache_format, mesh=mesh)
         self.tables, self.last_tokens = replicated(mesh, (np.zeros((max_num_seqs, self.pages_per_seq), np.int32),
@@ -456,6 +474,8 @@ class Engine:
                                  f"{-(-needed // self.page_size)} pages of {self.page_size} tokens, but the whole KV "
                                  f"cache has {self.allocator.capacity}: raise the cache size or shorten the request",
                                  "max_tokens")
+        if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, (str, int))):
+            raise InvalidRequest(f"request_id must be a string (or an int), got {request_id!r:.60}", "request_id")
         with self._id_lock:
             if request_id is None:
                 while str(number) in self._live_ids:  # a caller's own id took it
@@ -885,7 +905,22 @@ class Engine:
         prompt order. Each request gets an id of its own (a `request_id` is refused)."""
         if "request_id" in request:
             raise TypeError("Engine.generate names its requests itself: pass no request_id (add_request takes one)")
-        ids = [self.add_request(p, **request) for p in prompts]
+        given = prompts
+        try:
+            prompts = None if isinstance(given, (str, bytes)) else list(given)
+        except TypeError:  # not iterable
+            prompts = None
+        if prompts is None or (prompts and isinstance(prompts[0], (int, np.integer))):
+            raise TypeError(f"Engine.generate takes a list of prompts (token id lists), e.g. [[1, 2, 3]], got "
+                            f"{str(given)[:60]}")
+        ids = []
+        try:
+            for p in prompts:
+                ids.append(self.add_request(p, **request))
+        except BaseException:  # all or none: the prompts added before a bad one are not left to run
+            for i in ids:
+                self.abort(i)
+            raise
         done = {}
         while len(done) < len(ids):
             for out in self.step():

@@ -128,7 +128,14 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     mesh: serve tensor-parallel on this mesh (`serving_mesh(N)`): the weights, unless already placed there
     (`load_sharded`), are split by heads (`tensor_parallel.shard_model`), and so is the cache.
     """
+    if not isinstance(model, Model):
+        raise TypeError(f"generate takes a Model (as sk.load and sk.init return), got {type(model).__name__}")
     check_params(model.config, model.params)  # another config's weights ran silently (extra layers) or failed in flax
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token must be a function on_token(tokens, live), got {on_token!r:.60}")
+    if tokenizer is not None and not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a tokenizer (e.g. AutoTokenizer.from_pretrained(DIR)), got "
+                        f"{tokenizer!r:.60}")
     model = for_serving(model, mesh)
     cfg = serving_config(model.config, cache_dtype, paged=False, attention_impl=attention_impl,
                          decode_attention_impl=decode_attention_impl)
@@ -144,9 +151,10 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
                              "sk.generate: use sk.Engine", "logit_bias")
     if isinstance(prompts, str):
         prompts = [prompts]
-    if not hasattr(prompts, "__iter__"):
+    if not hasattr(prompts, "__iter__") or isinstance(prompts, dict):
         raise ValueError(f"prompts must be a list of token id lists (or of texts, with a tokenizer), got "
                          f"{prompts!r:.80}")
+    prompts = list(prompts)  # a generator is read once, not consumed by the checks below
     if any(isinstance(p, str) for p in prompts):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer (pass tokenizer=, or token id lists)")
@@ -167,6 +175,9 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0, optional=True) or None
     if stop_token_ids is not None:
         stop_token_ids = token_ids("stop_token_ids", stop_token_ids)
+        bad = [t for t in stop_token_ids if not 0 <= t < cfg.vocab_size]
+        if bad:  # one past the vocabulary is never sampled: the generation would never stop at it (the Engine's rule)
+            raise InvalidRequest(f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {bad}", "stop_token_ids")
     flat = [t for p in prompts for t in p]
     if min(flat) < 0 or max(flat) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")

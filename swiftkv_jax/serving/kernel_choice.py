@@ -115,6 +115,7 @@ def serving_config(config: ModelConfig, cache_dtype="auto", *, paged: bool,
         if not named[field]:
             log.warning("head_dim %d: %s", config.head_dim, why)
     config = config.replace(**{k: named[k] or chosen[k] for k in chosen})
+    _check_mosaic(config, cache_dtype)
     if config.attention_impl == "cudnn":  # now, not at the first prompt of more than FEW_QUERIES tokens
         attention_lib.check_cudnn(config.dtype)
         if not attention_lib.cudnn_takes_head_dim(config.head_dim):
@@ -123,3 +124,26 @@ def serving_config(config: ModelConfig, cache_dtype="auto", *, paged: bool,
                              f"multiples of 8 up to {attention_lib.cudnn_max_head_dim()} here): use "
                              f"attention_impl='{instead}'")
     return config
+
+
+def _check_mosaic(config: ModelConfig, cache_dtype) -> None:
+    """The Mosaic kernels' dtypes and head dims, when the engine is made: a named one that cannot run failed at the
+    first step (decode) or the first long prompt (prefill). Off a GPU they run interpreted, so the device is not
+    checked."""
+    if config.attention_impl == "mosaic" and config.dtype not in SIXTEEN_BIT:
+        raise ValueError(f"attention_impl='mosaic' (the Mosaic GPU flash kernel) takes bfloat16 or float16 "
+                         f"activations, got the model's {config.dtype}: set its dtype to bfloat16, or use "
+                         f"attention_impl='xla_flash' (or 'pallas')")
+    if config.decode_attention_impl != "mosaic":
+        return
+    cache_name = cache_dtype_name(getattr(cache_dtype, "dtype", cache_dtype), config.dtype)
+    if config.dtype not in SIXTEEN_BIT or cache_name not in SIXTEEN_BIT + ("int8", "float8_e4m3fn"):
+        raise ValueError(f"decode_attention_impl='mosaic' (the Mosaic GPU decode kernels) takes bfloat16 or float16 "
+                         f"activations over a bfloat16, float16, int8 or float8_e4m3fn cache, got {config.dtype} over "
+                         f"{cache_name}: set the model's dtype to bfloat16, or use decode_attention_impl='pallas' "
+                         f"(or 'xla')")
+    from swiftkv_jax.kernels.decode_attention_mgpu import HEAD_ALIGN  # Mosaic's imports only when it is named
+
+    if config.head_dim % HEAD_ALIGN:
+        raise ValueError(f"decode_attention_impl='mosaic' needs a head dim that is a multiple of {HEAD_ALIGN}, got "
+                         f"{config.head_dim}: use decode_attention_impl='pallas' (or 'xla')")
