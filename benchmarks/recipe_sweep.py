@@ -5,10 +5,10 @@ loss gap to the teacher that each distilled student closes.
 
 ROW: 'NAME|STEPS|key=value;key=value' (STEPS empty: the budget's; the overrides go after the budget's own, so a
 row changes only what it names). OUT: a demo's --out of that budget (`demo.py --budget B --out OUT`), whose corpus
-and teacher are used; a missing teacher is pretrained there first, as the demo does. --arch: the teacher's
-architecture keys changed (e.g. twice the width), for how a recipe's best rate moves with the model. Each row
-distils the 50% student into OUT/distill/exp-NAME (kept: a row run again is only re-scored; a NAME given other
-STEPS or overrides is refused) and is written to --out as soon as it is scored.
+and teacher are used; a missing teacher is pretrained there first, as the demo does (its settings recorded).
+--arch: the teacher's architecture keys changed (e.g. twice the width), for how a recipe's best rate moves with the
+model. Each row distils the 50% student into OUT/distill/exp-NAME (kept: a row run again is only re-scored; a NAME
+given other STEPS or overrides is refused) and is written to --out as soon as it is scored.
 """
 
 from __future__ import annotations
@@ -94,8 +94,13 @@ def main(argv=None) -> int:
     teacher_dir = args.work / "teacher" / "model_hf"
     if teacher_dir.is_dir():
         tokenizer = AutoTokenizer.from_pretrained(args.work / "corpus" / "tokenizer")
-    else:
-        _, tokenizer = demo.build_data(args.work, base)
+    else:  # made as the demo makes it, its settings recorded: a later demo.py there reuses the teacher
+        record = demo.settings_record(args.budget, base)
+        try:
+            demo.record_settings(args.work, record, demo.check_out(args.work, record))
+        except ValueError as e:
+            p.error(str(e))
+        _, tokenizer = demo.build_data(args.work, base, replace=not demo.trained(args.work))
         demo.pretrain(args.work, base, demo.teacher_init(args.work, base, tokenizer))
     teacher = sk.load(teacher_dir)
     if arch and any(getattr(teacher.config, k) != v for k, v in arch.items()):

@@ -191,27 +191,115 @@ def check_device(name: str) -> None:
                          f"--quick or the full budget on a CPU")
 
 
+def check_training(out: Path, settings: DemoSettings) -> None:
+    """Both recipes load with this call's overrides and their attention runs here (cuDNN needs a GPU computing in 16
+    bits): a mistake there (--attention cudnn on a CPU) is refused before anything is written, not after the corpus
+    with its settings recorded."""
+    from swiftkv_jax import configuration
+    from swiftkv_jax.distill.config import TrainConfig
+    from swiftkv_jax.distill.student import check_attention
+
+    for recipe, overrides in (("stdlib-teacher.yaml", settings.pretrain_overrides),
+                              ("stdlib-swiftkv.yaml", settings.distill_overrides)):
+        config = configuration.load(TrainConfig, CONFIGS / recipe, ["model.teacher=x"] + common_overrides(
+            out, settings, 1, out / "run") + list(overrides))
+        check_attention(config.model)
+
+
 SCHEDULING = ("eval_workers", "evaluate_while_distilling")  # DemoSettings that change when, not what
+SETTINGS_FILE = "demo_settings.json"  # in --out: the settings of the demo run there
 
 
-def _settings_guard(out: Path, name: str, settings: DemoSettings) -> None:
-    """One --out per settings: a run of other settings would mix models; refuse instead of overwriting. (How many
-    models are evaluated at once, and when, changes no result: not part of the record.)"""
+def settings_record(name: str, settings: DemoSettings) -> dict:
+    """What demo_settings.json holds. (How many models are evaluated at once, and when, changes no result.)"""
     fields = {k: v for k, v in dataclasses.asdict(settings).items() if k not in SCHEDULING}
-    record = json.loads(json.dumps({"settings": name, **fields}))  # tuples as JSON lists
-    path = out / "demo_settings.json"
-    if path.is_file() and json.loads(path.read_text()) != record:
-        raise ValueError(f"{out} holds a demo run with other settings (see {path}): choose another --out, or delete it")
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
+    return json.loads(json.dumps({"settings": name, **fields}))  # tuples as JSON lists
 
 
-def build_data(out: Path, settings: DemoSettings):
+def _changes(old, new, key: str = "") -> list[str]:
+    """`key: old -> new` for each setting that differs: the architecture's keys one by one, of an overrides list
+    the entries only one side has."""
+    if old == new:
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in {**old, **new} for c in _changes(old.get(k), new.get(k), f"{key}.{k}".lstrip("."))]
+    if isinstance(old, list) and isinstance(new, list) and set(map(str, old)) != set(map(str, new)):
+        old, new = [o for o in old if o not in new], [o for o in new if o not in old]
+    return [f"{key}: {old} -> {new}"]
+
+
+def trained(out: Path) -> bool:
+    """A training stage has started in `out`: its models (and a recipe sweep's) depend on the settings and corpus."""
+    return (out / "teacher").exists() or (out / "distill").exists()
+
+
+def _listing(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def check_out(out: Path, record: dict) -> list[str]:
+    """One --out per settings: a run of other settings would mix models; refused once a training stage has started
+    (naming the changed keys). Before that only the corpus depends on them, rebuilt in seconds: the changes are
+    returned, to be taken. A folder without a demo run is not taken over: the user's files could be overwritten."""
+    path = out / SETTINGS_FILE
+    if path.is_file():
+        changed = _changes(json.loads(path.read_text()), record)
+        if changed and trained(out):
+            raise ValueError(f"{out} holds a demo run with other settings ({'; '.join(changed)}; see {path}): "
+                             f"choose another --out, or delete it")
+        return changed
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out} holds other files ({_listing(out)}) and no demo run: choose an empty or new "
+                         f"--out")
+    return []
+
+
+def record_settings(out: Path, record: dict, changed: list[str]) -> None:
+    """Make `out` and write its demo_settings.json; changed: `check_out`'s."""
+    make_folder(out, "--out")
+    if changed:
+        _say(f"nothing trained in {out} yet: this call's settings replace its earlier ({'; '.join(changed)})")
+    write_text_atomic(out / SETTINGS_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def _demo_results(folder: Path) -> bool:
+    """`folder` holds only the demo's result files, an earlier demo's results.json among them."""
+    try:
+        earlier = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    ours = {name.replace("/", "_") for name in RESULT_FILES}
+    return ({p.name for p in folder.iterdir()} <= ours and isinstance(earlier, dict)
+            and {"settings", "rows", "checks"} <= earlier.keys())
+
+
+def check_results(results: Path) -> None:
+    """--results gets the demo's files: written into a new or empty folder, or over an earlier demo's results, never
+    over other files (a results.md of the user's)."""
+    if results.is_dir() and any(results.iterdir()) and not _demo_results(results):
+        raise ValueError(f"--results {results} holds other files ({_listing(results)}): choose an empty or new "
+                         f"--results, or one holding an earlier demo's results")
+
+
+def make_folder(folder: Path, flag: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # what check_output_folder cannot see: /proc, a read-only filesystem, another's mount
+        raise ValueError(f"{flag} {folder} cannot be made ({e.strerror}): choose another {flag}") from None
+
+
+def build_data(out: Path, settings: DemoSettings, replace: bool = False):
+    """The corpus and tokenizer in out/corpus; replace: one built differently is rebuilt (nothing trained on it)."""
     from swiftkv_jax.data.stdlib_corpus import build_corpus, train_corpus_tokenizer
 
-    meta = build_corpus(out / "corpus", max_files=settings.max_files)
-    tokenizer = train_corpus_tokenizer(out / "corpus", vocab_size=settings.vocab_size,
-                                       out_dir=out / "corpus" / "tokenizer")
+    try:
+        meta = build_corpus(out / "corpus", max_files=settings.max_files, overwrite=replace)
+        tokenizer = train_corpus_tokenizer(out / "corpus", vocab_size=settings.vocab_size,
+                                           out_dir=out / "corpus" / "tokenizer", overwrite=replace)
+    except FileExistsError as e:  # its advice, overwrite=True (--overwrite), is no flag of demo.py's
+        raise ValueError(f"{str(e).partition(': pass overwrite')[0]}, and models in {out} were trained on it: "
+                         f"choose another --out, or delete {out} to start over") from None
     _say(f"corpus: {meta['python']['implementation']} {meta['python']['version'].split()[0]} stdlib, "
          f"{meta['splits']['train']['files']} train / {meta['splits']['validation']['files']} validation files; "
          f"tokenizer vocab {len(tokenizer)}")
@@ -623,7 +711,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-RESULT_FILES = ("results.md", "results.json", "quality_vs_layers_skipped.png", "analysis/similarity.png",
+# results.json first: a copy into --results cut short is still an earlier demo's results (`check_results`)
+RESULT_FILES = ("results.json", "results.md", "quality_vs_layers_skipped.png", "analysis/similarity.png",
                 "teacher/loss.png")
 GAP_CLOSED_TARGET = 0.9  # issue 24, gpu budget: the distilled 50% student closes >= 90% of the undistilled one's gap
 
@@ -636,15 +725,29 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
 
     import swiftkv_jax as sk
 
+    from swiftkv_jax.configuration import ConfigError
     from swiftkv_jax.evaluation.analyze import analyze
     from swiftkv_jax.evaluation.report import check_output_folder
 
     settings = SETTINGS[name] if attention is None else with_attention(SETTINGS[name], attention)
-    for what, folder in (("out", out), ("results", results)):  # results are copied at the very end: check now
+    # all before anything is written; results are copied at the very end: checked (and made) now
+    for what, folder in (("out", out), ("results", results)):
         if folder is not None:
             check_output_folder(folder, what)
     check_device(name)
-    _settings_guard(out, name, settings)
+    try:
+        check_training(out, settings)
+    except ConfigError as e:
+        if attention is None:
+            raise
+        raise ConfigError(f"--attention {attention}: {e}") from None
+    record = settings_record(name, settings)
+    changed = check_out(out, record)
+    if results is not None:
+        check_results(results)
+        make_folder(results, "--results")
+    record_settings(out, record, changed)
+    fresh = not trained(out)
     earlier = earlier_training_seconds(out, settings.architecture["num_hidden_layers"])
     start = time.perf_counter()
     calls, stages = _Calls(out, start), {}
@@ -663,7 +766,7 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
             calls.saved()
         return export
 
-    _, tokenizer = build_data(out, settings)
+    _, tokenizer = build_data(out, settings, replace=fresh)
     lap("data")
     teacher_dir = train(out / "teacher" / "model_hf", pretrain, out, settings, teacher_init(out, settings, tokenizer))
     lap("pretrain")
@@ -713,7 +816,10 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     print(f"\ndistillation closes {checks['gap_closed_by_distillation_at_50']:.0%} of the 50% gap; quality falls "
           f"{'faster' if checks['quality_falls_faster_beyond_50'] else 'NOT faster'} beyond 50% skipped")
     if results is not None:
-        results.mkdir(parents=True, exist_ok=True)
+        try:
+            check_results(results)  # again: files may have come since the start
+        except ValueError as e:
+            raise ValueError(f"{e} (this run's results are in {out})") from None
         for name_ in RESULT_FILES:
             shutil.copyfile(out / name_, results / name_.replace("/", "_"))
         _say(f"results copied to {results}")
@@ -724,6 +830,12 @@ def run(out: Path, name: str = "full", results: Optional[Path] = None, attention
     return result
 
 
+def _folder(text: str) -> Path:
+    if not text.strip():  # Path("") is ".": an empty --out fell back to the default, --results wrote into the cwd
+        raise argparse.ArgumentTypeError("an empty path: give a folder")
+    return Path(text)
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python demo.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller corpus, model and budget (about 5 minutes); "
@@ -731,10 +843,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", choices=("full", "quick", "gpu"), default=None,
                         help="full (CPU, ~37 minutes), quick (CPU, ~5 minutes) or gpu (one GPU, bf16, a 247M teacher, "
                              "under 10 minutes)")
-    parser.add_argument("--out", default=None, help="working folder (default artifacts/demo, artifacts/demo-quick or "
-                                                    "artifacts/demo-gpu)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="also copy the table, results JSON and plots into this folder (flat)")
+    parser.add_argument("--out", type=_folder, default=None,
+                        help="working folder, new or empty or an earlier demo's (default artifacts/demo, "
+                             "artifacts/demo-quick or artifacts/demo-gpu)")
+    parser.add_argument("--results", type=_folder, default=None,
+                        help="also copy the table, results JSON and plots into this folder (flat; new or empty or "
+                             "an earlier demo's results)")
     parser.add_argument("--attention", default=None,
                         help="the training's model.attention_impl (auto, xla, xla_chunked, or cudnn on a GPU with "
                              "bf16 compute) instead of the budget's (xla; auto on a GPU)")
@@ -747,8 +861,8 @@ def main(argv=None) -> int:
     if args.quick and args.budget not in (None, "quick"):
         parser_.error(f"--quick and --budget {args.budget} disagree: give one")
     budget = "quick" if args.quick else args.budget or "full"
-    out = Path(args.out
-               or {"full": "artifacts/demo", "quick": "artifacts/demo-quick", "gpu": "artifacts/demo-gpu"}[budget])
+    out = args.out or Path({"full": "artifacts/demo", "quick": "artifacts/demo-quick",
+                            "gpu": "artifacts/demo-gpu"}[budget])
     from swiftkv_jax.configuration import ConfigError
     from swiftkv_jax.evaluation.report import check_output_folder
 

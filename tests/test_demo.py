@@ -254,10 +254,100 @@ def test_evaluation_on_a_cpu_budget_waits_and_an_error_cancels_what_has_not_star
     assert events == []  # the teacher's row was cancelled, not run
 
 
-def test_demo_refuses_a_folder_of_other_settings(tmp_path, capsys):
-    (tmp_path / "demo_settings.json").write_text(json.dumps({"settings": "full"}))
+def test_demo_refuses_a_folder_of_other_settings_naming_the_changes(tmp_path, capsys):
+    record = json.dumps(demo.settings_record("full", demo.SETTINGS["full"]))
+    (tmp_path / demo.SETTINGS_FILE).write_text(record)
+    (tmp_path / "teacher").mkdir()  # a training stage started: its models are of those settings
     assert demo.main(["--quick", "--out", str(tmp_path)]) == 2
-    assert "holds a demo run with other settings" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds a demo run with other settings (settings: full -> quick; max_files: None -> 300;" in err
+    assert "architecture.hidden_size: 128 -> 64" in err
+    assert (tmp_path / demo.SETTINGS_FILE).read_text() == record
+
+
+def test_a_fixable_mistake_does_not_lock_the_out_folder(tmp_path, monkeypatch, capsys):
+    """--attention cudnn on a CPU is refused before anything is written; a folder whose settings another call
+    recorded but where nothing was trained takes this call's, naming what changed, and rebuilds its corpus."""
+    out = tmp_path / "dq2"
+    assert demo.main(["--quick", "--attention", "cudnn", "--out", str(out)]) == 2
+    assert "--attention cudnn: model.attention_impl='cudnn' needs an NVIDIA GPU" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()  # as that call left it before: its settings and a corpus
+    cudnn = demo.settings_record("quick", demo.with_attention(demo.SETTINGS["quick"], "cudnn"))
+    (out / demo.SETTINGS_FILE).write_text(json.dumps(cudnn))
+    (out / "corpus").mkdir()
+    built = []
+
+    def build_data(out_, settings, replace=False):
+        built.append(replace)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(demo, "build_data", build_data)
+    assert demo.main(["--quick", "--out", str(out)]) == 2
+    assert "pretrain_overrides: ['model.attention_impl=cudnn'] -> []" in capsys.readouterr().out
+    assert json.loads((out / demo.SETTINGS_FILE).read_text()) == demo.settings_record("quick", demo.SETTINGS["quick"])
+    assert built == [True]
+    (out / "teacher").mkdir()  # trained since: the corpus is kept
+    assert demo.main(["--quick", "--out", str(out)]) == 2 and built == [True, False]
+
+
+def test_a_changed_corpus_under_trained_models_names_the_demos_flags(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "meta.json").write_text(json.dumps({"max_files": 3}))
+    with pytest.raises(ValueError, match="holds a different stdlib corpus .*choose another --out, or delete") as e:
+        demo.build_data(tmp_path, demo.SETTINGS["smoke"])
+    assert "overwrite" not in str(e.value)
+    assert json.loads((tmp_path / "corpus" / "meta.json").read_text()) == {"max_files": 3}
+
+
+def test_demo_takes_over_no_folder_of_other_files(tmp_path, monkeypatch, capsys):
+    """An --out with files but no demo run, or a --results with files that are not a demo's results, is refused
+    before anything is written: the demo's teacher/, results.md, corpus/ ... would overwrite or mix with them."""
+    monkeypatch.setattr(demo, "build_data", lambda *args, **kwargs: pytest.fail("the demo started"))
+    user = tmp_path / "user"
+    (user / "teacher_init").mkdir(parents=True)
+    (user / "teacher_init" / "config.json").write_text("mine")
+    for name in ("results.md", "corpus"):
+        (user / name).mkdir() if name == "corpus" else (user / name).write_text("mine")
+        before = sorted(str(p) for p in user.rglob("*"))
+        assert demo.main(["--quick", "--out", str(user)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {user} holds other files (" in err and "choose an empty or new --out" in err
+        assert "teacher_init" in err and "overwrite" not in err
+        assert sorted(str(p) for p in user.rglob("*")) == before
+    assert (user / "teacher_init" / "config.json").read_text() == "mine"
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "results.md").write_text("mine")
+    assert demo.main(["--quick", "--out", str(tmp_path / "new"), "--results", str(results)]) == 2
+    assert f"--results {results} holds other files (results.md)" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and (results / "results.md").read_text() == "mine"
+    # an earlier demo's results are updated; with a file of the user's beside them, refused
+    (results / "results.json").write_text(json.dumps({"settings": "quick", "rows": [], "checks": {}}))
+    demo.check_results(results)
+    (results / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds other files \\(notes.txt, results.json, results.md\\)"):
+        demo.check_results(results)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no folder can be made")
+def test_demo_refuses_an_out_or_results_that_cannot_be_made(tmp_path, capsys):
+    for argv, flag in ((["--out", "/proc/x"], "--out"), (["--out", str(tmp_path / "o"), "--results", "/proc/y"],
+                                                          "--results")):
+        assert demo.main(["--quick", *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} /proc/" in err and "cannot be made" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_demo_refuses_an_empty_out_or_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the old code took "" for the default folder, or the current one
+    monkeypatch.setattr(demo, "build_data", lambda *args, **kwargs: pytest.fail("the demo started"))
+    for flag in ("--out", "--results"):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--quick", flag, ""])
+        assert exit_.value.code == 2 and f"argument {flag}: an empty path" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_demo_refuses_an_out_or_results_that_is_a_file_before_any_work(tmp_path, capsys):
@@ -356,6 +446,30 @@ def test_recipe_sweep_rows_change_only_what_they_name(tmp_path, capsys):
         recipe_sweep.main([str(tmp_path), "lr||", "--budget", "quick"])
     assert re.search("holds a demo of the full budget .* pass --budget full", capsys.readouterr().err)
     assert [p.name for p in tmp_path.iterdir()] == ["demo_settings.json"]
+
+
+def test_recipe_sweep_records_the_demo_it_makes_and_takes_over_no_other_folder(tmp_path, monkeypatch, capsys):
+    """A sweep where no demo ran pretrains the teacher there as the demo would: it records the demo's settings (so
+    demo.py reuses that teacher, not refusing a folder without a demo run), and refuses a folder of the user's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import recipe_sweep
+
+    class Built(Exception):
+        pass
+
+    monkeypatch.setattr(demo, "build_data", lambda *args, **kwargs: (_ for _ in ()).throw(Built()))
+    work = tmp_path / "work"
+    with pytest.raises(Built):
+        recipe_sweep.main([str(work), "lr||", "--budget", "smoke"])
+    record = demo.settings_record("smoke", demo.SETTINGS["smoke"])
+    assert json.loads((work / demo.SETTINGS_FILE).read_text()) == record and demo.check_out(work, record) == []
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        recipe_sweep.main([str(user), "lr||", "--budget", "smoke"])
+    assert f"{user} holds other files (notes.txt)" in capsys.readouterr().err
+    assert [p.name for p in user.iterdir()] == ["notes.txt"]
 
 
 def test_attention_replaces_the_budgets_in_both_recipes(tmp_path):
