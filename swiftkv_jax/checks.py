@@ -38,10 +38,11 @@ def integer(name: str, value, minimum: Optional[int] = None, error=ArgumentError
     return int(value)
 
 
-def real(name: str, value, error=ArgumentError) -> float:
+def real(name: str, value, error=ArgumentError, positive: bool = False) -> float:
+    """`value` as a float; `positive`: it must also be > 0 (an epsilon or a scale, which 0 turns into NaN)."""
     if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating))
-            or not math.isfinite(value)):
-        raise error(f"{name} must be a finite number, got {value!r}", name)
+            or not math.isfinite(value) or positive and not value > 0):
+        raise error(f"{name} must be a {'positive ' if positive else ''}finite number, got {value!r}", name)
     return float(value)
 
 

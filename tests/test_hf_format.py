@@ -94,7 +94,7 @@ def test_transformers_4x_config_layout_loads_like_5x(family, overrides, tmp_path
         assert d["rope_scaling"]["rope_type"] == "llama3" and d["rope_theta"] == 500000.0
 
     new, old = sk.load(v5), sk.load(v4)
-    assert old.config.replace(hf_extra="") == new.config.replace(hf_extra="")
+    assert old.config.replace(hf_extra="{}") == new.config.replace(hf_extra="{}")
     assert_trees_equal(old.params, new.params)
     ours = np.asarray(sk.logits(old, tokens))
     np.testing.assert_array_equal(ours, np.asarray(sk.logits(new, tokens)))
@@ -563,6 +563,32 @@ def test_zero_swiftkv_layout_fields_are_rejected(swiftkv_bases, tmp_path, field,
     rewrite_config(out, lambda d: d.update({field: 0}))
     with pytest.raises(ValueError, match=message):
         sk.load(out)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(rms_norm_eps=-1.0), r"rms_norm_eps must be a positive finite number, got -1.0 \(in config\.json\)"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0}), r"rope theta must be .*, got 0 \(in config"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 0}), r"rope factor .*got 0 \(in conf"),
+    (dict(eos_token_id=9999), r"eos_token_id 9999 lies outside the vocabulary \[0, 320\).* \(in config\.json\)"),
+    (dict(pad_token_id="5"), r"pad_token_id must be an integer or None, got '5' \(in config\.json\)"),
+    (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be True or False, got 'false' \(in config"),
+])
+def test_config_values_that_gave_nan_logits_or_never_stopped_are_named_as_config_json(llama_copy, edit, message):
+    """float() and bool() read these (NaN logits, an EOS never sampled, a pad id written back as text)."""
+    rewrite_config(llama_copy, lambda d: d.update(edit))
+    with pytest.raises(ValueError, match=message):
+        sk.load(llama_copy)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+@pytest.mark.parametrize("stored", ["int8", "float64"])
+def test_a_dtype_the_weights_cannot_load_in_names_config_json_and_dtype_argument(llama, tmp_path, fmt, stored):
+    path = sk.save(sk.load(llama[0]), tmp_path / fmt, format=fmt)
+    rewrite_config(path, lambda d: d.update(torch_dtype=stored))
+    with pytest.raises(sk.CheckpointError, match=rf"{path}: unknown dtype '{stored}' \(torch_dtype in config.json\): "
+                                                 rf"the weights load in float32, bfloat16, float16; pass dtype="):
+        sk.load(path)
+    assert sk.load(path, dtype="float32").config.param_dtype == "float32"
 
 
 def test_unknown_dtype_in_load(llama, tmp_path):

@@ -218,3 +218,66 @@ def test_config_validation(changes, match):
 def test_unsupported_rope_type():
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         sk.RopeConfig(type="yarn")
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(vocab_size=True), "vocab_size must be a positive int, got True"),  # True is an int: a vocabulary of 1
+    (dict(num_key_value_layers=True), r"num_key_value_layers must be an int in \[1, 3\].*got True"),
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps must be a positive finite number, got -1.0"),  # NaN logits
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a positive finite number, got '1e-6'"),  # failed in the trace
+    (dict(initializer_range=float("nan")), "initializer_range must be a finite number, got nan"),
+    (dict(rope={"theta": 5e5}), r"rope must be a RopeConfig \(RopeConfig\(\*\*fields\)"),
+    (dict(hf_extra="not json"), "hf_extra must be a str holding a JSON object"),  # failed at sk.save
+    (dict(hf_extra={"a": 1}), "hf_extra must be a str holding a JSON object"),  # unhashable
+    (dict(eos_token_id=-1), r"eos_token_id -1 lies outside the vocabulary \[0, 128\)"),
+    (dict(eos_token_id=[2, 600]), r"eos_token_id 600 lies outside the vocabulary \[0, 128\)"),  # never stops
+    (dict(bos_token_id=600), r"bos_token_id 600 lies outside the vocabulary \[0, 128\)"),
+    (dict(pad_token_id="5"), "pad_token_id must be an integer or None, got '5'"),  # written to config.json as text
+])
+def test_config_refuses_values_that_fail_later_or_silently(changes, match):
+    with pytest.raises(ValueError, match=match):
+        TINY.replace(**changes)
+
+
+def test_config_keeps_numbers_and_ids_as_hf_gives_them():
+    """An int epsilon is a float, numpy ids are ints (JSON), and LLaMA-1's pad_token_id -1 (config.json) loads."""
+    config = TINY.replace(rms_norm_eps=1, bos_token_id=np.int64(1), pad_token_id=-1, rope=sk.RopeConfig(theta=10000))
+    assert (config.rms_norm_eps, config.bos_token_id, config.pad_token_id, config.rope.theta) == (1.0, 1, -1, 1e4)
+    assert type(config.rms_norm_eps) is float and type(config.bos_token_id) is int
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(theta=0.0), "rope theta must be a positive finite number, got 0.0"),  # 1 / 0 ** x
+    (dict(theta=-5e5), "rope theta must be a positive finite number, got -500000.0"),
+    (dict(type="linear", factor=0.0), "rope factor must be a positive finite number, got 0.0"),
+    (dict(original_max_position_embeddings=True), "original_max_position_embeddings must be an integer, got True"),
+])
+def test_rope_config_refuses_values_that_give_nan_logits(fields, match):
+    with pytest.raises(ValueError, match=match):
+        sk.RopeConfig(**fields)
+
+
+@pytest.mark.parametrize("config,rng,match", [
+    (TINY.__dict__, 0, "config must be a ModelConfig .* got dict"),  # no attribute 'replace'
+    (TINY, None, r"rng must be an int seed or one PRNG key \(jax.random.key\(seed\)\), got None"),  # flax's error
+    (TINY, "seed", "rng must be an int seed or one PRNG key .* got 'seed'"),  # jit's abstract-array error
+    (TINY, True, "rng must be an int seed or one PRNG key .* got True"),
+    (TINY, jax.random.split(jax.random.key(0)), r"got an array key<fry>\[2\]"),
+])
+def test_init_names_a_bad_config_or_rng(config, rng, match):
+    with pytest.raises(TypeError, match=match):
+        sk.init(config, rng)
+
+
+def test_init_takes_numpy_seeds_and_legacy_keys():
+    params = sk.init(TINY, 3).params
+    for rng in (np.int64(3), jax.random.key(3)):
+        jax.tree.map(np.testing.assert_array_equal, sk.init(TINY, rng).params, params)
+    sk.init(TINY, jax.random.PRNGKey(3))
+
+
+def test_forward_names_parameters_of_another_config():
+    """sk.forward checks shapes as sk.logits does: flax's scan named a 'length' argument instead."""
+    params = sk.init(TINY.replace(num_hidden_layers=4), 0).params
+    with pytest.raises(ValueError, match=r"has shape \(4, 64\), the config needs \(3, 64\)"):
+        sk.forward(params, np.zeros((1, 4), np.int32), config=TINY)

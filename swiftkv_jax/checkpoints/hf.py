@@ -56,6 +56,16 @@ def read_config(path) -> dict:
     return _read_json(config_path, "fix it, or re-download or re-export the checkpoint")
 
 
+def declared_dtype(path, hf_config: dict) -> Optional[str]:
+    """config.json's dtype, the one dtype=None loads the weights in; one they cannot load in is refused naming the
+    dtype= argument, which overrides it."""
+    try:
+        return stored_dtype(hf_config)
+    except ValueError as e:
+        fix = 'pass dtype= (e.g. dtype="bfloat16") to load them in one of those'
+        raise CheckpointError(f"{path}: {e}; {fix}") from None
+
+
 def _read_json(path: Path, fix: str) -> dict:
     try:
         with open(path) as f:
@@ -183,7 +193,7 @@ def load_hf(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.LOG
         # As transformers' dtype="auto" (and vLLM's): config.json's dtype, else the first weight's. Reading the
         # embedding alone turned a bf16 checkpoint with an fp32 embedding into fp32 everywhere (twice the memory).
         if dtype is None:
-            dtype = stored_dtype(hf_config)
+            dtype = declared_dtype(path, hf_config)
         if dtype is None:
             embed = "model.embed_tokens.weight"
             if embed not in files.names():

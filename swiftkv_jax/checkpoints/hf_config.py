@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from swiftkv_jax.dtypes import dtype_name
+from swiftkv_jax.dtypes import DTYPES, dtype_name
 from swiftkv_jax.model.config import ModelConfig, RopeConfig
 
 # model_type -> (family, has SwiftKV layers, architecture)
@@ -44,12 +44,11 @@ def _rope_from_hf(d: dict) -> RopeConfig:
     unknown = set(params) - known
     if unknown:
         raise ValueError(f"unsupported RoPE settings {sorted(unknown)} for rope_type {rope_type!r}")
-    fields = {"theta": float(params["rope_theta"]), "type": rope_type}
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+    # as given, not through float() or int(): RopeConfig refuses text, 0 and negatives
+    fields = {"theta": params["rope_theta"], "type": rope_type}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if key in params:
-            fields[key] = float(params[key])
-    if "original_max_position_embeddings" in params:
-        fields["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+            fields[key] = params[key]
     return RopeConfig(**fields)
 
 
@@ -65,8 +64,13 @@ def _rope_to_hf(rope: RopeConfig) -> Optional[dict]:
 
 def stored_dtype(d: dict) -> Optional[str]:
     """The dtype config.json declares for its weights (`dtype` in 5.x, `torch_dtype` in 4.x), if any."""
-    value = d.get("dtype", d.get("torch_dtype"))
-    return None if value is None else dtype_name(value)
+    key = "dtype" if "dtype" in d else "torch_dtype"
+    value = d.get(key)
+    try:
+        return None if value is None else dtype_name(value)
+    except ValueError:  # dtype_name's fix names spellings of an argument; the callers name theirs
+        raise ValueError(f"unknown dtype {value!r} ({key} in config.json): the weights load in "
+                         f"{', '.join(DTYPES)}") from None
 
 
 def config_from_hf(d: dict, **runtime) -> ModelConfig:
@@ -89,7 +93,6 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
         raise ValueError(f"only full-attention layers are supported, config.json has layer_types {d['layer_types']}")
     heads = d["num_attention_heads"]
     num_layers = d["num_hidden_layers"]
-    eos = d.get("eos_token_id")
 
     def get(key, default):  # absent or null means the default; 0 stays 0 and fails validation
         value = d.get(key)
@@ -104,24 +107,27 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=get("num_key_value_heads", heads),
         head_dim=get("head_dim", d["hidden_size"] // heads),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(d),
+        # as given, not through float() or bool(): ModelConfig refuses text ("false" is True), 0 and negatives
+        rms_norm_eps=get("rms_norm_eps", 1e-6),
         max_position_embeddings=d.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else bool(d.get("attention_bias", False)),
-        o_bias=False if family == "qwen2" else bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)),
+        tie_word_embeddings=get("tie_word_embeddings", False),
+        qkv_bias=True if family == "qwen2" else get("attention_bias", False),
+        o_bias=False if family == "qwen2" else get("attention_bias", False),
+        mlp_bias=get("mlp_bias", False),
         bos_token_id=d.get("bos_token_id"),
-        eos_token_id=None if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+        eos_token_id=d.get("eos_token_id"),  # one id or a list: ModelConfig makes a tuple of either
         pad_token_id=d.get("pad_token_id"),
-        initializer_range=float(d.get("initializer_range", 0.02)),
+        initializer_range=get("initializer_range", 0.02),
         hf_extra=json.dumps({k: v for k, v in d.items() if k not in _CONSUMED}, sort_keys=True),
     )
     if is_swiftkv:
         fields["num_key_value_layers"] = get("num_key_value_layers", num_layers)
         fields["key_value_group_size"] = get("key_value_group_size", 1)
-    fields.update(runtime)
-    return ModelConfig(**fields)
+    try:
+        config = ModelConfig(rope=_rope_from_hf(d), **fields)
+    except ValueError as e:  # the field is named as ModelConfig's; say where its value came from
+        raise ValueError(f"{e} (in config.json)") from None
+    return config.replace(**runtime)  # after: a bad argument is the caller's, not config.json's
 
 
 def config_to_hf(cfg: ModelConfig, dtype: Optional[str] = None) -> dict:

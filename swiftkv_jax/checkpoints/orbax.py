@@ -22,8 +22,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from swiftkv_jax import sharding
 from swiftkv_jax.checkpoints.atomic import atomic_directory
-from swiftkv_jax.checkpoints.hf import REDOWNLOAD, CheckpointError, read_config
-from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf, stored_dtype
+from swiftkv_jax.checkpoints.hf import REDOWNLOAD, CheckpointError, declared_dtype, read_config
+from swiftkv_jax.checkpoints.hf_config import config_from_hf, config_to_hf
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.model import Model, abstract_params, check_params, param_shardings
 
@@ -58,7 +58,7 @@ def load_orbax(path, dtype=None, *, mesh: Optional[Mesh] = None, rules=sharding.
     """Restore onto `mesh` (sharded by `rules`) or the default device, casting to `dtype` if given."""
     path = Path(path)
     hf_config = read_config(path)
-    param_dtype = dtype_name(dtype or stored_dtype(hf_config) or "float32")
+    param_dtype = dtype_name(dtype or declared_dtype(path, hf_config) or "float32")
     cfg = config_from_hf(hf_config, param_dtype=param_dtype, dtype=dtype_name(compute_dtype or param_dtype),
                          attention_impl=attention_impl)
     abstract = abstract_params(cfg)

@@ -7,11 +7,12 @@ is frozen and hashable: it is a static argument of every jitted function.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional
 
 import numpy as np
 
-from swiftkv_jax.checks import flag, token_ids
+from swiftkv_jax.checks import ArgumentError, flag, integer, real, token_ids
 from swiftkv_jax.dtypes import dtype_name
 from swiftkv_jax.model.attention import ATTENTION_IMPLS, DECODE_ATTENTION_IMPLS
 
@@ -39,6 +40,10 @@ class RopeConfig:
             raise ValueError(
                 f"unsupported rope_type {self.type!r}: supported are {', '.join(ROPE_TYPES)}"
             )
+        # 0, a negative or a NaN gave NaN logits (theta ** x, the divisions by factor and by the llama3 band)
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, real(f"rope {name}", getattr(self, name), positive=True))
+        integer("rope original_max_position_embeddings", self.original_max_position_embeddings, minimum=1)
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError("llama3 rope needs high_freq_factor > low_freq_factor")
 
@@ -96,16 +101,41 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "key_value_group_size",
                      "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is an int
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
             flag(name, getattr(self, name))  # bool("false") is True: another parameter tree
+        # text failed inside the first trace; 0 or less gave NaN logits
+        object.__setattr__(self, "rms_norm_eps", real("rms_norm_eps", self.rms_norm_eps, positive=True))
+        object.__setattr__(self, "initializer_range", real("initializer_range", self.initializer_range))
+        if not isinstance(self.rope, RopeConfig):  # a dict failed at the first trace, naming neither
+            raise ArgumentError(f"rope must be a RopeConfig (RopeConfig(**fields) for a dict of its fields), got "
+                                f"{self.rope!r:.80}", "rope")
         # HF's config.json gives one id or a list (Llama-3.1's three); generate and the Engine iterate over a tuple
         # and the config is hashed (a static argument): an int or a list failed there, naming neither
         eos = self.eos_token_id
         if eos is not None:
             ids = token_ids("eos_token_id", [eos] if isinstance(eos, (int, np.integer)) else eos)
             object.__setattr__(self, "eos_token_id", tuple(ids))
+        # text was written to config.json as text; the pad id is only written back there, and LLaMA-1's conversions
+        # carry -1: any int
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, integer(name, getattr(self, name), optional=True))
+        # outside the vocabulary, a BOS fails every prompt it starts and an EOS is never sampled (generation never
+        # stops on it)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", self.eos_token_id or ())):
+            outside = [t for t in ids if t is not None and not 0 <= t < self.vocab_size]
+            if outside:
+                raise ArgumentError(f"{name} {outside[0]} lies outside the vocabulary [0, {self.vocab_size}) "
+                                    f"(vocab_size): give an id inside it, or None", name)
+        try:  # a dict is unhashable (the config is a static argument) and text that is not JSON failed at sk.save
+            extra = json.loads(self.hf_extra) if isinstance(self.hf_extra, str) else None
+        except json.JSONDecodeError:
+            extra = None
+        if not isinstance(extra, dict):
+            raise ArgumentError(f"hf_extra must be a str holding a JSON object (config.json keys kept for export), "
+                                f"e.g. json.dumps(keys, sort_keys=True), got {self.hf_extra!r:.80}", "hf_extra")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -169,12 +199,13 @@ def serves_swiftkv(config: ModelConfig, swiftkv) -> bool:
 
 def check_swiftkv_layout(num_layers: int, num_key_value_layers, group_size) -> None:
     """Raise ValueError unless 1 <= l <= L and g divides L - l."""
-    if not isinstance(num_key_value_layers, int) or not 1 <= num_key_value_layers <= num_layers:
+    if (isinstance(num_key_value_layers, bool) or not isinstance(num_key_value_layers, int)  # True is an int
+            or not 1 <= num_key_value_layers <= num_layers):
         raise ValueError(
             f"num_key_value_layers must be an int in [1, {num_layers}] (the model has {num_layers} layers), "
             f"got {num_key_value_layers!r}"
         )
-    if not isinstance(group_size, int) or group_size < 1:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"key_value_group_size must be a positive int, got {group_size!r}")
     if (num_layers - num_key_value_layers) % group_size:
         raise ValueError(

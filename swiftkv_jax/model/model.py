@@ -53,12 +53,28 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules=sharding.LOGICAL_AXIS
 
 
 def init(config: ModelConfig, rng=0, mesh: Optional[Mesh] = None, rules=sharding.LOGICAL_AXIS_RULES) -> Model:
-    """Random parameters (normal(initializer_range), norms at one); born sharded when a mesh is given."""
-    if isinstance(rng, int):
-        rng = jax.random.key(rng)
+    """Random parameters (normal(initializer_range), norms at one); born sharded when a mesh is given. `rng`: an int
+    seed or a PRNG key."""
+    if not isinstance(config, ModelConfig):  # a dict failed on `config.replace`, naming neither
+        raise TypeError(f"config must be a ModelConfig (ModelConfig(**fields) for a dict of its fields), got "
+                        f"{type(config).__name__}")
+    rng = _prng_key(rng)
     out_shardings = None if mesh is None else param_shardings(config, mesh, rules)
     params = jax.jit(lambda r: nn.meta.unbox(_boxed_init(config, r)), out_shardings=out_shardings)(rng)
     return Model(config, params)
+
+
+def _prng_key(rng):
+    """init's rng as a key: from an int seed, or a jax.random.key, or a legacy jax.random.PRNGKey (uint32[2])."""
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, (bool, np.bool_)):
+        return jax.random.key(int(rng))
+    array = isinstance(rng, (jax.Array, np.ndarray))
+    if array and (rng.shape == () and jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                  or rng.shape == (2,) and rng.dtype == np.uint32):
+        return rng
+    got = f"an array {rng.dtype}{list(rng.shape)}" if array else f"{rng!r:.80}"
+    # None failed inside flax and text inside jit, naming neither
+    raise TypeError(f"rng must be an int seed or one PRNG key (jax.random.key(seed)), got {got}")
 
 
 def cast(model: Model, dtype, compute_dtype=None) -> Model:
@@ -93,6 +109,7 @@ def check_params(config: ModelConfig, params) -> None:
 
 def forward(params, tokens, positions=None, segment_ids=None, *, config: ModelConfig, swiftkv: bool = False):
     """Pure teacher-forced forward; fp32 logits [B, T, V]. Traceable: jit, grad and shard it freely."""
+    check_params(config, params)  # shapes only; another config's weights failed inside lax.scan, naming neither
     return Transformer(config).apply({"params": params}, tokens, positions, segment_ids, swiftkv=swiftkv)
 
 
