@@ -321,11 +321,10 @@ def _generation_eos(path: str, config):
     more = more.get("eos_token_id")
     more = more if isinstance(more, list) else [more]
     extra = [t for t in more if isinstance(t, int) and not isinstance(t, bool) and t not in (eos or ())]
-    for ids, where in ((eos or (), os.path.join(os.path.expanduser(path), "config.json")), (extra, file)):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{where}: eos_token_id {bad[0]} lies outside the model's vocabulary [0, {vocab}): fix "
-                             f"it or remove it")
+    bad = [t for t in extra if not 0 <= t < vocab]  # config.json's own: ModelConfig refuses them
+    if bad:
+        raise ValueError(f"{file}: eos_token_id {bad[0]} lies outside the model's vocabulary [0, {vocab}): fix it or "
+                         f"remove it")
     return tuple(eos or ()) + tuple(dict.fromkeys(extra)) if extra else eos
 
 

@@ -572,6 +572,7 @@ def test_zero_swiftkv_layout_fields_are_rejected(swiftkv_bases, tmp_path, field,
     (dict(eos_token_id=9999), r"eos_token_id 9999 lies outside the vocabulary \[0, 320\).* \(in config\.json\)"),
     (dict(pad_token_id="5"), r"pad_token_id must be an integer or None, got '5' \(in config\.json\)"),
     (dict(tie_word_embeddings="false"), r"tie_word_embeddings must be True or False, got 'false' \(in config"),
+    (dict(num_attention_heads="4"), r"num_attention_heads must be a positive int, got '4' \(in config\.json\)"),
 ])
 def test_config_values_that_gave_nan_logits_or_never_stopped_are_named_as_config_json(llama_copy, edit, message):
     """float() and bool() read these (NaN logits, an EOS never sampled, a pad id written back as text)."""

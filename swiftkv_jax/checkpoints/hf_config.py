@@ -106,7 +106,10 @@ def config_from_hf(d: dict, **runtime) -> ModelConfig:
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=get("num_key_value_heads", heads),
-        head_dim=get("head_dim", d["hidden_size"] // heads),
+        # the default only from ints: ModelConfig names a field of another type (text // text raised TypeError here)
+        head_dim=get("head_dim", d["hidden_size"] // heads if all(
+            isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] > 0
+            for k in ("hidden_size", "num_attention_heads")) else None),
         # as given, not through float() or bool(): ModelConfig refuses text ("false" is True), 0 and negatives
         rms_norm_eps=get("rms_norm_eps", 1e-6),
         max_position_embeddings=d.get("max_position_embeddings", 2048),
