@@ -176,3 +176,19 @@ def test_a_process_id_without_a_job(tmp_path, capsys):
                    "distributed.process_id=5"])
     err = capsys.readouterr().err
     assert rc == 2 and "distributed.process_id=5 was given, but nothing makes this a job of several processes" in err
+
+
+def test_a_damaged_run_record_is_named_on_resume(tmp_path):
+    """config.yaml / teacher_config.json edited by hand or cut short: YAML's and JSON's tracebacks on resume."""
+    config = load(f"train.output_dir={tmp_path}")
+    (tmp_path / trainer.CONFIG_FILE).write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=f"cannot resume: {tmp_path / 'config.yaml'} is not valid YAML: .*restore "
+                                          f"it from a copy, or start a new run"):
+        trainer._check_resumable(config, tmp_path / trainer.CONFIG_FILE)
+    (tmp_path / trainer.TEACHER_CONFIG_FILE).write_text('{"a":')
+    with pytest.raises(ConfigError, match=f"cannot resume: {tmp_path / 'teacher_config.json'} is not valid JSON"):
+        trainer._check_same_teacher(config, {}, tmp_path)
+    (tmp_path / trainer.TEACHER_CONFIG_FILE).write_text("[1]")
+    with pytest.raises(ConfigError, match=r"is not a mapping \(list\)"):
+        trainer._check_same_teacher(config, {}, tmp_path)
+    assert (tmp_path / trainer.CONFIG_FILE).read_text() == "model: [unclosed\n"

@@ -261,7 +261,7 @@ def setting_changes(key: str, before, now, free=RESUME_FREE, common_only: bool =
 def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
     if not saved_path.is_file():
         return
-    saved, now = yaml.safe_load(saved_path.read_text()), to_dict(config)
+    saved, now = _read_run_file(saved_path, yaml.safe_load, "YAML"), to_dict(config)
     changed = []
     for key in RESUME_INVARIANTS:
         a, b = saved, now
@@ -273,6 +273,21 @@ def _check_resumable(config: TrainConfig, saved_path: Path) -> None:
             f"cannot resume: settings differ from the run saved in {saved_path.parent} (see {saved_path}): "
             f"{'; '.join(changed)}. Resume with the saved settings, or start a new run in another train.output_dir"
         )
+
+
+def _read_run_file(path: Path, parse, kind: str) -> dict:
+    """A run's own record (config.yaml, teacher_config.json) that a resume compares against; damaged (edited by hand,
+    cut short): a ConfigError naming it, the run directory left as it is."""
+    try:
+        value = parse(path.read_text(encoding="utf-8"))
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as e:
+        value = e
+    if not isinstance(value, dict):
+        why = f"not valid {kind}: {' '.join(str(value).split())[:200]}" if isinstance(value, Exception) else \
+            f"not a mapping ({type(value).__name__})"
+        raise ConfigError(f"cannot resume: {path} is {why}. The run writes it when it starts: restore it from a copy, "
+                          f"or start a new run in another train.output_dir (nothing in {path.parent} was changed)")
+    return value
 
 
 def _teacher_shapes(hf_config: dict) -> dict:
@@ -293,7 +308,7 @@ def _check_same_teacher(config: TrainConfig, teacher_config: dict, out: Path) ->
     saved = out / TEACHER_CONFIG_FILE
     if not saved.is_file():  # a run from before the file was written
         return
-    before, now = _teacher_shapes(json.loads(saved.read_text())), _teacher_shapes(teacher_config)
+    before, now = _teacher_shapes(_read_run_file(saved, json.loads, "JSON")), _teacher_shapes(teacher_config)
     changed = [f"{key}: {before[key]!r} -> {now[key]!r}" for key in before if before[key] != now[key]]
     if changed:
         raise ConfigError(
