@@ -36,7 +36,9 @@ def main(argv=None) -> int:
                              "config.json declares it)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="HF only: split safetensors above this size (a number and a unit: KB, MB, GB, TB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DST once the new one is complete")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a DST that holds a checkpoint (a config.json) once the new one is complete; a "
+                             "folder of other files is never replaced")
     args = parser.parse_args(argv)
     try:
         parse_size(args.max_shard_size)

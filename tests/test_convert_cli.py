@@ -195,6 +195,10 @@ def test_existing_dst_needs_overwrite(src, tmp_path, capsys):
     assert file_digests(dst) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
+    rc, _, err = run([src[0], dst, "--to", "hf", "--overwrite"], capsys)  # not a checkpoint: not replaced
+    assert rc == 2 and "holds files (keep.txt, ...) but no config.json: it is not one to replace" in err
+    assert file_digests(dst) == before
+    (dst / "config.json").write_text("{}")  # an (old) checkpoint's: --overwrite replaces it
     rc, _, err = run([src[0], dst, "--to", "hf", "--overwrite"], capsys)
     assert rc == 0, err
     assert not (dst / "keep.txt").exists()
