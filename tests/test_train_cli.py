@@ -559,6 +559,14 @@ BAD_INPUT = {
 }
 
 
+def test_distilling_a_teacher_without_weights_says_only_pretraining_starts_from_a_config(capsys, assets, tmp_path):
+    teacher = shutil.copytree(assets / "teacher", tmp_path / "teacher")
+    (teacher / "model.safetensors").unlink()
+    rc, _, err = main(capsys, recipe(assets, tmp_path / "run", f"model.teacher={teacher}"))
+    assert rc == 2 and f"model.teacher: {teacher} holds a config.json but no weights: distillation needs the " \
+                       f"teacher's weights (only stage: pretrain starts from a config.json alone" in err, err
+
+
 @pytest.mark.parametrize("name", BAD_INPUT)
 def test_bad_input_exits_2_with_a_clear_message(capsys, assets, tmp_path, name):
     overrides, message = BAD_INPUT[name]

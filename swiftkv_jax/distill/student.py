@@ -125,6 +125,14 @@ def has_weights(path) -> bool:
     return is_orbax_checkpoint(path) or (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
 
 
+def require_weights(section: ModelSection) -> None:
+    """Distilling needs the teacher's weights (pretraining starts from a config.json alone)."""
+    if not has_weights(section.teacher):
+        raise ConfigError(f"model.teacher: {section.teacher} holds a config.json but no weights: distillation needs "
+                          f"the teacher's weights (only stage: pretrain starts from a config.json alone, with random "
+                          f"weights)")
+
+
 def abstract_pretrain(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
     """(config, trainable = every parameter, frozen = {}) as ShapeDtypeStructs with shardings."""
     config = pretrain_config(section)
@@ -174,6 +182,7 @@ def load_student(section: ModelSection, mesh: Mesh, rules=sharding.LOGICAL_AXIS_
     as it is (its original weights are the teacher).
     """
     config = student_config(section)  # validates before any weight is read
+    require_weights(section)
     try:
         model = checkpoints.load(section.teacher, section.frozen_dtype, mesh=mesh, rules=rules,
                                  compute_dtype=section.compute_dtype, attention_impl=config.attention_impl)

@@ -485,6 +485,8 @@ def train(config: TrainConfig, print_fn=print) -> int:
                       )(config.model).vocab_size
         teacher_config = read_config(config.model.teacher)  # valid: the line above read it
         _check_positions(config, teacher_config.get("max_position_embeddings"))
+        if config.stage == "distill":  # before tokenising, not when the weights are loaded
+            student_lib.require_weights(config.model)
         if latest is not None:
             _check_same_teacher(config, teacher_config, out)
         mesh = make_mesh(config)  # also before tokenising (jax.process_index above has started the devices already)
