@@ -398,7 +398,7 @@ def _read_prompts(path: str) -> list[str]:
         return _json_prompts(path, text)
     lines = [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
     if not path.endswith(".jsonl"):
-        return [line.rstrip("\n") for _, line in lines]
+        return [line for _, line in lines]
     prompts = []
     for n, line in lines:
         try:

@@ -19,7 +19,8 @@ from swiftkv_jax.serving.cache import KVCache, init_cache
 from swiftkv_jax.serving.engine import decode_step, prefill
 from swiftkv_jax.serving.kernel_choice import serving_config
 from swiftkv_jax.serving.errors import InvalidRequest
-from swiftkv_jax.serving.sampling import SamplingParams, check_min_tokens, check_penalties, check_seed, sample
+from swiftkv_jax.serving.sampling import (SamplingParams, check_min_tokens, check_penalties, check_seed, check_stop_ids,
+                                         sample)
 from swiftkv_jax.serving.tensor_parallel import activation_sharding, for_serving
 
 
@@ -175,9 +176,7 @@ def generate(model: Model, prompts: Union[Sequence[Sequence[int]], Sequence[str]
     prefill_chunk = None if prefill_chunk is None else integer("prefill_chunk", prefill_chunk, 0, optional=True) or None
     if stop_token_ids is not None:
         stop_token_ids = token_ids("stop_token_ids", stop_token_ids)
-        bad = [t for t in stop_token_ids if not 0 <= t < cfg.vocab_size]
-        if bad:  # one past the vocabulary is never sampled: the generation would never stop at it (the Engine's rule)
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {bad}", "stop_token_ids")
+        check_stop_ids(stop_token_ids, cfg.vocab_size)  # as the Engine's requests
     flat = [t for p in prompts for t in p]
     if min(flat) < 0 or max(flat) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}), got [{min(flat)}, {max(flat)}]")

@@ -54,6 +54,14 @@ def check_seed(seed) -> int:
     return seed
 
 
+def check_stop_ids(ids, vocab_size: int) -> None:
+    """Stop ids inside the vocabulary: one past it is never sampled, so a generation would never stop at it."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad[:5]}"
+                             + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), "stop_token_ids")
+
+
 def check_penalties(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0) -> tuple:
     """(repetition, presence, frequency) as floats, vLLM's ranges: repetition_penalty > 0 (1 = off), presence and
     frequency in [-2, 2] (0 = off); InvalidRequest naming the first bad one."""

@@ -51,7 +51,7 @@ from swiftkv_jax.model.config import ModelConfig
 from swiftkv_jax.serving.errors import InvalidRequest
 from swiftkv_jax.serving.pages import PageAllocator, page_hashes, pages_for
 from swiftkv_jax.serving.sampling import (SamplingParams, check_logit_bias, check_min_tokens, check_penalties,
-                                         check_seed)
+                                         check_seed, check_stop_ids)
 
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
 
@@ -143,10 +143,7 @@ class RequestParams:
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in self.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be token ids (integers), got {list(self.stop_token_ids)}",
                                  "stop_token_ids")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size}), got {bad[:5]}"
-                                 + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""), "stop_token_ids")
+        check_stop_ids(self.stop_token_ids, vocab_size)
         return dataclasses.replace(self, stop_token_ids=tuple(map(int, self.stop_token_ids)), **changes)
 
 

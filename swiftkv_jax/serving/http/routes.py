@@ -329,7 +329,7 @@ def make_app(engine, tokenizer, model_name, *, max_waiting: int = 256, stop_toke
             raise RequestError(f"model must be a string (a served model's name), got {type(model).__name__}",
                                "model")
         if model is not None and model not in server.model_names:
-            model = model if isinstance(model, str) and len(model) <= 200 else shown(model)
+            model = model if len(model) <= 200 else shown(model)
             served = ", ".join(f"`{name}`" for name in server.model_names)
             raise RequestError(f"The model `{model}` does not exist: this server serves {served}",
                                "model", 404, code="model_not_found")
